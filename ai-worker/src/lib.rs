@@ -1,0 +1,11 @@
+//! The GPU side of vramgate: loads TorchScript models with libtorch and serves them over the
+//! Open Inference Protocol v2.
+//!
+//! `main.rs` only parses arguments and calls [`server::run`]; tests start the same function on
+//! port 0.
+
+pub mod config;
+pub mod model;
+pub mod server;
+
+pub use config::WorkerConfig;

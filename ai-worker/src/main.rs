@@ -1,0 +1,48 @@
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use vramgate_worker::WorkerConfig;
+
+/// vramgate ai-worker: TorchScript inference over the Open Inference Protocol v2.
+#[derive(Parser)]
+#[command(version)]
+struct Args {
+    /// TOML config file; `VRAMGATE_WORKER_*` environment variables override it.
+    #[arg(long, env = "VRAMGATE_WORKER_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    vramgate_shared::telemetry::init("ai-worker");
+    let config: WorkerConfig = vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_WORKER_")
+        .context("reading ai-worker config")?;
+    anyhow::ensure!(!config.models.is_empty(), "no models configured: add [[models]] to the config file");
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
+    // Tests and scripts read this line to learn the port when listening on port 0.
+    println!("listening on {}", listener.local_addr()?);
+    vramgate_worker::server::run(config, listener, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutdown requested");
+}

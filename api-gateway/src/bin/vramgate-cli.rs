@@ -1,0 +1,242 @@
+//! `vramgate-cli`: emit request events for files or folders, and watch results and dead letters.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use base64::Engine;
+use clap::{Parser, Subcommand};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use vramgate_shared::events::{DeadLetterEvent, InputRef, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION};
+
+#[derive(Parser)]
+#[command(version, about = "Emit vramgate request events and watch their results")]
+struct Cli {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "VRAMGATE_BROKERS", default_value = "127.0.0.1:9092", global = true)]
+    brokers: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Send one request event per file (folders are walked, recursively) and print each id.
+    Produce {
+        /// The task type; events go to `<task>.requests` unless --topic says otherwise.
+        #[arg(long, default_value = "voice")]
+        task: String,
+        #[arg(long)]
+        topic: Option<String>,
+        /// Send the bytes inline (base64) instead of a file:// URI.
+        #[arg(long)]
+        inline: bool,
+        /// Only files with this extension when walking folders (case-insensitive).
+        #[arg(long, default_value = "wav")]
+        ext: String,
+        /// Prefix for generated ids.
+        #[arg(long, default_value = "")]
+        id_prefix: String,
+        /// Files or folders.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Print results and dead letters as they arrive.
+    Watch {
+        #[arg(long, default_value = "voice")]
+        task: String,
+        /// Stop once these ids (one per line, first column) have all been seen.
+        #[arg(long)]
+        expect_ids: Option<PathBuf>,
+        /// Stop after this many records.
+        #[arg(long)]
+        count: Option<usize>,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 120.0)]
+        timeout_seconds: f64,
+        /// Print the raw JSON values instead of a summary.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Produce { task, topic, inline, ext, id_prefix, paths } => {
+            let topic = topic.unwrap_or_else(|| format!("{task}.requests"));
+            produce(&cli.brokers, &topic, &task, inline, &ext, &id_prefix, &paths).await
+        }
+        Command::Watch { task, expect_ids, count, timeout_seconds, json } => {
+            watch(&cli.brokers, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
+        }
+    }
+}
+
+fn collect_files(paths: &[PathBuf], ext: &str, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+    for path in paths {
+        if path.is_dir() {
+            let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+                .with_context(|| format!("reading folder {}", path.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .collect();
+            entries.sort();
+            let (dirs, files): (Vec<_>, Vec<_>) = entries.into_iter().partition(|p| p.is_dir());
+            out.extend(files.into_iter().filter(|p| {
+                p.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case(ext))
+            }));
+            collect_files(&dirs, ext, out)?;
+        } else if path.is_file() {
+            out.push(path.clone());
+        } else {
+            bail!("{} is neither a file nor a folder", path.display());
+        }
+    }
+    Ok(())
+}
+
+async fn produce(
+    brokers: &str,
+    topic: &str,
+    task: &str,
+    inline: bool,
+    ext: &str,
+    id_prefix: &str,
+    paths: &[PathBuf],
+) -> anyhow::Result<()> {
+    let mut files = Vec::new();
+    collect_files(paths, ext, &mut files)?;
+    if files.is_empty() {
+        bail!("no .{ext} files found in {paths:?}");
+    }
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .create()
+        .context("creating the kafka producer")?;
+    for file in files {
+        let id = format!("{id_prefix}{}-{}", stem(&file), &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let input = if inline {
+            let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            InputRef::Inline { data_b64: base64::engine::general_purpose::STANDARD.encode(bytes) }
+        } else {
+            let abs = file.canonicalize().with_context(|| format!("resolving {}", file.display()))?;
+            InputRef::Uri { uri: format!("file://{}", abs.display()) }
+        };
+        let event = RequestEvent { version: SCHEMA_VERSION, id: id.clone(), task: task.into(), input, options: None };
+        let payload = serde_json::to_vec(&event)?;
+        producer
+            .send(FutureRecord::to(topic).key(&id).payload(&payload), Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
+        println!("{id}\t{}", file.display());
+    }
+    Ok(())
+}
+
+fn stem(path: &Path) -> String {
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "input".into())
+}
+
+async fn watch(
+    brokers: &str,
+    task: &str,
+    expect_ids: Option<&Path>,
+    count: Option<usize>,
+    timeout_seconds: f64,
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut pending: Option<HashSet<String>> = match expect_ids {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?
+                .lines()
+                .filter_map(|l| l.split('\t').next())
+                .filter(|id| !id.trim().is_empty())
+                .map(|id| id.trim().to_string())
+                .collect(),
+        ),
+        None => None,
+    };
+    let results = format!("{task}.results");
+    let dlq = format!("{task}.dlq");
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("vramgate-cli-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .context("creating the kafka consumer")?;
+    consumer.subscribe(&[results.as_str(), dlq.as_str()])?;
+    let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
+    let mut seen = 0usize;
+    loop {
+        if pending.as_ref().is_some_and(|p| p.is_empty()) || count.is_some_and(|c| seen >= c) {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let message = match tokio::time::timeout(left, consumer.recv()).await {
+            Err(_) => {
+                let missing = pending.map(|p| p.len()).unwrap_or(0);
+                bail!("timed out after {timeout_seconds} s with {seen} records seen, {missing} expected ids missing");
+            }
+            Ok(m) => m?,
+        };
+        let Some(payload) = message.payload() else { continue };
+        let id = serde_json::from_slice::<serde_json::Value>(payload)
+            .ok()
+            .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string));
+        if let (Some(p), Some(id)) = (pending.as_mut(), id.as_ref()) {
+            if !p.remove(id) {
+                continue; // an older run's record
+            }
+        }
+        seen += 1;
+        if json {
+            println!("{}", String::from_utf8_lossy(payload));
+        } else if message.topic() == results {
+            println!("{}", summarise_result(payload));
+        } else {
+            println!("{}", summarise_dead_letter(payload));
+        }
+    }
+}
+
+fn summarise_result(payload: &[u8]) -> String {
+    let Ok(result) = serde_json::from_slice::<ResultEvent>(payload) else {
+        return format!("unreadable result: {}", String::from_utf8_lossy(payload));
+    };
+    let detail = match serde_json::from_value::<VoiceOutput>(result.output.clone()) {
+        Ok(v) if v.segments.is_empty() => format!("no speech in {:.2} s", v.duration_seconds),
+        Ok(v) => {
+            let segments: Vec<String> = v
+                .segments
+                .iter()
+                .map(|s| format!("{:.2}–{:.2} s", s.start_seconds, s.end_seconds))
+                .collect();
+            format!("speech {} (of {:.2} s)", segments.join(", "), v.duration_seconds)
+        }
+        Err(_) => result.output.to_string(),
+    };
+    format!(
+        "{}  ok  {detail}  [{} · {:.0} ms total, {:.0} ms inference]",
+        result.id, result.model, result.timings_ms.total, result.timings_ms.inference
+    )
+}
+
+fn summarise_dead_letter(payload: &[u8]) -> String {
+    match serde_json::from_slice::<DeadLetterEvent>(payload) {
+        Ok(d) => format!(
+            "{}  DEAD LETTER  {}: {}",
+            d.id.as_deref().unwrap_or("(no id)"),
+            d.error.kind.as_str(),
+            d.error.message
+        ),
+        Err(_) => format!("unreadable dead letter: {}", String::from_utf8_lossy(payload)),
+    }
+}

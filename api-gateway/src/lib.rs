@@ -1,0 +1,15 @@
+//! The Kafka side of vramgate: consumes request events, converts inputs on per-task CPU pools,
+//! calls the ai-worker over HTTP under per-task GPU permits, and writes results or dead letters.
+//!
+//! This is the only crate that knows Kafka; it reaches the worker only over HTTP.
+
+pub mod audio;
+pub mod config;
+pub mod failure;
+pub mod input;
+pub mod offsets;
+pub mod pipeline;
+pub mod voice;
+pub mod worker_client;
+
+pub use config::GatewayConfig;

@@ -1,0 +1,34 @@
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use vramgate_gateway::GatewayConfig;
+
+/// vramgate api-gateway: Kafka request events in, results and dead letters out.
+#[derive(Parser)]
+#[command(version)]
+struct Args {
+    /// TOML config file; `VRAMGATE_GATEWAY_*` environment variables override it.
+    #[arg(long, env = "VRAMGATE_GATEWAY_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    vramgate_shared::telemetry::init("api-gateway");
+    let config: GatewayConfig =
+        vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
+            .context("reading api-gateway config")?;
+    vramgate_gateway::pipeline::run(config, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler only fails if the runtime has no signal driver");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutdown requested");
+}

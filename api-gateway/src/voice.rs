@@ -1,0 +1,139 @@
+//! The `voice` task: WAV bytes → 16 kHz mono f32 (CPU, on the task's rayon pool) → the
+//! worker's voice-activity model → speech segments.
+
+use serde::Deserialize;
+use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
+
+use crate::audio::{self, segments::SegmentParams, wav};
+use crate::config::SegmentConfig;
+use crate::failure::Failure;
+
+/// The rate and window of the Silero-style model the worker serves for this task.
+pub const MODEL_SAMPLE_RATE: u32 = 16_000;
+pub const MODEL_WINDOW: u32 = 512;
+pub const MODEL_INPUT: &str = "audio";
+pub const MODEL_OUTPUT: &str = "speech_prob";
+
+/// Per-request overrides of the segment parameters, from the request's `options`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VoiceOptions {
+    pub threshold: Option<f32>,
+    pub min_speech_ms: Option<u32>,
+    pub min_silence_ms: Option<u32>,
+    pub speech_pad_ms: Option<u32>,
+}
+
+impl VoiceOptions {
+    pub fn parse(options: Option<&serde_json::Value>) -> Result<Self, Failure> {
+        let Some(value) = options.filter(|v| !v.is_null()) else {
+            return Ok(VoiceOptions::default());
+        };
+        let parsed: VoiceOptions = serde_json::from_value(value.clone()).map_err(|e| {
+            Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid voice options: {e}"))
+        })?;
+        if let Some(t) = parsed.threshold {
+            if !(0.0..=1.0).contains(&t) {
+                return Err(Failure::new(
+                    ErrorKind::InvalidRequest,
+                    Stage::Parse,
+                    format!("voice option threshold must be between 0 and 1, got {t}"),
+                ));
+            }
+        }
+        Ok(parsed)
+    }
+
+    pub fn params(&self, config: &SegmentConfig) -> SegmentParams {
+        SegmentParams {
+            threshold: self.threshold.unwrap_or(config.threshold),
+            min_speech_ms: self.min_speech_ms.unwrap_or(config.min_speech_ms),
+            min_silence_ms: self.min_silence_ms.unwrap_or(config.min_silence_ms),
+            speech_pad_ms: self.speech_pad_ms.unwrap_or(config.speech_pad_ms),
+            window_samples: MODEL_WINDOW,
+            sample_rate: MODEL_SAMPLE_RATE,
+            ..SegmentParams::default()
+        }
+    }
+}
+
+/// Audio ready for the model, and what the result reports about the original.
+#[derive(Debug)]
+pub struct Converted {
+    /// 16 kHz mono, at least one model window long (short clips are padded with silence).
+    pub samples: Vec<f32>,
+    /// Samples of real audio in `samples`, before padding.
+    pub real_samples: usize,
+    pub duration_seconds: f64,
+    pub input_sample_rate_hz: u32,
+    pub input_channels: u16,
+}
+
+/// Decodes and converts. CPU-bound: runs on the voice pool, never on a tokio thread.
+pub fn convert(bytes: &[u8], max_audio_seconds: f64) -> Result<Converted, Failure> {
+    let decoded = wav::decode_wav(bytes).map_err(|e| {
+        Failure::new(ErrorKind::UnsupportedInput, Stage::Convert, format!("input is not a usable wav file: {e}"))
+    })?;
+    let duration_seconds = decoded.duration_seconds();
+    if duration_seconds > max_audio_seconds {
+        return Err(Failure::new(
+            ErrorKind::InputTooLarge,
+            Stage::Convert,
+            format!("audio is {duration_seconds:.1} s long, more than the limit of {max_audio_seconds} s"),
+        ));
+    }
+    let mut samples = audio::to_16k_mono(&decoded);
+    let real_samples = samples.len();
+    if samples.len() < MODEL_WINDOW as usize {
+        samples.resize(MODEL_WINDOW as usize, 0.0);
+    }
+    Ok(Converted {
+        samples,
+        real_samples,
+        duration_seconds,
+        input_sample_rate_hz: decoded.sample_rate,
+        input_channels: decoded.channels,
+    })
+}
+
+/// Turns the model's per-window probabilities into the task's output.
+pub fn output(probs: &[f32], converted: &Converted, params: &SegmentParams) -> VoiceOutput {
+    let segments = audio::segments::speech_segments(probs, converted.real_samples, params)
+        .into_iter()
+        .map(|s| SpeechSegment { start_seconds: round_ms(s.start_seconds), end_seconds: round_ms(s.end_seconds) })
+        .collect();
+    VoiceOutput {
+        segments,
+        duration_seconds: round_ms(converted.duration_seconds),
+        input_sample_rate_hz: converted.input_sample_rate_hz,
+        input_channels: converted.input_channels,
+    }
+}
+
+fn round_ms(seconds: f64) -> f64 {
+    (seconds * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_checked() {
+        assert!(VoiceOptions::parse(None).is_ok());
+        assert!(VoiceOptions::parse(Some(&serde_json::Value::Null)).is_ok());
+        let ok = VoiceOptions::parse(Some(&serde_json::json!({"threshold": 0.7}))).expect("valid");
+        assert_eq!(ok.params(&SegmentConfig::default()).threshold, 0.7);
+        for bad in [serde_json::json!({"threshhold": 0.7}), serde_json::json!({"threshold": 2.0})] {
+            let err = VoiceOptions::parse(Some(&bad)).expect_err("invalid");
+            assert_eq!(err.kind, ErrorKind::InvalidRequest);
+        }
+    }
+
+    #[test]
+    fn garbage_is_unsupported_input_not_a_panic() {
+        let err = convert(b"definitely not audio", 600.0).expect_err("garbage");
+        assert_eq!(err.kind, ErrorKind::UnsupportedInput);
+        assert_eq!(err.stage, Stage::Convert);
+    }
+}

@@ -1,0 +1,350 @@
+//! Kafka event schemas: what producers write to `<task>.requests`, and what the gateway writes
+//! to `<task>.results` and `<task>.dlq`.
+//!
+//! These types are the contract users depend on, so they are versioned: every record carries
+//! `"version"`. Requests may omit it (it defaults to [`SCHEMA_VERSION`]); a request from a newer
+//! producer than this build understands is rejected with a clear error instead of being half-read.
+
+use serde::{Deserialize, Serialize};
+
+/// The schema version this build writes and the highest it reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+fn default_version() -> u32 {
+    SCHEMA_VERSION
+}
+
+/// A request, as a producer writes it to `<task>.requests`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestEvent {
+    #[serde(default = "default_version")]
+    pub version: u32,
+    /// The producer's id for this request; results and dead letters carry it back.
+    pub id: String,
+    /// The task type, e.g. `voice`; must match the topic the record was read from.
+    pub task: String,
+    pub input: InputRef,
+    /// Task-specific options; unknown keys are an error for the task that reads them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub options: Option<serde_json::Value>,
+}
+
+/// Where the input bytes of a request are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged, deny_unknown_fields)]
+pub enum InputRef {
+    /// A `file://` URI, resolved under the gateway's configured input root.
+    Uri { uri: String },
+    /// The bytes themselves, standard base64.
+    Inline { data_b64: String },
+}
+
+/// Time spent in each stage of one request, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimingsMs {
+    /// Reading and converting the input on the CPU pool.
+    pub convert: f64,
+    /// Waiting for permission to call the worker.
+    pub gpu_wait: f64,
+    /// The worker call, network included.
+    pub inference: f64,
+    /// From the record's arrival in the gateway to its result being ready to produce.
+    pub total: f64,
+}
+
+/// A successful result, written to `<task>.results`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultEvent {
+    pub version: u32,
+    pub id: String,
+    pub task: String,
+    /// Always `"ok"`; failures go to the dead-letter topic instead.
+    pub status: String,
+    /// The model that produced the output, as the worker names it.
+    pub model: String,
+    /// Task-specific output, e.g. [`VoiceOutput`].
+    pub output: serde_json::Value,
+    pub timings_ms: TimingsMs,
+    /// How many worker calls this result took (1 when nothing was retried).
+    pub attempts: u32,
+}
+
+/// The output of the `voice` task: where speech is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VoiceOutput {
+    pub segments: Vec<SpeechSegment>,
+    /// Duration of the input audio.
+    pub duration_seconds: f64,
+    /// The input's own sample rate and channel count, before conversion to 16 kHz mono.
+    pub input_sample_rate_hz: u32,
+    pub input_channels: u16,
+}
+
+/// One stretch of speech, in seconds from the start of the input.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SpeechSegment {
+    pub start_seconds: f64,
+    pub end_seconds: f64,
+}
+
+/// Why a record went to the dead-letter topic. A small fixed set, so consumers can route on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The record's value is not JSON.
+    InvalidJson,
+    /// The value is JSON but not a valid request (missing field, wrong type, newer version).
+    InvalidRequest,
+    /// The request names a task this gateway does not serve on that topic.
+    UnknownTask,
+    /// The input could not be understood (corrupt or unsupported audio/image format).
+    UnsupportedInput,
+    /// The input is larger than the configured limits.
+    InputTooLarge,
+    /// The input could not be read (missing file, path outside the allowed root, bad base64).
+    FetchFailed,
+    /// The worker refused the request as invalid (HTTP 4xx).
+    WorkerRejected,
+    /// The worker could not be reached or kept failing after all retries.
+    WorkerUnavailable,
+    /// The request did not finish within its deadline.
+    Timeout,
+    /// A bug in vramgate; the message says where.
+    Internal,
+}
+
+impl ErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidJson => "invalid_json",
+            ErrorKind::InvalidRequest => "invalid_request",
+            ErrorKind::UnknownTask => "unknown_task",
+            ErrorKind::UnsupportedInput => "unsupported_input",
+            ErrorKind::InputTooLarge => "input_too_large",
+            ErrorKind::FetchFailed => "fetch_failed",
+            ErrorKind::WorkerRejected => "worker_rejected",
+            ErrorKind::WorkerUnavailable => "worker_unavailable",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+/// The pipeline stage in which a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    Parse,
+    Fetch,
+    Convert,
+    Infer,
+    Postprocess,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Parse => "parse",
+            Stage::Fetch => "fetch",
+            Stage::Convert => "convert",
+            Stage::Infer => "infer",
+            Stage::Postprocess => "postprocess",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    pub kind: ErrorKind,
+    /// A sentence a person can act on.
+    pub message: String,
+    pub stage: Stage,
+}
+
+/// Where the failed record came from, and its bytes, so it can be replayed as it was.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SourceRecord {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    /// The record's key, standard base64; absent when the record had none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_b64: Option<String>,
+    /// The record's value, standard base64; absent when the record had none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_b64: Option<String>,
+}
+
+/// A request that could not be served, written to `<task>.dlq`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeadLetterEvent {
+    pub version: u32,
+    /// The request's id, when the record was readable enough to have one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    pub error: ErrorInfo,
+    pub attempts: u32,
+    pub source: SourceRecord,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::de::DeserializeOwned;
+
+    /// Serialises `value`, checks the JSON matches `expected`, and reads it back unchanged.
+    fn check_round_trip<T>(value: &T, expected: serde_json::Value)
+    where
+        T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug,
+    {
+        let json = serde_json::to_value(value).expect("event types always serialise");
+        assert_eq!(json, expected);
+        let back: T = serde_json::from_value(json).expect("what we write we can read");
+        assert_eq!(&back, value);
+    }
+
+    #[test]
+    fn request_round_trips_both_input_forms() {
+        let by_uri = RequestEvent {
+            version: 1,
+            id: "a-1".into(),
+            task: "voice".into(),
+            input: InputRef::Uri { uri: "file:///data/a.wav".into() },
+            options: None,
+        };
+        check_round_trip(
+            &by_uri,
+            serde_json::json!({"version": 1, "id": "a-1", "task": "voice",
+                               "input": {"uri": "file:///data/a.wav"}}),
+        );
+        let inline = RequestEvent {
+            input: InputRef::Inline { data_b64: "UklGRg==".into() },
+            options: Some(serde_json::json!({"threshold": 0.6})),
+            ..by_uri
+        };
+        check_round_trip(
+            &inline,
+            serde_json::json!({"version": 1, "id": "a-1", "task": "voice",
+                               "input": {"data_b64": "UklGRg=="}, "options": {"threshold": 0.6}}),
+        );
+    }
+
+    #[test]
+    fn request_version_defaults_when_omitted() {
+        let req: RequestEvent = serde_json::from_str(
+            r#"{"id":"x","task":"voice","input":{"uri":"file:///a.wav"}}"#,
+        )
+        .expect("minimal request parses");
+        assert_eq!(req.version, SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn request_rejects_unknown_fields_and_ambiguous_input() {
+        for bad in [
+            r#"{"id":"x","task":"voice","input":{"uri":"file:///a"},"extra":1}"#,
+            r#"{"id":"x","task":"voice","input":{"uri":"file:///a","data_b64":"AA=="}}"#,
+            r#"{"id":"x","task":"voice","input":{}}"#,
+            r#"{"task":"voice","input":{"uri":"file:///a"}}"#,
+        ] {
+            assert!(serde_json::from_str::<RequestEvent>(bad).is_err(), "accepted {bad}");
+        }
+    }
+
+    #[test]
+    fn result_round_trips() {
+        let output = VoiceOutput {
+            segments: vec![SpeechSegment { start_seconds: 0.5, end_seconds: 1.25 }],
+            duration_seconds: 2.0,
+            input_sample_rate_hz: 44_100,
+            input_channels: 2,
+        };
+        let result = ResultEvent {
+            version: 1,
+            id: "a-1".into(),
+            task: "voice".into(),
+            status: "ok".into(),
+            model: "silero_vad".into(),
+            output: serde_json::to_value(&output).expect("voice output serialises"),
+            timings_ms: TimingsMs { convert: 1.5, gpu_wait: 0.0, inference: 12.0, total: 14.0 },
+            attempts: 1,
+        };
+        check_round_trip(
+            &result,
+            serde_json::json!({
+                "version": 1, "id": "a-1", "task": "voice", "status": "ok", "model": "silero_vad",
+                "output": {"segments": [{"start_seconds": 0.5, "end_seconds": 1.25}],
+                           "duration_seconds": 2.0, "input_sample_rate_hz": 44100,
+                           "input_channels": 2},
+                "timings_ms": {"convert": 1.5, "gpu_wait": 0.0, "inference": 12.0, "total": 14.0},
+                "attempts": 1
+            }),
+        );
+    }
+
+    #[test]
+    fn dead_letter_round_trips_with_and_without_id() {
+        let with_id = DeadLetterEvent {
+            version: 1,
+            id: Some("a-1".into()),
+            task: Some("voice".into()),
+            error: ErrorInfo {
+                kind: ErrorKind::FetchFailed,
+                message: "file /data/a.wav does not exist".into(),
+                stage: Stage::Fetch,
+            },
+            attempts: 0,
+            source: SourceRecord {
+                topic: "voice.requests".into(),
+                partition: 2,
+                offset: 17,
+                key_b64: None,
+                value_b64: Some("e30=".into()),
+            },
+        };
+        check_round_trip(
+            &with_id,
+            serde_json::json!({
+                "version": 1, "id": "a-1", "task": "voice",
+                "error": {"kind": "fetch_failed", "message": "file /data/a.wav does not exist",
+                          "stage": "fetch"},
+                "attempts": 0,
+                "source": {"topic": "voice.requests", "partition": 2, "offset": 17,
+                           "value_b64": "e30="}
+            }),
+        );
+        let without_id = DeadLetterEvent {
+            id: None,
+            task: None,
+            error: ErrorInfo {
+                kind: ErrorKind::InvalidJson,
+                message: "expected value at line 1 column 1".into(),
+                stage: Stage::Parse,
+            },
+            ..with_id
+        };
+        let json = serde_json::to_value(&without_id).expect("serialises");
+        assert!(json.get("id").is_none());
+        assert_eq!(json["error"]["kind"], "invalid_json");
+    }
+
+    #[test]
+    fn error_kind_names_match_serde() {
+        for kind in [
+            ErrorKind::InvalidJson,
+            ErrorKind::InvalidRequest,
+            ErrorKind::UnknownTask,
+            ErrorKind::UnsupportedInput,
+            ErrorKind::InputTooLarge,
+            ErrorKind::FetchFailed,
+            ErrorKind::WorkerRejected,
+            ErrorKind::WorkerUnavailable,
+            ErrorKind::Timeout,
+            ErrorKind::Internal,
+        ] {
+            assert_eq!(serde_json::to_value(kind).expect("serialises"), kind.as_str());
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Test inputs: real speech from `espeak-ng`, placed at a known position in silence and noise,
+//! written as WAV in the formats the gateway must read.
+
+use std::path::Path;
+use std::process::Command;
+
+/// How samples are stored in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleFormat {
+    U8,
+    I16,
+    I24,
+    I32,
+    F32,
+    /// 16-bit PCM in a WAVE_FORMAT_EXTENSIBLE header.
+    ExtensibleI16,
+}
+
+/// Speech synthesised by espeak-ng, mono f32 at its native rate.
+pub struct Speech {
+    pub sample_rate: u32,
+    pub samples: Vec<f32>,
+}
+
+/// Synthesises `text`, trimmed to where the voice actually is (espeak pads with silence).
+pub fn speak(text: &str) -> anyhow::Result<Speech> {
+    let out = std::env::temp_dir().join(format!("{}.wav", crate::unique("espeak")));
+    let status = Command::new("espeak-ng").args(["-s", "150", "-w"]).arg(&out).arg(text).status()?;
+    anyhow::ensure!(status.success(), "espeak-ng failed for {text:?}");
+    let bytes = std::fs::read(&out)?;
+    let _ = std::fs::remove_file(&out);
+    let (sample_rate, samples) = read_pcm16_mono(&bytes)?;
+    let loud = |s: &f32| s.abs() > 0.02;
+    let first = samples.iter().position(loud).unwrap_or(0);
+    let last = samples.iter().rposition(loud).unwrap_or(samples.len());
+    Ok(Speech { sample_rate, samples: samples[first..=last.min(samples.len() - 1)].to_vec() })
+}
+
+/// Minimal reader for espeak's own output (16-bit mono PCM, canonical header).
+fn read_pcm16_mono(bytes: &[u8]) -> anyhow::Result<(u32, Vec<f32>)> {
+    anyhow::ensure!(bytes.len() > 44 && &bytes[0..4] == b"RIFF", "espeak output is not a wav");
+    let mut pos = 12;
+    let mut rate = 0;
+    while pos + 8 <= bytes.len() {
+        let id = &bytes[pos..pos + 4];
+        let size = u32::from_le_bytes(bytes[pos + 4..pos + 8].try_into()?) as usize;
+        let body = pos + 8;
+        if id == b"fmt " {
+            rate = u32::from_le_bytes(bytes[body + 4..body + 8].try_into()?);
+        } else if id == b"data" {
+            let end = (body + size).min(bytes.len());
+            let samples = bytes[body..end]
+                .chunks_exact(2)
+                .map(|c| f32::from(i16::from_le_bytes([c[0], c[1]])) / 32768.0)
+                .collect();
+            return Ok((rate, samples));
+        }
+        pos = body + size + (size & 1);
+    }
+    anyhow::bail!("espeak output has no data chunk")
+}
+
+/// Linear-interpolation rate change; good enough to make test inputs at other rates.
+pub fn change_rate(samples: &[f32], from: u32, to: u32) -> Vec<f32> {
+    if from == to || samples.is_empty() {
+        return samples.to_vec();
+    }
+    let n = (samples.len() as u64 * u64::from(to) / u64::from(from)) as usize;
+    (0..n)
+        .map(|i| {
+            let x = i as f64 * f64::from(from) / f64::from(to);
+            let j = x.floor() as usize;
+            let frac = (x - j as f64) as f32;
+            let a = samples[j.min(samples.len() - 1)];
+            let b = samples[(j + 1).min(samples.len() - 1)];
+            a + (b - a) * frac
+        })
+        .collect()
+}
+
+/// Deterministic low-level white noise (a linear congruential generator; no rand crate).
+pub fn noise(len: usize, amplitude: f32, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let unit = ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0;
+            unit * amplitude
+        })
+        .collect()
+}
+
+/// Writes interleaved samples (`channels` per frame) as a WAV file.
+pub fn write_wav(
+    path: &Path,
+    samples: &[f32],
+    sample_rate: u32,
+    channels: u16,
+    format: SampleFormat,
+) -> std::io::Result<()> {
+    let (tag, bits): (u16, u16) = match format {
+        SampleFormat::U8 => (1, 8),
+        SampleFormat::I16 => (1, 16),
+        SampleFormat::I24 => (1, 24),
+        SampleFormat::I32 => (1, 32),
+        SampleFormat::F32 => (3, 32),
+        SampleFormat::ExtensibleI16 => (0xFFFE, 16),
+    };
+    let block_align = channels * bits / 8;
+    let mut data = Vec::with_capacity(samples.len() * usize::from(bits / 8));
+    for &s in samples {
+        let s = s.clamp(-1.0, 1.0);
+        match format {
+            SampleFormat::U8 => data.push(((s * 127.0).round() as i16 + 128) as u8),
+            SampleFormat::I16 | SampleFormat::ExtensibleI16 => {
+                data.extend_from_slice(&((s * 32767.0).round() as i16).to_le_bytes())
+            }
+            SampleFormat::I24 => {
+                let v = (s * 8_388_607.0).round() as i32;
+                data.extend_from_slice(&v.to_le_bytes()[..3]);
+            }
+            SampleFormat::I32 => data.extend_from_slice(&((f64::from(s) * 2_147_483_647.0).round() as i32).to_le_bytes()),
+            SampleFormat::F32 => data.extend_from_slice(&s.to_le_bytes()),
+        }
+    }
+    let mut fmt = Vec::new();
+    fmt.extend_from_slice(&tag.to_le_bytes());
+    fmt.extend_from_slice(&channels.to_le_bytes());
+    fmt.extend_from_slice(&sample_rate.to_le_bytes());
+    fmt.extend_from_slice(&(sample_rate * u32::from(block_align)).to_le_bytes());
+    fmt.extend_from_slice(&block_align.to_le_bytes());
+    fmt.extend_from_slice(&bits.to_le_bytes());
+    if format == SampleFormat::ExtensibleI16 {
+        fmt.extend_from_slice(&22u16.to_le_bytes());
+        fmt.extend_from_slice(&bits.to_le_bytes()); // valid bits
+        fmt.extend_from_slice(&0u32.to_le_bytes()); // channel mask
+        // KSDATAFORMAT_SUBTYPE_PCM
+        fmt.extend_from_slice(&[
+            0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
+        ]);
+    }
+    let mut out = Vec::new();
+    out.extend_from_slice(b"RIFF");
+    let list = b"LIST\x04\x00\x00\x00INFO"; // an extra chunk readers must skip
+    let riff_len = 4 + (8 + fmt.len()) + list.len() + (8 + data.len());
+    out.extend_from_slice(&(riff_len as u32).to_le_bytes());
+    out.extend_from_slice(b"WAVE");
+    out.extend_from_slice(b"fmt ");
+    out.extend_from_slice(&(fmt.len() as u32).to_le_bytes());
+    out.extend_from_slice(&fmt);
+    out.extend_from_slice(list);
+    out.extend_from_slice(b"data");
+    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    out.extend_from_slice(&data);
+    std::fs::write(path, out)
+}
+
+/// A test clip: where the speech is, in seconds, and the interleaved samples.
+pub struct Clip {
+    pub speech: Option<(f64, f64)>,
+    pub samples: Vec<f32>,
+}
+
+/// `lead` seconds of noise, then `speech` (if any), then `tail` seconds of noise, at `rate`
+/// with `channels` identical channels.
+pub fn compose(speech: Option<&Speech>, lead: f64, tail: f64, rate: u32, channels: u16, seed: u64) -> Clip {
+    let lead_n = (lead * f64::from(rate)) as usize;
+    let tail_n = (tail * f64::from(rate)) as usize;
+    let voiced = speech.map(|s| change_rate(&s.samples, s.sample_rate, rate)).unwrap_or_default();
+    let total = lead_n + voiced.len() + tail_n;
+    let mut mono = noise(total, 0.003, seed);
+    for (i, v) in voiced.iter().enumerate() {
+        mono[lead_n + i] += v;
+    }
+    let span = speech.map(|_| (lead, lead + voiced.len() as f64 / f64::from(rate)));
+    let samples = mono.iter().flat_map(|&s| std::iter::repeat_n(s, usize::from(channels))).collect();
+    Clip { speech: span, samples }
+}

@@ -1,0 +1,56 @@
+//! The ai-worker speaks the Open Inference Protocol v2: the standard Python client works
+//! against it, and bad requests get a status and a message while the worker keeps serving.
+
+use std::process::Command;
+
+use vramgate_tests::{silero_worker_config, start_worker, venv_python};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tritonclient_http_talks_to_the_worker() {
+    let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
+    let script = vramgate_tests::repo_root().join("tests/python/oip_client_check.py");
+    let host = worker.url.trim_start_matches("http://").to_string();
+    let output = Command::new(venv_python()).arg(&script).arg(&host).output().expect("runs python");
+    assert!(
+        output.status.success(),
+        "tritonclient check failed:\n{}\n{}\nworker log:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+        worker.service.log_tail()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_a_status_and_a_message_and_the_worker_keeps_serving() {
+    let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
+    let http = reqwest::Client::new();
+    let infer = format!("{}/v2/models/silero_vad/infer", worker.url);
+    let check = |status: u16, needle: &'static str, response: reqwest::Response| async move {
+        assert_eq!(response.status().as_u16(), status);
+        let body: serde_json::Value = response.json().await.expect("error bodies are json");
+        let message = body["error"].as_str().expect("an error message");
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+    };
+    check(400, "json", http.post(&infer).body("{not json").send().await.expect("send")).await;
+    let wrong_type = serde_json::json!({"inputs": [{"name": "audio", "shape": [1, 2], "datatype": "INT64", "data": [1, 2]}]});
+    check(400, "FP32", http.post(&infer).json(&wrong_type).send().await.expect("send")).await;
+    let wrong_rank = serde_json::json!({"inputs": [{"name": "audio", "shape": [4], "datatype": "FP32", "data": [0.0, 0.0, 0.0, 0.0]}]});
+    check(400, "[batch, samples]", http.post(&infer).json(&wrong_rank).send().await.expect("send")).await;
+    let lying_header = http
+        .post(&infer)
+        .header("inference-header-content-length", "999")
+        .body("{}")
+        .send()
+        .await
+        .expect("send");
+    check(400, "999", lying_header).await;
+    let unknown = format!("{}/v2/models/nope/infer", worker.url);
+    check(404, "unknown model", http.post(&unknown).json(&wrong_type).send().await.expect("send")).await;
+
+    // Still serving: a valid JSON request gets probabilities.
+    let ok = serde_json::json!({"inputs": [{"name": "audio", "shape": [1, 1024], "datatype": "FP32", "data": vec![0.0f32; 1024]}]});
+    let response = http.post(&infer).json(&ok).send().await.expect("send");
+    assert_eq!(response.status().as_u16(), 200);
+    let body: serde_json::Value = response.json().await.expect("json answer");
+    assert_eq!(body["outputs"][0]["shape"], serde_json::json!([1, 2]), "{body}");
+}
