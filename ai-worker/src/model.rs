@@ -77,11 +77,8 @@ impl Model {
     /// Loads the TorchScript file onto `device` and runs one warm-up call.
     pub fn load(config: ModelConfig, device: Device) -> Result<Model, ModelError> {
         let started = Instant::now();
-        let load_err = |message: String| ModelError::Load {
-            name: config.name.clone(),
-            path: config.path.display().to_string(),
-            message,
-        };
+        let (name, path) = (config.name.clone(), config.path.display().to_string());
+        let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
         let mut module = CModule::load_on_device(&config.path, device)
             .map_err(|e| load_err(first_line(&e.to_string())))?;
         module.set_eval();

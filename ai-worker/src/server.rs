@@ -48,16 +48,15 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || load_models(&config))
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
-    tokio::pin!(server);
+    let mut server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
     tokio::select! {
         loaded = loader => {
             let models = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
             let _ = state.models.set(models);
             tracing::info!(models = ?state.configured, "ai-worker ready");
-            server.await?;
+            server.await??;
         }
-        served = &mut server => served?,
+        served = &mut server => served??,
     }
     Ok(())
 }

@@ -1,0 +1,998 @@
+//! WAV (RIFF/WAVE) decoding into interleaved `f32` samples.
+//!
+//! This module owns everything between the raw bytes of an uploaded `.wav`
+//! file and an [`Audio`] value: the RIFF chunk walk, `fmt ` validation
+//! (plain and `WAVE_FORMAT_EXTENSIBLE`), and sample conversion for 8/16/24/32-bit
+//! integer PCM and 32/64-bit IEEE float. The bytes come from Kafka and are
+//! untrusted, so every malformed input maps to a [`WavError`] instead of a panic,
+//! and [`decode_wav_limited`] lets callers refuse oversized audio before any
+//! sample buffer is allocated.
+
+use thiserror::Error;
+
+/// `WAVE_FORMAT_PCM`: integer samples.
+const FORMAT_PCM: u16 = 0x0001;
+/// `WAVE_FORMAT_IEEE_FLOAT`: 32- or 64-bit float samples.
+const FORMAT_IEEE_FLOAT: u16 = 0x0003;
+/// `WAVE_FORMAT_EXTENSIBLE`: the real format lives in the sub-format GUID.
+const FORMAT_EXTENSIBLE: u16 = 0xFFFE;
+
+/// Bytes 2..16 shared by every `KSDATAFORMAT_SUBTYPE_*` GUID derived from a
+/// classic format tag; the first two bytes carry that tag little-endian.
+const KSDATAFORMAT_GUID_TAIL: [u8; 14] = [
+    0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
+];
+
+/// Size of the classic `fmt ` body (`WAVEFORMAT` + `wBitsPerSample`).
+const FMT_MIN_LEN: usize = 16;
+/// Size of the `fmt ` body of `WAVE_FORMAT_EXTENSIBLE` (18 + 22 extension bytes).
+const FMT_EXTENSIBLE_LEN: usize = 40;
+
+/// Decoded audio: interleaved samples normalised to `[-1, 1]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Audio {
+    pub sample_rate: u32,
+    pub channels: u16,
+    /// Interleaved frame by frame, each value in `[-1, 1]`.
+    pub samples: Vec<f32>,
+}
+
+impl Audio {
+    /// Number of whole frames (one sample per channel).
+    pub fn frames(&self) -> usize {
+        match self.channels {
+            0 => 0,
+            channels => self.samples.len() / usize::from(channels),
+        }
+    }
+
+    /// Length in seconds; 0 for a zero sample rate rather than infinity, since
+    /// the fields are public and may be built by hand.
+    pub fn duration_seconds(&self) -> f64 {
+        if self.sample_rate == 0 {
+            return 0.0;
+        }
+        self.frames() as f64 / f64::from(self.sample_rate)
+    }
+
+    /// Down-mixes to one channel by averaging each frame's channels.
+    ///
+    /// A trailing partial frame (only possible in a hand-built `Audio`) is dropped.
+    pub fn to_mono(&self) -> Vec<f32> {
+        match self.channels {
+            0 => Vec::new(),
+            1 => self.samples.clone(),
+            channels => {
+                let scale = 1.0 / f32::from(channels);
+                self.samples
+                    .chunks_exact(usize::from(channels))
+                    .map(|frame| frame.iter().sum::<f32>() * scale)
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Why a byte string could not be decoded as WAV audio.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum WavError {
+    #[error("not a riff/wave file: expected \"RIFF\" and \"WAVE\" magic, found \"{found}\"")]
+    NotRiffWave { found: String },
+
+    #[error("truncated wav header: {what} needs {needed} bytes, only {available} present")]
+    TruncatedHeader {
+        what: String,
+        needed: u64,
+        available: u64,
+    },
+
+    #[error("missing fmt chunk: no \"fmt \" chunk before the data chunk or end of file")]
+    MissingFmtChunk,
+
+    #[error("missing data chunk: no \"data\" chunk after the fmt chunk")]
+    MissingDataChunk,
+
+    #[error("unsupported wav format tag: 0x{tag:04x} ({name})")]
+    UnsupportedFormatTag { tag: u16, name: &'static str },
+
+    #[error("unsupported wav extensible sub-format: {guid}")]
+    UnsupportedSubFormat { guid: String },
+
+    #[error("unsupported wav sample format: {bits}-bit {kind}")]
+    UnsupportedBitsPerSample { bits: u16, kind: &'static str },
+
+    #[error("invalid wav valid-bits-per-sample: {valid_bits} exceeds the {container_bits}-bit container")]
+    InvalidValidBits {
+        valid_bits: u16,
+        container_bits: u16,
+    },
+
+    #[error("invalid wav fmt chunk: channel count is 0")]
+    ZeroChannels,
+
+    #[error("invalid wav fmt chunk: sample rate is 0")]
+    ZeroSampleRate,
+
+    #[error("wav block align mismatch: header says {block_align} bytes per frame, {channels} channels of {bits}-bit samples need {expected}")]
+    BlockAlignMismatch {
+        block_align: u16,
+        channels: u16,
+        bits: u16,
+        expected: u32,
+    },
+
+    #[error("empty wav audio: data chunk holds {data_bytes} bytes, less than one {block_align}-byte frame")]
+    EmptyAudio { data_bytes: u64, block_align: u16 },
+
+    #[error("wav audio too long: {frames} frames exceeds the limit of {max}")]
+    TooLong { frames: u64, max: u64 },
+}
+
+/// How one sample is stored in the data chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SampleFormat {
+    U8,
+    I16,
+    I24,
+    I32,
+    F32,
+    F64,
+}
+
+impl SampleFormat {
+    fn bytes(self) -> u16 {
+        match self {
+            SampleFormat::U8 => 1,
+            SampleFormat::I16 => 2,
+            SampleFormat::I24 => 3,
+            SampleFormat::I32 | SampleFormat::F32 => 4,
+            SampleFormat::F64 => 8,
+        }
+    }
+
+    /// Converts one stored sample; `raw.len()` is always `self.bytes()`.
+    fn decode(self, raw: &[u8]) -> f32 {
+        match *raw {
+            [b] if self == SampleFormat::U8 => (f32::from(b) - 128.0) / 128.0,
+            [a, b] => f32::from(i16::from_le_bytes([a, b])) / 32_768.0,
+            // Shifting into the top of an i32 and back sign-extends the 24-bit value.
+            [a, b, c] => (i32::from_le_bytes([0, a, b, c]) >> 8) as f32 / 8_388_608.0,
+            [a, b, c, d] if self == SampleFormat::I32 => {
+                (f64::from(i32::from_le_bytes([a, b, c, d])) / 2_147_483_648.0) as f32
+            }
+            [a, b, c, d] => sanitize_float(f32::from_le_bytes([a, b, c, d])),
+            [a, b, c, d, e, f, g, h] => {
+                sanitize_float(f64::from_le_bytes([a, b, c, d, e, f, g, h]) as f32)
+            }
+            // Unreachable by construction; silence is the safe answer for untrusted input.
+            _ => 0.0,
+        }
+    }
+}
+
+/// Float WAVs may hold overs (> 1.0), infinities or NaN; downstream resampling and
+/// the VAD model expect bounded finite input, so clamp and map NaN to silence.
+fn sanitize_float(x: f32) -> f32 {
+    if x.is_nan() {
+        0.0
+    } else {
+        x.clamp(-1.0, 1.0)
+    }
+}
+
+/// The validated contents of a `fmt ` chunk.
+#[derive(Debug, Clone, Copy)]
+struct Format {
+    sample_rate: u32,
+    channels: u16,
+    block_align: u16,
+    sample: SampleFormat,
+}
+
+/// Decodes a complete WAV file with no length limit; see [`decode_wav_limited`].
+pub fn decode_wav(bytes: &[u8]) -> Result<Audio, WavError> {
+    decode_wav_limited(bytes, u64::MAX)
+}
+
+/// Decodes a WAV file, refusing more than `max_frames` frames before allocating.
+///
+/// The RIFF size field and a data chunk size that runs past the end of the
+/// input are tolerated (streaming writers leave them as 0 or `0xFFFFFFFF`):
+/// the samples actually present are used, truncated to whole frames. Chunks
+/// after the data chunk are ignored.
+pub fn decode_wav_limited(bytes: &[u8], max_frames: u64) -> Result<Audio, WavError> {
+    check_riff_header(bytes)?;
+
+    let mut format: Option<Format> = None;
+    let mut pos: usize = 12;
+    loop {
+        let rest = bytes.get(pos..).unwrap_or_default();
+        let (Some(id), Some(size)) = (rest.get(0..4), read_u32(rest, 4)) else {
+            // Fewer than 8 bytes left: no room for another chunk header.
+            return Err(match format {
+                None => WavError::MissingFmtChunk,
+                Some(_) => WavError::MissingDataChunk,
+            });
+        };
+        let body = rest.get(8..).unwrap_or_default();
+        let declared = usize::try_from(size).unwrap_or(usize::MAX);
+
+        if id == b"data" {
+            let format = format.ok_or(WavError::MissingFmtChunk)?;
+            // Deliberately no truncation error here: streaming writers leave the size unknown.
+            let data = body.get(..declared).unwrap_or(body);
+            return decode_samples(data, format, max_frames);
+        }
+
+        let Some(chunk_body) = body.get(..declared) else {
+            return Err(WavError::TruncatedHeader {
+                what: format!("\"{}\" chunk", id.escape_ascii()),
+                needed: u64::from(size),
+                available: body.len() as u64,
+            });
+        };
+        if id == b"fmt " {
+            format = Some(parse_fmt(chunk_body)?);
+        }
+        // RIFF pads odd-sized chunks to an even length; a missing final pad byte is harmless.
+        let padded = declared.saturating_add(declared & 1);
+        pos = pos.saturating_add(8).saturating_add(padded);
+    }
+}
+
+fn check_riff_header(bytes: &[u8]) -> Result<(), WavError> {
+    let riff = bytes.get(0..4);
+    let wave = bytes.get(8..12);
+    match (riff, wave) {
+        (Some(b"RIFF"), Some(b"WAVE")) => Ok(()),
+        (Some(b"RIFF"), None) => Err(WavError::TruncatedHeader {
+            what: "riff header".to_owned(),
+            needed: 12,
+            available: bytes.len() as u64,
+        }),
+        (None, _) if b"RIFF".starts_with(bytes) => Err(WavError::TruncatedHeader {
+            what: "riff header".to_owned(),
+            needed: 12,
+            available: bytes.len() as u64,
+        }),
+        _ => Err(WavError::NotRiffWave {
+            found: bytes.get(..12).unwrap_or(bytes).escape_ascii().to_string(),
+        }),
+    }
+}
+
+fn read_u16(bytes: &[u8], at: usize) -> Option<u16> {
+    let raw = bytes.get(at..at.checked_add(2)?)?;
+    raw.try_into().ok().map(u16::from_le_bytes)
+}
+
+fn read_u32(bytes: &[u8], at: usize) -> Option<u32> {
+    let raw = bytes.get(at..at.checked_add(4)?)?;
+    raw.try_into().ok().map(u32::from_le_bytes)
+}
+
+fn truncated_fmt(needed: usize, body: &[u8]) -> WavError {
+    WavError::TruncatedHeader {
+        what: "fmt chunk".to_owned(),
+        needed: needed as u64,
+        available: body.len() as u64,
+    }
+}
+
+fn format_tag_name(tag: u16) -> &'static str {
+    match tag {
+        0x0002 => "microsoft adpcm",
+        0x0006 => "a-law",
+        0x0007 => "mu-law",
+        0x0011 => "ima adpcm",
+        0x0031 => "gsm 6.10",
+        0x0050 => "mpeg",
+        0x0055 => "mpeg layer 3",
+        0x00FF => "aac",
+        _ => "unknown",
+    }
+}
+
+fn parse_fmt(body: &[u8]) -> Result<Format, WavError> {
+    let field16 = |at| read_u16(body, at).ok_or_else(|| truncated_fmt(FMT_MIN_LEN, body));
+    let field32 = |at| read_u32(body, at).ok_or_else(|| truncated_fmt(FMT_MIN_LEN, body));
+    let tag = field16(0)?;
+    let channels = field16(2)?;
+    let sample_rate = field32(4)?;
+    let block_align = field16(12)?;
+    let bits = field16(14)?;
+
+    // For extensible files the sub-format decides the encoding; valid bits below
+    // the container size are left-justified, so decoding by container size is exact.
+    let (encoding, container_bits) = if tag == FORMAT_EXTENSIBLE {
+        let ext16 = |at| read_u16(body, at).ok_or_else(|| truncated_fmt(FMT_EXTENSIBLE_LEN, body));
+        let valid_bits = ext16(18)?;
+        let guid: &[u8; 16] = body
+            .get(24..FMT_EXTENSIBLE_LEN)
+            .and_then(|g| g.try_into().ok())
+            .ok_or_else(|| truncated_fmt(FMT_EXTENSIBLE_LEN, body))?;
+        if valid_bits > bits {
+            return Err(WavError::InvalidValidBits {
+                valid_bits,
+                container_bits: bits,
+            });
+        }
+        let [lo, hi, tail @ ..] = *guid;
+        let sub_tag = u16::from_le_bytes([lo, hi]);
+        if tail != KSDATAFORMAT_GUID_TAIL
+            || !(sub_tag == FORMAT_PCM || sub_tag == FORMAT_IEEE_FLOAT)
+        {
+            return Err(WavError::UnsupportedSubFormat {
+                guid: format_guid(guid),
+            });
+        }
+        (sub_tag, bits)
+    } else {
+        (tag, bits)
+    };
+
+    if encoding != FORMAT_PCM && encoding != FORMAT_IEEE_FLOAT {
+        return Err(WavError::UnsupportedFormatTag {
+            tag,
+            name: format_tag_name(tag),
+        });
+    }
+    if channels == 0 {
+        return Err(WavError::ZeroChannels);
+    }
+    if sample_rate == 0 {
+        return Err(WavError::ZeroSampleRate);
+    }
+
+    let sample = match (encoding, container_bits) {
+        (FORMAT_PCM, 8) => SampleFormat::U8,
+        (FORMAT_PCM, 16) => SampleFormat::I16,
+        (FORMAT_PCM, 24) => SampleFormat::I24,
+        (FORMAT_PCM, 32) => SampleFormat::I32,
+        (FORMAT_IEEE_FLOAT, 32) => SampleFormat::F32,
+        (FORMAT_IEEE_FLOAT, 64) => SampleFormat::F64,
+        (FORMAT_PCM, bits) => {
+            return Err(WavError::UnsupportedBitsPerSample {
+                bits,
+                kind: "integer",
+            })
+        }
+        (_, bits) => {
+            return Err(WavError::UnsupportedBitsPerSample {
+                bits,
+                kind: "float",
+            })
+        }
+    };
+
+    let expected = u32::from(channels) * u32::from(sample.bytes());
+    if u32::from(block_align) != expected {
+        return Err(WavError::BlockAlignMismatch {
+            block_align,
+            channels,
+            bits: container_bits,
+            expected,
+        });
+    }
+
+    Ok(Format {
+        sample_rate,
+        channels,
+        block_align,
+        sample,
+    })
+}
+
+/// Renders a GUID the way Windows headers print it, e.g. `00000001-0000-0010-8000-00aa00389b71`.
+fn format_guid(g: &[u8]) -> String {
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    // The first three GUID fields are stored little-endian.
+    let hex_le = |bytes: &[u8]| {
+        bytes
+            .iter()
+            .rev()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    match (
+        g.get(0..4),
+        g.get(4..6),
+        g.get(6..8),
+        g.get(8..10),
+        g.get(10..16),
+    ) {
+        (Some(a), Some(b), Some(c), Some(d), Some(e)) => {
+            format!(
+                "{}-{}-{}-{}-{}",
+                hex_le(a),
+                hex_le(b),
+                hex_le(c),
+                hex(d),
+                hex(e)
+            )
+        }
+        _ => hex(g),
+    }
+}
+
+fn decode_samples(data: &[u8], format: Format, max_frames: u64) -> Result<Audio, WavError> {
+    let block_align = usize::from(format.block_align);
+    let frames = data.len() / block_align;
+    if frames == 0 {
+        return Err(WavError::EmptyAudio {
+            data_bytes: data.len() as u64,
+            block_align: format.block_align,
+        });
+    }
+    if frames as u64 > max_frames {
+        return Err(WavError::TooLong {
+            frames: frames as u64,
+            max: max_frames,
+        });
+    }
+
+    // Whole frames only: a partial trailing frame is what a cut-off stream leaves behind.
+    let whole = data.get(..frames * block_align).unwrap_or_default();
+    let samples = whole
+        .chunks_exact(usize::from(format.sample.bytes()))
+        .map(|raw| format.sample.decode(raw))
+        .collect();
+    Ok(Audio {
+        sample_rate: format.sample_rate,
+        channels: format.channels,
+        samples,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Sample encodings the test writer can produce.
+    #[derive(Debug, Clone, Copy)]
+    enum Enc {
+        U8,
+        I16,
+        I24,
+        I32,
+        F32,
+        F64,
+    }
+
+    impl Enc {
+        fn bits(self) -> u16 {
+            match self {
+                Enc::U8 => 8,
+                Enc::I16 => 16,
+                Enc::I24 => 24,
+                Enc::I32 | Enc::F32 => 32,
+                Enc::F64 => 64,
+            }
+        }
+
+        fn tag(self) -> u16 {
+            match self {
+                Enc::F32 | Enc::F64 => FORMAT_IEEE_FLOAT,
+                _ => FORMAT_PCM,
+            }
+        }
+
+        /// Largest decode error: half a quantisation step plus the asymmetric
+        /// full-scale (encoding uses 2^(n-1) - 1, decoding divides by 2^(n-1)).
+        fn tolerance(self) -> f32 {
+            match self {
+                Enc::F32 | Enc::F64 => 1e-7,
+                _ => 2.0 / (1u64 << (self.bits() - 1)) as f32,
+            }
+        }
+
+        fn encode(self, x: f32, out: &mut Vec<u8>) {
+            let int = |bits: u32| (f64::from(x) * ((1u64 << (bits - 1)) - 1) as f64).round() as i64;
+            match self {
+                Enc::U8 => out.push((int(8) + 128) as u8),
+                Enc::I16 => out.extend_from_slice(&(int(16) as i16).to_le_bytes()),
+                Enc::I24 => out.extend_from_slice(&(int(24) as i32).to_le_bytes()[..3]),
+                Enc::I32 => out.extend_from_slice(&(int(32) as i32).to_le_bytes()),
+                Enc::F32 => out.extend_from_slice(&x.to_le_bytes()),
+                Enc::F64 => out.extend_from_slice(&f64::from(x).to_le_bytes()),
+            }
+        }
+    }
+
+    fn chunk(id: &[u8; 4], body: &[u8], declared: Option<u32>) -> Vec<u8> {
+        let mut out = id.to_vec();
+        out.extend_from_slice(&declared.unwrap_or(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(body);
+        if body.len() % 2 == 1 {
+            out.push(0);
+        }
+        out
+    }
+
+    fn riff(chunks: &[Vec<u8>]) -> Vec<u8> {
+        let body: Vec<u8> = chunks.concat();
+        let mut out = b"RIFF".to_vec();
+        out.extend_from_slice(&(body.len() as u32 + 4).to_le_bytes());
+        out.extend_from_slice(b"WAVE");
+        out.extend_from_slice(&body);
+        out
+    }
+
+    fn fmt_body(tag: u16, channels: u16, rate: u32, bits: u16) -> Vec<u8> {
+        let block_align = channels * bits.div_ceil(8);
+        let mut b = Vec::new();
+        b.extend_from_slice(&tag.to_le_bytes());
+        b.extend_from_slice(&channels.to_le_bytes());
+        b.extend_from_slice(&rate.to_le_bytes());
+        b.extend_from_slice(&(rate * u32::from(block_align)).to_le_bytes());
+        b.extend_from_slice(&block_align.to_le_bytes());
+        b.extend_from_slice(&bits.to_le_bytes());
+        b
+    }
+
+    fn fmt_extensible(channels: u16, rate: u32, bits: u16, valid: u16, sub_tag: u16) -> Vec<u8> {
+        let mut b = fmt_body(FORMAT_EXTENSIBLE, channels, rate, bits);
+        b.extend_from_slice(&22u16.to_le_bytes());
+        b.extend_from_slice(&valid.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes()); // channel mask: unused by the decoder
+        b.extend_from_slice(&sub_tag.to_le_bytes());
+        b.extend_from_slice(&KSDATAFORMAT_GUID_TAIL);
+        b
+    }
+
+    fn encode_all(enc: Enc, samples: &[f32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        samples.iter().for_each(|&x| enc.encode(x, &mut out));
+        out
+    }
+
+    /// Interleaved test signal covering full scale, zero and odd values.
+    fn signal(channels: u16, frames: usize) -> Vec<f32> {
+        (0..frames * usize::from(channels))
+            .map(|i| {
+                let x = ((i as f32) * 0.37).sin() * 0.999;
+                if i % 17 == 0 {
+                    -1.0
+                } else {
+                    x
+                }
+            })
+            .collect()
+    }
+
+    fn plain_wav(enc: Enc, channels: u16, rate: u32, samples: &[f32]) -> Vec<u8> {
+        riff(&[
+            chunk(
+                b"fmt ",
+                &fmt_body(enc.tag(), channels, rate, enc.bits()),
+                None,
+            ),
+            chunk(b"data", &encode_all(enc, samples), None),
+        ])
+    }
+
+    fn check_decode(bytes: &[u8], rate: u32, channels: u16, expected: &[f32], tol: f32) {
+        let audio = decode_wav(bytes).unwrap_or_else(|e| panic!("decode failed: {e}"));
+        assert_eq!(audio.sample_rate, rate);
+        assert_eq!(audio.channels, channels);
+        assert_eq!(audio.samples.len(), expected.len());
+        for (i, (got, want)) in audio.samples.iter().zip(expected).enumerate() {
+            assert!(
+                (got - want).abs() <= tol,
+                "sample {i}: got {got}, want {want}, tolerance {tol}"
+            );
+            assert!((-1.0..=1.0).contains(got), "sample {i} out of range: {got}");
+        }
+    }
+
+    fn check_err(bytes: &[u8], expected: WavError) {
+        assert_eq!(decode_wav(bytes), Err(expected));
+    }
+
+    const ALL_ENCODINGS: [Enc; 6] = [Enc::U8, Enc::I16, Enc::I24, Enc::I32, Enc::F32, Enc::F64];
+
+    #[test]
+    fn every_plain_format_round_trips_within_quantisation_tolerance() {
+        for enc in ALL_ENCODINGS {
+            for (channels, rate) in [(1u16, 16_000u32), (2, 44_100), (6, 48_000), (1, 1)] {
+                let samples = signal(channels, 50);
+                let bytes = plain_wav(enc, channels, rate, &samples);
+                check_decode(&bytes, rate, channels, &samples, enc.tolerance());
+            }
+        }
+    }
+
+    #[test]
+    fn extensible_int_and_float_round_trip() {
+        let cases = [
+            (Enc::I16, 16, FORMAT_PCM),
+            (Enc::I24, 20, FORMAT_PCM), // 20 valid bits in a 24-bit container
+            (Enc::I24, 24, FORMAT_PCM),
+            (Enc::I32, 24, FORMAT_PCM),
+            (Enc::U8, 8, FORMAT_PCM),
+            (Enc::F32, 32, FORMAT_IEEE_FLOAT),
+            (Enc::F64, 64, FORMAT_IEEE_FLOAT),
+            (Enc::I16, 0, FORMAT_PCM), // some writers leave valid bits at 0
+        ];
+        for (enc, valid, sub) in cases {
+            let samples = signal(2, 40);
+            let bytes = riff(&[
+                chunk(
+                    b"fmt ",
+                    &fmt_extensible(2, 22_050, enc.bits(), valid, sub),
+                    None,
+                ),
+                chunk(b"data", &encode_all(enc, &samples), None),
+            ]);
+            check_decode(&bytes, 22_050, 2, &samples, enc.tolerance());
+        }
+    }
+
+    #[test]
+    fn integer_extremes_map_to_unit_range() {
+        let cases: [(Enc, Vec<u8>, Vec<f32>); 4] = [
+            (Enc::U8, vec![0, 128, 255], vec![-1.0, 0.0, 127.0 / 128.0]),
+            (
+                Enc::I16,
+                vec![0x00, 0x80, 0, 0, 0xFF, 0x7F],
+                vec![-1.0, 0.0, 32_767.0 / 32_768.0],
+            ),
+            (
+                Enc::I24,
+                vec![0, 0, 0x80, 0xFF, 0xFF, 0xFF],
+                vec![-1.0, -1.0 / 8_388_608.0],
+            ),
+            (
+                Enc::I32,
+                vec![0, 0, 0, 0x80, 0, 0, 0, 0x40],
+                vec![-1.0, 0.5],
+            ),
+        ];
+        for (enc, data, expected) in cases {
+            let bytes = riff(&[
+                chunk(b"fmt ", &fmt_body(enc.tag(), 1, 8_000, enc.bits()), None),
+                chunk(b"data", &data, None),
+            ]);
+            check_decode(&bytes, 8_000, 1, &expected, 1e-9);
+        }
+    }
+
+    #[test]
+    fn float_overs_and_nan_are_clamped_to_unit_range() {
+        let raw = [1.5f32, -3.0, f32::NAN, f32::INFINITY, 0.25];
+        let bytes = plain_wav(Enc::F32, 1, 16_000, &raw);
+        check_decode(&bytes, 16_000, 1, &[1.0, -1.0, 0.0, 1.0, 0.25], 0.0);
+    }
+
+    #[test]
+    fn odd_sized_unknown_chunks_are_skipped_with_padding() {
+        let samples = signal(1, 33); // 33 bytes of u8 data: odd data chunk too
+        let fmt = chunk(b"fmt ", &fmt_body(FORMAT_PCM, 1, 8_000, 8), None);
+        let data = chunk(b"data", &encode_all(Enc::U8, &samples), None);
+        let junk = |id: &[u8; 4], len: usize| chunk(id, &vec![0xAB; len], None);
+        let layouts = [
+            vec![junk(b"JUNK", 3), fmt.clone(), data.clone()],
+            vec![
+                fmt.clone(),
+                junk(b"LIST", 7),
+                junk(b"fact", 4),
+                data.clone(),
+            ],
+            vec![
+                junk(b"bext", 1),
+                fmt.clone(),
+                junk(b"junk", 0),
+                data.clone(),
+            ],
+            vec![fmt.clone(), data.clone(), junk(b"LIST", 5)],
+        ];
+        for layout in layouts {
+            check_decode(&riff(&layout), 8_000, 1, &samples, Enc::U8.tolerance());
+        }
+    }
+
+    #[test]
+    fn oversized_data_size_uses_whole_frames_present() {
+        let samples = signal(2, 10);
+        let mut data = encode_all(Enc::I16, &samples);
+        data.extend_from_slice(&[1, 2]); // partial trailing frame from a cut-off stream
+        for declared in [u32::MAX, 0x7FFF_FFFF, 1_000] {
+            let bytes = riff(&[
+                chunk(b"fmt ", &fmt_body(FORMAT_PCM, 2, 16_000, 16), None),
+                chunk(b"data", &data, Some(declared)),
+            ]);
+            check_decode(&bytes, 16_000, 2, &samples, Enc::I16.tolerance());
+        }
+    }
+
+    #[test]
+    fn declared_data_size_shorter_than_file_is_respected() {
+        let samples = signal(1, 8);
+        let mut data = encode_all(Enc::I16, &samples);
+        data.extend_from_slice(&[0x11; 10]); // trailing bytes outside the declared chunk
+        let bytes = riff(&[
+            chunk(b"fmt ", &fmt_body(FORMAT_PCM, 1, 16_000, 16), None),
+            chunk(b"data", &data, Some(16)),
+        ]);
+        check_decode(&bytes, 16_000, 1, &samples, Enc::I16.tolerance());
+    }
+
+    #[test]
+    fn malformed_inputs_return_the_matching_error() {
+        let fmt16 = chunk(b"fmt ", &fmt_body(FORMAT_PCM, 1, 16_000, 16), None);
+        let data = chunk(b"data", &[0, 0, 0, 0], None);
+        let with_fmt = |fmt: Vec<u8>| riff(&[chunk(b"fmt ", &fmt, None), data.clone()]);
+        let mut bad_align = fmt_body(FORMAT_PCM, 2, 16_000, 16);
+        bad_align[12] = 3;
+        let mut bad_guid = fmt_extensible(1, 16_000, 16, 16, FORMAT_PCM);
+        bad_guid[32] = 0x42; // first byte of the GUID's Data4 field
+        let mut truncated_ext = fmt_extensible(1, 16_000, 16, 16, FORMAT_PCM);
+        truncated_ext.truncate(30);
+
+        let cases: Vec<(Vec<u8>, WavError)> = vec![
+            (
+                b"OggS\0\0\0\0WAVE".to_vec(),
+                WavError::NotRiffWave {
+                    found: "OggS\\x00\\x00\\x00\\x00WAVE".into(),
+                },
+            ),
+            (
+                b"RIFF\0\0\0\0AVI ".to_vec(),
+                WavError::NotRiffWave {
+                    found: "RIFF\\x00\\x00\\x00\\x00AVI ".into(),
+                },
+            ),
+            (b"hi".to_vec(), WavError::NotRiffWave { found: "hi".into() }),
+            (Vec::new(), trunc("riff header", 12, 0)),
+            (b"RIF".to_vec(), trunc("riff header", 12, 3)),
+            (b"RIFF\0\0\0\0WA".to_vec(), trunc("riff header", 12, 10)),
+            (riff(&[]), WavError::MissingFmtChunk),
+            (riff(std::slice::from_ref(&data)), WavError::MissingFmtChunk),
+            (
+                riff(&[data.clone(), fmt16.clone()]),
+                WavError::MissingFmtChunk,
+            ),
+            (
+                riff(std::slice::from_ref(&fmt16)),
+                WavError::MissingDataChunk,
+            ),
+            (
+                riff(&[fmt16.clone(), chunk(b"LIST", &[1, 2], None)]),
+                WavError::MissingDataChunk,
+            ),
+            (
+                riff(&[fmt16.clone(), chunk(b"LIST", &[1, 2], Some(100))]),
+                trunc("\"LIST\" chunk", 100, 2),
+            ),
+            (
+                with_fmt(fmt_body(0x0055, 1, 16_000, 16)),
+                WavError::UnsupportedFormatTag {
+                    tag: 0x55,
+                    name: "mpeg layer 3",
+                },
+            ),
+            (
+                with_fmt(fmt_body(0x1234, 1, 16_000, 16)),
+                WavError::UnsupportedFormatTag {
+                    tag: 0x1234,
+                    name: "unknown",
+                },
+            ),
+            (
+                with_fmt(fmt_body(FORMAT_PCM, 1, 16_000, 12)),
+                WavError::UnsupportedBitsPerSample {
+                    bits: 12,
+                    kind: "integer",
+                },
+            ),
+            (
+                with_fmt(fmt_body(FORMAT_PCM, 1, 16_000, 0)),
+                WavError::UnsupportedBitsPerSample {
+                    bits: 0,
+                    kind: "integer",
+                },
+            ),
+            (
+                with_fmt(fmt_body(FORMAT_IEEE_FLOAT, 1, 16_000, 16)),
+                WavError::UnsupportedBitsPerSample {
+                    bits: 16,
+                    kind: "float",
+                },
+            ),
+            (
+                with_fmt(fmt_body(FORMAT_PCM, 0, 16_000, 16)),
+                WavError::ZeroChannels,
+            ),
+            (
+                with_fmt(fmt_body(FORMAT_PCM, 1, 0, 16)),
+                WavError::ZeroSampleRate,
+            ),
+            (
+                with_fmt(bad_align),
+                WavError::BlockAlignMismatch {
+                    block_align: 3,
+                    channels: 2,
+                    bits: 16,
+                    expected: 4,
+                },
+            ),
+            (
+                with_fmt(fmt_body(FORMAT_PCM, 1, 16_000, 16)[..14].to_vec()),
+                trunc("fmt chunk", 16, 14),
+            ),
+            (with_fmt(truncated_ext), trunc("fmt chunk", 40, 30)),
+            (
+                with_fmt(fmt_extensible(1, 16_000, 16, 20, FORMAT_PCM)),
+                WavError::InvalidValidBits {
+                    valid_bits: 20,
+                    container_bits: 16,
+                },
+            ),
+            (
+                with_fmt(fmt_extensible(1, 16_000, 16, 16, 0x0002)),
+                WavError::UnsupportedSubFormat {
+                    guid: "00000002-0000-0010-8000-00aa00389b71".into(),
+                },
+            ),
+            (
+                with_fmt(bad_guid),
+                WavError::UnsupportedSubFormat {
+                    guid: "00000001-0000-0010-4200-00aa00389b71".into(),
+                },
+            ),
+            (
+                riff(&[fmt16.clone(), chunk(b"data", &[], None)]),
+                WavError::EmptyAudio {
+                    data_bytes: 0,
+                    block_align: 2,
+                },
+            ),
+            (
+                riff(&[fmt16.clone(), chunk(b"data", &[7], None)]),
+                WavError::EmptyAudio {
+                    data_bytes: 1,
+                    block_align: 2,
+                },
+            ),
+        ];
+        for (bytes, expected) in cases {
+            check_err(&bytes, expected);
+        }
+    }
+
+    fn trunc(what: &str, needed: u64, available: u64) -> WavError {
+        WavError::TruncatedHeader {
+            what: what.to_owned(),
+            needed,
+            available,
+        }
+    }
+
+    #[test]
+    fn error_messages_name_the_offending_value() {
+        let cases = [
+            (
+                WavError::UnsupportedBitsPerSample {
+                    bits: 12,
+                    kind: "integer",
+                },
+                "unsupported wav sample format: 12-bit integer",
+            ),
+            (
+                WavError::UnsupportedFormatTag {
+                    tag: 0x55,
+                    name: "mpeg layer 3",
+                },
+                "unsupported wav format tag: 0x0055 (mpeg layer 3)",
+            ),
+            (
+                WavError::TooLong { frames: 10, max: 5 },
+                "wav audio too long: 10 frames exceeds the limit of 5",
+            ),
+        ];
+        for (err, message) in cases {
+            assert_eq!(err.to_string(), message);
+        }
+    }
+
+    #[test]
+    fn frame_limit_is_enforced_before_decoding() {
+        let bytes = plain_wav(Enc::I16, 2, 16_000, &signal(2, 100));
+        let cases = [
+            (100, Ok(100)),
+            (1_000, Ok(100)),
+            (
+                99,
+                Err(WavError::TooLong {
+                    frames: 100,
+                    max: 99,
+                }),
+            ),
+        ];
+        for (max, expected) in cases {
+            let got = decode_wav_limited(&bytes, max).map(|a| a.frames());
+            assert_eq!(got, expected, "limit {max}");
+        }
+    }
+
+    #[test]
+    fn every_truncation_of_a_valid_file_is_an_error_or_a_prefix() {
+        let samples = signal(2, 20);
+        let bytes = riff(&[
+            chunk(b"LIST", &[1, 2, 3], None),
+            chunk(
+                b"fmt ",
+                &fmt_extensible(2, 16_000, 24, 24, FORMAT_PCM),
+                None,
+            ),
+            chunk(b"data", &encode_all(Enc::I24, &samples), None),
+        ]);
+        for len in 0..bytes.len() {
+            match decode_wav(&bytes[..len]) {
+                // A cut inside the data chunk keeps the whole frames that made it.
+                Ok(audio) => {
+                    assert!(audio.samples.len() < samples.len() && audio.samples.len() % 2 == 0)
+                }
+                Err(
+                    WavError::TruncatedHeader { .. }
+                    | WavError::MissingFmtChunk
+                    | WavError::MissingDataChunk
+                    | WavError::EmptyAudio { .. },
+                ) => {}
+                Err(other) => panic!("length {len}: unexpected error {other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn duration_and_mono_downmix() {
+        let audio = Audio {
+            sample_rate: 4,
+            channels: 3,
+            samples: vec![0.3, 0.6, 0.0, -1.0, -1.0, -1.0],
+        };
+        assert_eq!(audio.frames(), 2);
+        assert!((audio.duration_seconds() - 0.5).abs() < 1e-12);
+        let mono = audio.to_mono();
+        assert_eq!(mono.len(), 2);
+        assert!((mono[0] - 0.3).abs() < 1e-6 && (mono[1] + 1.0).abs() < 1e-6);
+
+        // Hand-built degenerate values must not panic or divide by zero.
+        let degenerate = Audio {
+            sample_rate: 0,
+            channels: 0,
+            samples: vec![0.5],
+        };
+        assert_eq!(degenerate.duration_seconds(), 0.0);
+        assert!(degenerate.to_mono().is_empty());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_wav(&bytes);
+        }
+
+        #[test]
+        fn mutated_valid_files_never_panic(
+            edits in proptest::collection::vec((0usize..120, any::<u8>()), 1..8),
+            cut in 0usize..140,
+        ) {
+            let mut bytes = riff(&[
+                chunk(b"fmt ", &fmt_extensible(2, 16_000, 32, 32, FORMAT_IEEE_FLOAT), None),
+                chunk(b"data", &encode_all(Enc::F32, &signal(2, 8)), None),
+            ]);
+            for (at, value) in edits {
+                if let Some(b) = bytes.get_mut(at) {
+                    *b = value;
+                }
+            }
+            bytes.truncate(cut);
+            if let Ok(audio) = decode_wav(&bytes) {
+                prop_assert!(audio.samples.iter().all(|x| (-1.0..=1.0).contains(x)));
+                prop_assert!(audio.channels >= 1 && audio.sample_rate >= 1);
+            }
+        }
+    }
+}
