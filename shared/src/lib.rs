@@ -1,9 +1,12 @@
 //! What both vramgate services share: the Kafka event schemas, the Open Inference Protocol
-//! wire format, config layering and logging set-up.
+//! wire format, the admission primitive (a byte-weighted async semaphore), config layering
+//! and logging set-up.
 //!
-//! This crate deliberately knows no Kafka client, no libtorch and no HTTP server: it is types
-//! and pure functions, so either service (and users' own producers) can depend on it cheaply.
+//! This crate deliberately knows no Kafka client, no libtorch and no HTTP server: it is types,
+//! pure functions and tokio synchronisation, so either service (and users' own producers) can
+//! depend on it cheaply.
 
+pub mod admission;
 pub mod config;
 pub mod events;
 pub mod oip;
