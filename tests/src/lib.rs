@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::Message;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 
@@ -115,8 +115,23 @@ pub fn producer() -> FutureProducer {
 
 /// Sends one record and waits for the broker's acknowledgement.
 pub async fn send(producer: &FutureProducer, topic: &str, key: &str, value: &[u8]) -> anyhow::Result<()> {
+    send_with_headers(producer, topic, key, value, &[]).await
+}
+
+/// Sends one record with headers and waits for the broker's acknowledgement.
+pub async fn send_with_headers(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    value: &[u8],
+    headers: &[(&str, &[u8])],
+) -> anyhow::Result<()> {
+    let mut owned = OwnedHeaders::new();
+    for (k, v) in headers {
+        owned = owned.insert(Header { key: k, value: Some(*v) });
+    }
     producer
-        .send(FutureRecord::to(topic).key(key).payload(value), Duration::from_secs(30))
+        .send(FutureRecord::to(topic).key(key).payload(value).headers(owned), Duration::from_secs(30))
         .await
         .map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
     Ok(())
@@ -127,6 +142,14 @@ pub async fn send(producer: &FutureProducer, topic: &str, key: &str, value: &[u8
 pub struct Received {
     pub topic: String,
     pub value: serde_json::Value,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl Received {
+    /// The value of header `key`, if the record has it.
+    pub fn header(&self, key: &str) -> Option<&[u8]> {
+        self.headers.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_slice())
+    }
 }
 
 /// Reads `topics` from the beginning until `done` says the collected records suffice, or the
@@ -156,7 +179,11 @@ pub async fn collect(
         let value: serde_json::Value = serde_json::from_slice(message.payload().unwrap_or(b"null"))
             .context("result and dead-letter values are json")?;
         let id = value.get("id").and_then(|v| v.as_str()).unwrap_or("").to_string();
-        by_id.entry(id).or_default().push(Received { topic: message.topic().to_string(), value });
+        let headers = message
+            .headers()
+            .map(|h| h.iter().map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec())).collect())
+            .unwrap_or_default();
+        by_id.entry(id).or_default().push(Received { topic: message.topic().to_string(), value, headers });
     }
     Ok(by_id)
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use vramgate_tests::wav::{compose, speak, write_wav, SampleFormat};
 use vramgate_tests::{
-    collect, producer, scratch_dir, send, silero_worker_config, start_gateway, start_worker, unique, Received,
+    collect, producer, scratch_dir, send, send_with_headers, silero_worker_config, start_gateway, start_worker, unique, Received,
     TaskTopics,
 };
 
@@ -93,7 +93,9 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
     let clip = compose(Some(&speech[0]), 0.5, 0.5, 16_000, 1, 99);
     let after_path = root.join("after.wav");
     write_wav(&after_path, &clip.samples, 16_000, 1, SampleFormat::I16).expect("write");
-    send(&producer, &topics.requests, &after, &request(&after, &format!("file://{}", after_path.display())))
+    let traceparent = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let after_value = request(&after, &format!("file://{}", after_path.display()));
+    send_with_headers(&producer, &topics.requests, &after, &after_value, &[("traceparent", traceparent)])
         .await
         .expect("send");
 
@@ -146,13 +148,20 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
         assert!(got.value["error"]["message"].as_str().is_some_and(|m| m.len() > 10), "{}", got.value);
         assert_eq!(got.value["source"]["topic"], topics.requests.as_str());
         assert!(got.value["source"]["value_b64"].is_string());
+        // Spring Kafka's dead-letter headers, so tooling that reads those reads ours.
+        assert_eq!(got.header("kafka_dlt-original-topic"), Some(topics.requests.as_bytes()));
+        let offset = got.value["source"]["offset"].as_i64().expect("offset");
+        assert_eq!(got.header("kafka_dlt-original-offset"), Some(&offset.to_be_bytes()[..]));
+        assert_eq!(got.header("vramgate-error-kind"), Some(kind.as_bytes()));
     };
     check_dead(&only(&records, &poison_corrupt), "unsupported_input", "convert");
     check_dead(&only(&records, &poison_missing), "fetch_failed", "fetch");
     let not_json = &records[""];
     assert_eq!(not_json.len(), 1, "{not_json:?}");
     check_dead(&not_json[0], "invalid_json", "parse");
-    assert_eq!(only(&records, &after).topic, topics.results, "the gateway stopped after the poison records");
+    let after_result = only(&records, &after);
+    assert_eq!(after_result.topic, topics.results, "the gateway stopped after the poison records");
+    assert_eq!(after_result.header("traceparent"), Some(&traceparent[..]), "trace context not carried");
     drop(gateway);
     drop(worker);
 }
