@@ -25,24 +25,5 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", config.listen))?;
     // Tests and scripts read this line to learn the port when listening on port 0.
     println!("listening on {}", listener.local_addr()?);
-    vramgate_worker::server::run(config, listener, shutdown_signal()).await
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    tracing::info!("shutdown requested");
+    vramgate_worker::server::run(config, listener, vramgate_shared::shutdown::signal()).await
 }

@@ -21,9 +21,3 @@ impl Failure {
         self
     }
 }
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} at {}: {}", self.kind.as_str(), self.stage.as_str(), self.message)
-    }
-}

@@ -20,15 +20,5 @@ async fn main() -> anyhow::Result<()> {
     let config: GatewayConfig =
         vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
             .context("reading api-gateway config")?;
-    vramgate_gateway::pipeline::run(config, shutdown_signal()).await
-}
-
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler only fails if the runtime has no signal driver");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    tracing::info!("shutdown requested");
+    vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await
 }

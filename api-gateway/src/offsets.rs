@@ -91,22 +91,9 @@ impl OffsetTracker {
         Some(position)
     }
 
-    /// Records started but not finished, per partition.
-    pub fn unfinished(&self) -> impl Iterator<Item = (&TopicPartition, usize)> {
-        self.partitions.iter().map(|(tp, s)| (tp, s.unfinished.len()))
-    }
-
     /// Total records in flight.
     pub fn in_flight(&self) -> usize {
         self.partitions.values().map(|s| s.unfinished.len()).sum()
-    }
-
-    /// The current committable position of every partition that has one.
-    pub fn positions(&self) -> Vec<(TopicPartition, i64)> {
-        self.partitions
-            .iter()
-            .filter_map(|(tp, s)| s.position().map(|p| (tp.clone(), p)))
-            .collect()
     }
 }
 

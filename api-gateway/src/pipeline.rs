@@ -32,7 +32,7 @@ use crate::failure::Failure;
 use crate::input::InputSource;
 use crate::offsets::{OffsetTracker, Ticket, TopicPartition};
 use crate::voice::{self, VoiceOptions};
-use crate::worker_client::{CallError, WorkerClient};
+use crate::worker_client::{CallError, InferCall, WorkerClient};
 
 const VOICE: &str = "voice";
 
@@ -313,16 +313,7 @@ async fn process(shared: &Shared, message: &OwnedMessage, started: Instant) -> R
             "record has no value; expected a json request",
         ))
     })?;
-    let json: serde_json::Value = serde_json::from_slice(value).map_err(|e| {
-        Rejection::anonymous(Failure::new(ErrorKind::InvalidJson, Stage::Parse, format!("record value is not json: {e}")))
-    })?;
-    let id_hint = json.get("id").and_then(|v| v.as_str()).map(str::to_string);
-    let task_hint = json.get("task").and_then(|v| v.as_str()).map(str::to_string);
-    let request: RequestEvent = serde_json::from_value(json).map_err(|e| Rejection {
-        failure: Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("record is not a valid request: {e}")),
-        id: id_hint.clone(),
-        task: task_hint.clone(),
-    })?;
+    let request = parse_request(value)?;
     tracing::Span::current().record("event_id", request.id.as_str());
     let reject = |failure: Failure| Rejection {
         failure,
@@ -357,20 +348,19 @@ async fn process(shared: &Shared, message: &OwnedMessage, started: Instant) -> R
         .await
         .map_err(|e| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string())))?;
     let max_seconds = task.config.max_audio_seconds;
-    let converted = on_pool(&task.pool, move || voice::convert(&bytes, max_seconds))
+    let mut converted = on_pool(&task.pool, move || voice::convert(&bytes, max_seconds))
         .await
         .and_then(|r| r)
         .map_err(reject)?;
     let convert_ms = ms(convert_started.elapsed());
 
-    let input = Tensor {
-        name: voice::MODEL_INPUT.into(),
-        shape: vec![1, converted.samples.len()],
-        data: TensorData::Fp32(converted.samples.clone()),
-    };
-    let call = call_worker(shared, &task.permits, &task.config.model, &request.id, &input, voice::MODEL_OUTPUT)
-        .await
-        .map_err(reject)?;
+    // The samples move into the tensor, and the tensor into one encoded body that all attempts
+    // share: the audio is held once, not once per copy or per retry.
+    let samples = std::mem::take(&mut converted.samples);
+    let input = Tensor { name: voice::MODEL_INPUT.into(), shape: vec![1, samples.len()], data: TensorData::Fp32(samples) };
+    let infer_call = InferCall::new(&request.id, &input, voice::MODEL_OUTPUT);
+    drop(input);
+    let call = call_worker(shared, &task.permits, &task.config.model, &infer_call).await.map_err(reject)?;
     let output = voice::output(&call.output.data, &converted, &options.params(&task.config.segments));
     Ok(ResultEvent {
         version: SCHEMA_VERSION,
@@ -386,6 +376,24 @@ async fn process(shared: &Shared, message: &OwnedMessage, started: Instant) -> R
             total: ms(started.elapsed()),
         },
         attempts: call.attempts,
+    })
+}
+
+/// Reads a request in one pass. Only a record that fails is read again, as loose JSON, to
+/// tell "not JSON" from "not a request" and to recover its id and task for the dead letter.
+fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
+    let error = match serde_json::from_slice::<RequestEvent>(value) {
+        Ok(request) => return Ok(request),
+        Err(e) => e,
+    };
+    let json: serde_json::Value = serde_json::from_slice(value).map_err(|e| {
+        Rejection::anonymous(Failure::new(ErrorKind::InvalidJson, Stage::Parse, format!("record value is not json: {e}")))
+    })?;
+    let hint = |key: &str| json.get(key).and_then(|v| v.as_str()).map(str::to_string);
+    Err(Rejection {
+        failure: Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("record is not a valid request: {error}")),
+        id: hint("id"),
+        task: hint("task"),
     })
 }
 
@@ -425,9 +433,7 @@ async fn call_worker(
     shared: &Shared,
     permits: &Semaphore,
     model: &str,
-    request_id: &str,
-    input: &Tensor,
-    output_name: &str,
+    infer_call: &InferCall,
 ) -> Result<WorkerCall, Failure> {
     let cfg = &shared.worker_config;
     let max_attempts = cfg.max_attempts.max(1);
@@ -442,7 +448,7 @@ async fn call_worker(
         let call_started = Instant::now();
         let result = shared
             .worker
-            .infer(model, request_id, input.clone(), output_name)
+            .infer(model, infer_call)
             .instrument(tracing::info_span!("worker_call", attempt))
             .await;
         drop(permit);

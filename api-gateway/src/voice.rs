@@ -9,7 +9,7 @@ use crate::config::SegmentConfig;
 use crate::failure::Failure;
 
 /// The rate and window of the Silero-style model the worker serves for this task.
-pub const MODEL_SAMPLE_RATE: u32 = 16_000;
+pub const MODEL_SAMPLE_RATE: u32 = audio::VAD_SAMPLE_RATE;
 pub const MODEL_WINDOW: u32 = 512;
 pub const MODEL_INPUT: &str = "audio";
 pub const MODEL_OUTPUT: &str = "speech_prob";

@@ -36,6 +36,24 @@ pub struct ModelOutput {
     pub data: Vec<f32>,
 }
 
+/// One inference request, encoded once so that retries re-send it without re-encoding.
+pub struct InferCall {
+    body: bytes::Bytes,
+    header_len: Option<usize>,
+    output_name: String,
+}
+
+impl InferCall {
+    /// Encodes `input` with its tensor data in the binary extension, asking for `output_name`
+    /// in binary too.
+    pub fn new(request_id: &str, input: &Tensor, output_name: &str) -> Self {
+        let outputs = [oip::RequestOutputSpec { name: output_name.to_string(), binary: true }];
+        let (body, header_len) =
+            oip::encode_request(Some(request_id), std::slice::from_ref(input), true, &outputs);
+        InferCall { body: body.into(), header_len, output_name: output_name.to_string() }
+    }
+}
+
 #[derive(Clone)]
 pub struct WorkerClient {
     http: reqwest::Client,
@@ -52,22 +70,16 @@ impl WorkerClient {
         Ok(WorkerClient { http, base: endpoint.url.trim_end_matches('/').to_string() })
     }
 
-    /// Sends one FP32 tensor to `model` and returns its output tensor `output_name`.
-    pub async fn infer(
-        &self,
-        model: &str,
-        request_id: &str,
-        input: Tensor,
-        output_name: &str,
-    ) -> Result<ModelOutput, CallError> {
-        let outputs = [oip::RequestOutputSpec { name: output_name.to_string(), binary: true }];
-        let (body, header_len) = oip::encode_request(Some(request_id), &[input], true, &outputs);
+    /// Sends a prepared request to `model` and returns its output tensor.
+    pub async fn infer(&self, model: &str, call: &InferCall) -> Result<ModelOutput, CallError> {
+        let output_name = call.output_name.as_str();
         let url = format!("{}/v2/models/{model}/infer", self.base);
         let mut request = self.http.post(&url).header("content-type", "application/octet-stream");
-        if let Some(len) = header_len {
+        if let Some(len) = call.header_len {
             request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len);
         }
-        let response = request.body(body).send().await.map_err(|e| CallError::Unavailable {
+        // `Bytes` clones share the buffer: a retry re-sends the same body without copying it.
+        let response = request.body(call.body.clone()).send().await.map_err(|e| CallError::Unavailable {
             message: format!("calling {url}: {}", error_chain(&e)),
             retry_after: None,
         })?;

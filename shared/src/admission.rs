@@ -943,19 +943,7 @@ mod tests {
 
     // ---- stress: many tasks on a multi-thread runtime ----
 
-    /// xorshift64*, enough randomness for a reproducible stress run.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use crate::test_rng::Rng;
 
     #[test]
     fn stress_many_tasks_never_oversubscribe() {

@@ -3,11 +3,14 @@
 //! and logging set-up.
 //!
 //! This crate deliberately knows no Kafka client, no libtorch and no HTTP server: it is types,
-//! pure functions and tokio synchronisation, so either service (and users' own producers) can
+//! pure functions, tokio synchronisation and signal handling, so either service (and users' own producers) can
 //! depend on it cheaply.
 
 pub mod admission;
 pub mod config;
 pub mod events;
 pub mod oip;
+pub mod shutdown;
 pub mod telemetry;
+#[cfg(test)]
+mod test_rng;

@@ -1884,20 +1884,7 @@ mod tests {
 
     // --- robustness ---
 
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            // xorshift64*
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n.max(1) as u64) as usize
-        }
-    }
+    use crate::test_rng::Rng;
 
     fn try_everything(body: &[u8], header_len: Option<usize>) {
         let limits = DecodeLimits {
@@ -1912,11 +1899,11 @@ mod tests {
     fn random_bytes_never_panic() {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         for _ in 0..20_000 {
-            let len = rng.below(200);
+            let len = rng.index(200);
             let body: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-            let header_len = match rng.below(3) {
+            let header_len = match rng.index(3) {
                 0 => None,
-                1 => Some(rng.below(len + 1)),
+                1 => Some(rng.index(len + 1)),
                 _ => Some(rng.next() as usize),
             };
             try_everything(&body, header_len);
@@ -1955,28 +1942,28 @@ mod tests {
             b"[[[]]]",
         ];
         for _ in 0..20_000 {
-            let (base, base_hl) = &bases[rng.below(bases.len())];
+            let (base, base_hl) = &bases[rng.index(bases.len())];
             let mut body = base.clone();
-            for _ in 0..=rng.below(4) {
+            for _ in 0..=rng.index(4) {
                 if body.is_empty() {
                     break;
                 }
-                let at = rng.below(body.len());
-                match rng.below(4) {
+                let at = rng.index(body.len());
+                match rng.index(4) {
                     0 => body[at] = rng.next() as u8,
                     1 => {
                         body.remove(at);
                     }
                     2 => {
-                        let token = tokens[rng.below(tokens.len())];
+                        let token = tokens[rng.index(tokens.len())];
                         body.splice(at..at, token.iter().copied());
                     }
                     _ => body.truncate(at),
                 }
             }
-            let header_len = match rng.below(4) {
+            let header_len = match rng.index(4) {
                 0 => None,
-                1 => Some(rng.below(body.len() + 1)),
+                1 => Some(rng.index(body.len() + 1)),
                 _ => base_hl.map(|hl| hl.min(body.len())),
             };
             try_everything(&body, header_len);
@@ -1998,15 +1985,15 @@ mod tests {
         for _ in 0..20_000 {
             let mut json = String::from(r#"{"inputs":["#);
             let mut binary_len = 0usize;
-            for i in 0..rng.below(4) {
-                let dt = datatypes[rng.below(datatypes.len())];
-                let rank = rng.below(3);
+            for i in 0..rng.index(4) {
+                let dt = datatypes[rng.index(datatypes.len())];
+                let rank = rng.index(3);
                 let shape: Vec<i64> = (0..rank)
                     .map(|_| {
-                        if rng.below(4) == 0 {
-                            dims[rng.below(dims.len())]
+                        if rng.index(4) == 0 {
+                            dims[rng.index(dims.len())]
                         } else {
-                            rng.below(4) as i64
+                            rng.index(4) as i64
                         }
                     })
                     .collect();
@@ -2026,11 +2013,11 @@ mod tests {
                 }
                 json.push_str(&format!(
                     r#"{{"name":"t{}","shape":{shape_text},"datatype":"{dt}""#,
-                    rng.below(3)
+                    rng.index(3)
                 ));
-                match rng.below(3) {
+                match rng.index(3) {
                     0 => {
-                        let claimed = match rng.below(4) {
+                        let claimed = match rng.index(4) {
                             0 => format!("{}", size + 1),
                             1 => "-8".into(),
                             _ => format!("{size}"),
@@ -2041,15 +2028,15 @@ mod tests {
                         ));
                     }
                     1 => {
-                        let n = if rng.below(4) == 0 {
-                            rng.below(8)
+                        let n = if rng.index(4) == 0 {
+                            rng.index(8)
                         } else {
                             count
                         };
                         let values: Vec<&str> = (0..n)
                             .map(|_| {
-                                if rng.below(3) == 0 {
-                                    scalars[rng.below(scalars.len())]
+                                if rng.index(3) == 0 {
+                                    scalars[rng.index(scalars.len())]
                                 } else {
                                     "1"
                                 }
@@ -2062,13 +2049,13 @@ mod tests {
                 json.push('}');
             }
             json.push_str("]}");
-            let binary_len = match rng.below(4) {
-                0 => rng.below(binary_len + 2),
+            let binary_len = match rng.index(4) {
+                0 => rng.index(binary_len + 2),
                 _ => binary_len,
             };
             let mut body = json.clone().into_bytes();
             body.extend((0..binary_len).map(|_| rng.next() as u8));
-            let header_len = if rng.below(8) == 0 {
+            let header_len = if rng.index(8) == 0 {
                 None
             } else {
                 Some(json.len())
