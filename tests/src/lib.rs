@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::ClientConfig;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -210,6 +210,50 @@ impl Service {
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+
+    /// Sends SIGTERM and waits up to `timeout` for the process to exit; returns its status.
+    pub async fn terminate(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let sent = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status()?;
+        anyhow::ensure!(sent.success(), "kill -TERM {} failed", self.pid());
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("{} still running {timeout:?} after SIGTERM; log:\n{}", self.name, self.log_tail());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Records of `topic` not covered by `group`'s committed offsets, summed over partitions
+/// (a partition with no commit counts all its records).
+pub fn uncommitted_records(group: &str, topic: &str) -> anyhow::Result<i64> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let timeout = Duration::from_secs(10);
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    let partitions = metadata.topics().first().map_or(0, |t| t.partitions().len()) as i32;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(tpl, timeout)?;
+    let mut behind = 0;
+    for p in 0..partitions {
+        let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+        let at = match committed.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o,
+            _ => low,
+        };
+        behind += high - at;
+    }
+    Ok(behind)
 }
 
 impl Drop for Service {

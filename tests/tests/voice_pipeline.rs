@@ -6,16 +6,16 @@ use std::time::Duration;
 
 use vramgate_tests::wav::{compose, speak, write_wav, SampleFormat};
 use vramgate_tests::{
-    collect, producer, scratch_dir, send, send_with_headers, silero_worker_config, start_gateway, start_worker, unique, Received,
+    collect, producer, scratch_dir, uncommitted_records, send, send_with_headers, silero_worker_config, start_gateway, start_worker, unique, Received,
     TaskTopics,
 };
 
 /// Segments must cover the known speech: first start and last end within this of its bounds.
 const TOLERANCE_SECONDS: f64 = 0.3;
 
-fn gateway_env(topics: &TaskTopics, worker_url: &str, root: &std::path::Path) -> Vec<(&'static str, String)> {
+fn gateway_env(topics: &TaskTopics, group: &str, worker_url: &str, root: &std::path::Path) -> Vec<(&'static str, String)> {
     vec![
-        ("KAFKA__GROUP_ID", unique("gw")),
+        ("KAFKA__GROUP_ID", group.to_string()),
         ("WORKER__URL", worker_url.to_string()),
         ("INPUT__FILE_ROOT", root.display().to_string()),
         ("VOICE__REQUESTS_TOPIC", topics.requests.clone()),
@@ -41,7 +41,8 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
     let topics = TaskTopics::create("voice-e2e", 3).await.expect("topics");
     let root = scratch_dir("voice-e2e");
     let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
-    let gateway = start_gateway(&gateway_env(&topics, &worker.url, &root)).expect("gateway starts");
+    let group = unique("gw");
+    let mut gateway = start_gateway(&gateway_env(&topics, &group, &worker.url, &root)).expect("gateway starts");
 
     // 18 spoken clips across rates, channel counts and sample formats, plus 2 of pure noise.
     let phrases = [
@@ -162,6 +163,11 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
     let after_result = only(&records, &after);
     assert_eq!(after_result.topic, topics.results, "the gateway stopped after the poison records");
     assert_eq!(after_result.header("traceparent"), Some(&traceparent[..]), "trace context not carried");
-    drop(gateway);
+
+    // SIGTERM: the gateway finishes, commits and exits 0; every request offset is committed.
+    let status = gateway.terminate(Duration::from_secs(30)).await.expect("gateway stops");
+    assert!(status.success(), "gateway exited with {status}; log:\n{}", gateway.log_tail());
+    let behind = uncommitted_records(&group, &topics.requests).expect("read committed offsets");
+    assert_eq!(behind, 0, "{behind} request records not committed after a graceful shutdown");
     drop(worker);
 }
