@@ -5,6 +5,11 @@
 //! port 0.
 
 pub mod config;
+pub mod cuda_memory;
+pub mod engine;
+pub mod estimate;
+pub mod memory;
+pub mod metrics;
 pub mod model;
 pub mod server;
 

@@ -13,8 +13,13 @@ struct Args {
     config: Option<PathBuf>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // Before any thread exists: see its doc for why the allocator is tuned.
+    vramgate_worker::memory::tune_allocator();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve())
+}
+
+async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
     vramgate_shared::telemetry::init("ai-worker");
     let config: WorkerConfig = vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_WORKER_")

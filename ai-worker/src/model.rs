@@ -14,7 +14,7 @@ use tch::{CModule, Device, IValue, Kind, Tensor};
 
 use crate::config::{DeviceChoice, ModelConfig, ModelKind};
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
     #[error("loading model '{name}' from {path}: {message}")]
     Load { name: String, path: String, message: String },
@@ -22,6 +22,9 @@ pub enum ModelError {
     NoCuda,
     #[error("{0}")]
     BadInput(String),
+    /// An allocation failed: the device (or the memory cap) had no room for this batch.
+    #[error("model '{name}' ran out of memory: {message}")]
+    OutOfMemory { name: String, message: String },
     #[error("model '{name}' failed: {message}")]
     Runtime { name: String, message: String },
     #[error("model '{name}' panicked: {message}")]
@@ -60,9 +63,16 @@ pub struct InputTensor {
     pub data: Vec<f32>,
 }
 
+impl InputTensor {
+    pub fn elements(&self) -> u64 {
+        self.data.len() as u64
+    }
+}
+
 /// A model's output, row-major f32 with its shape.
 #[derive(Debug, Clone)]
 pub struct OutputTensor {
+    pub name: &'static str,
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
 }
@@ -83,7 +93,7 @@ impl Model {
             .map_err(|e| load_err(first_line(&e.to_string())))?;
         module.set_eval();
         let model = Model { config, device, module: Mutex::new(module) };
-        let probe = model.warmup_input();
+        let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| load_err(format!("warm-up call failed: {e}")))?;
         tracing::info!(
             model = %model.config.name,
@@ -105,23 +115,83 @@ impl Model {
     pub fn input_name(&self) -> &'static str {
         match self.config.kind {
             ModelKind::VoiceActivity => "audio",
+            ModelKind::FaceDetection => "image",
         }
     }
 
-    pub fn output_name(&self) -> &'static str {
+    pub fn output_names(&self) -> &'static [&'static str] {
         match self.config.kind {
-            ModelKind::VoiceActivity => "speech_prob",
+            ModelKind::VoiceActivity => &["speech_prob"],
+            ModelKind::FaceDetection => &["face_prob", "box_offsets"],
         }
     }
 
-    fn warmup_input(&self) -> InputTensor {
+    /// The input shape in OIP metadata terms (`-1`: variable).
+    pub fn input_metadata_shape(&self) -> Vec<i64> {
         match self.config.kind {
-            // One second of a quiet tone: exercises every layer without special-casing silence.
+            ModelKind::VoiceActivity => vec![-1, -1],
+            ModelKind::FaceDetection => vec![-1, 3, -1, -1],
+        }
+    }
+
+    pub fn output_metadata_shapes(&self) -> Vec<Vec<i64>> {
+        match self.config.kind {
+            ModelKind::VoiceActivity => vec![vec![-1, -1]],
+            ModelKind::FaceDetection => vec![vec![-1, -1, -1], vec![-1, 4, -1, -1]],
+        }
+    }
+
+    fn smallest_probe(&self) -> usize {
+        match self.config.kind {
+            ModelKind::VoiceActivity => self.config.sample_rate_hz as usize,
+            ModelKind::FaceDetection => 64,
+        }
+    }
+
+    /// The probe inputs of the start-up memory calibration, small to large: three sizes, each
+    /// at batch 1 and 2 (sizes: 1, 4 and 16 s of audio; 128², 256² and 512² images).
+    pub fn calibration_inputs(&self) -> Vec<InputTensor> {
+        let sizes: [usize; 3] = match self.config.kind {
             ModelKind::VoiceActivity => {
-                let n = self.config.sample_rate_hz as usize;
-                let data = (0..n).map(|i| 0.01 * (i as f32 * 0.05).sin()).collect();
-                InputTensor { shape: vec![1, n], data }
+                let sr = self.config.sample_rate_hz as usize;
+                [sr, 4 * sr, 16 * sr]
             }
+            ModelKind::FaceDetection => [128, 256, 512],
+        };
+        let mut probes = Vec::new();
+        for size in sizes {
+            for batch in [1, 2] {
+                let probe = self.probe_input(batch, size);
+                if probe.data.len() <= self.config.max_input_elements {
+                    probes.push(probe);
+                }
+            }
+        }
+        probes
+    }
+
+    /// A deterministic, non-trivial input: a quiet tone for audio, a gradient for images.
+    fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
+        match self.config.kind {
+            ModelKind::VoiceActivity => {
+                let data = (0..batch * size).map(|i| 0.01 * ((i % size) as f32 * 0.05).sin()).collect();
+                InputTensor { shape: vec![batch, size], data }
+            }
+            ModelKind::FaceDetection => {
+                let plane = size * size;
+                let data = (0..batch * 3 * plane).map(|i| ((i % plane) as f32 / plane as f32) - 0.5).collect();
+                InputTensor { shape: vec![batch, 3, size, size], data }
+            }
+        }
+    }
+
+    /// Whether inputs of different sizes may share a batch, padded (see `engine.rs`): audio
+    /// yes (Silero runs forward in time, so trailing silence leaves earlier windows as they
+    /// were), images no (ceil-mode pooling sees the padding at a smaller image's edge).
+    pub fn can_pad(&self) -> bool {
+        match self.config.kind {
+            ModelKind::VoiceActivity => true,
+            ModelKind::FaceDetection => false,
         }
     }
 
@@ -150,6 +220,20 @@ impl Model {
                     )));
                 }
             }
+            ModelKind::FaceDetection => {
+                let [batch, 3, height, width] = input.shape[..] else {
+                    return Err(ModelError::BadInput(format!(
+                        "input 'image' must have shape [batch, 3, height, width], got {:?}",
+                        input.shape
+                    )));
+                };
+                if batch == 0 || height < 12 || width < 12 {
+                    return Err(ModelError::BadInput(format!(
+                        "input 'image' needs at least one image of 12×12 pixels, got shape {:?}",
+                        input.shape
+                    )));
+                }
+            }
         }
         if elements > self.config.max_input_elements {
             return Err(ModelError::BadInput(format!(
@@ -160,12 +244,50 @@ impl Model {
         Ok(())
     }
 
-    /// Runs the model. Blocking: call it from a blocking thread, never from an async task.
-    /// A libtorch error or a panic inside the call becomes a [`ModelError`]; the model stays
-    /// usable for the next request.
-    pub fn infer(&self, input: &InputTensor) -> Result<OutputTensor, ModelError> {
-        self.validate(input)?;
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.infer_unchecked(input)));
+    /// The shape a batch of `inputs` is padded to: their rows stacked, every other dimension
+    /// the largest among them. Audio is padded with silence at the end, images with zeros
+    /// (mid-grey after normalisation) at the right and bottom; neither changes the outputs
+    /// of the unpadded region, which is all that is returned.
+    pub fn padded_shape(inputs: &[&InputTensor]) -> Vec<usize> {
+        let mut shape = inputs[0].shape.clone();
+        shape[0] = inputs.iter().map(|i| i.shape[0]).sum();
+        for input in &inputs[1..] {
+            for (d, &n) in shape.iter_mut().zip(&input.shape).skip(1) {
+                *d = (*d).max(n);
+            }
+        }
+        shape
+    }
+
+    /// What one request's outputs look like for its own (unpadded) input shape.
+    fn output_shapes(&self, input_shape: &[usize]) -> Vec<Vec<usize>> {
+        match self.config.kind {
+            ModelKind::VoiceActivity => {
+                let window = self.config.window_samples as usize;
+                vec![vec![input_shape[0], input_shape[1].div_ceil(window)]]
+            }
+            ModelKind::FaceDetection => {
+                let cells = |n: usize| (n - 2).div_ceil(2) - 4;
+                let (h, w) = (cells(input_shape[2]), cells(input_shape[3]));
+                vec![vec![input_shape[0], h, w], vec![input_shape[0], 4, h, w]]
+            }
+        }
+    }
+
+    /// Runs one input on its own. Blocking.
+    pub fn infer(&self, input: &InputTensor) -> Result<Vec<OutputTensor>, ModelError> {
+        self.infer_batch(&[input]).map(|mut outs| outs.remove(0))
+    }
+
+    /// Runs several requests as one batch, padded to a common shape, and splits the outputs
+    /// back per request. Blocking: call it from a blocking thread, never from an async task.
+    /// A libtorch error or a panic inside the call becomes a [`ModelError`] (an allocation
+    /// failure becomes [`ModelError::OutOfMemory`]); the model stays usable.
+    pub fn infer_batch(&self, inputs: &[&InputTensor]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
+        for input in inputs {
+            self.validate(input)?;
+        }
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.infer_unchecked(inputs)));
         match outcome {
             Ok(result) => result,
             Err(panic) => Err(ModelError::Panic {
@@ -175,35 +297,109 @@ impl Model {
         }
     }
 
-    fn infer_unchecked(&self, input: &InputTensor) -> Result<OutputTensor, ModelError> {
-        let runtime = |e: tch::TchError| ModelError::Runtime {
-            name: self.config.name.clone(),
-            message: first_line(&e.to_string()),
+    fn infer_unchecked(&self, inputs: &[&InputTensor]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
+        let failed = |e: tch::TchError| {
+            let message = e.to_string();
+            match out_of_memory_line(&message) {
+                Some(line) => ModelError::OutOfMemory { name: self.config.name.clone(), message: line },
+                None => ModelError::Runtime { name: self.config.name.clone(), message: error_line(&message) },
+            }
         };
-        let shape: Vec<i64> = input.shape.iter().map(|&d| d as i64).collect();
+        let shape = Self::padded_shape(inputs);
+        let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape)).map_err(failed)?;
         let module = self.module.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let output = tch::no_grad(|| -> Result<Tensor, tch::TchError> {
-            let x = Tensor::f_from_slice(&input.data)?.f_reshape(&shape)?.f_to_device(self.device)?;
+        let raw = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
+            let x = batch_input.f_to_device(self.device)?;
             match self.config.kind {
                 ModelKind::VoiceActivity => {
                     let sr = IValue::Int(i64::from(self.config.sample_rate_hz));
                     match module.method_is("audio_forward", &[IValue::Tensor(x), sr])? {
-                        IValue::Tensor(t) => Ok(t),
-                        other => Err(tch::TchError::Kind(format!(
-                            "audio_forward returned {other:?}, expected a tensor"
-                        ))),
+                        IValue::Tensor(t) => Ok(vec![t]),
+                        other => Err(tch::TchError::Kind(format!("audio_forward returned {other:?}, expected a tensor"))),
                     }
                 }
+                ModelKind::FaceDetection => match module.forward_is(&[IValue::Tensor(x)])? {
+                    IValue::Tuple(mut parts) if parts.len() == 2 => {
+                        let (Some(IValue::Tensor(probs)), Some(IValue::Tensor(boxes))) = (parts.pop(), parts.pop()) else {
+                            return Err(tch::TchError::Kind("forward must return (boxes, probs) tensors".into()));
+                        };
+                        Ok(vec![probs.f_select(1, 1)?, boxes])
+                    }
+                    other => Err(tch::TchError::Kind(format!("forward returned {other:?}, expected (boxes, probs)"))),
+                },
             }
         })
-        .map_err(runtime)?;
+        .map_err(failed)?;
         drop(module);
-        let output = output.f_to_kind(Kind::Float).and_then(|t| t.f_to_device(Device::Cpu)).map_err(runtime)?;
-        let shape: Vec<usize> = output.size().iter().map(|&d| d.max(0) as usize).collect();
-        let flat = output.f_reshape([-1]).map_err(runtime)?;
-        let data = Vec::<f32>::try_from(&flat).map_err(runtime)?;
-        Ok(OutputTensor { shape, data })
+        drop(batch_input);
+
+        let raw: Vec<Tensor> = raw
+            .into_iter()
+            .map(|t| t.f_to_kind(Kind::Float).and_then(|t| t.f_to_device(Device::Cpu)))
+            .collect::<Result<_, _>>()
+            .map_err(failed)?;
+        let names = self.output_names();
+        let mut row = 0i64;
+        let mut per_request = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let rows = input.shape[0] as i64;
+            let mut outputs = Vec::with_capacity(names.len());
+            for ((name, tensor), want) in names.iter().zip(&raw).zip(self.output_shapes(&input.shape)) {
+                let mut t = tensor.f_narrow(0, row, rows).map_err(failed)?;
+                for (dim, &n) in want.iter().enumerate().skip(1) {
+                    t = t.f_narrow(dim as i64, 0, n as i64).map_err(failed)?;
+                }
+                let flat = t.f_contiguous().and_then(|t| t.f_reshape([-1])).map_err(failed)?;
+                let data = Vec::<f32>::try_from(&flat).map_err(failed)?;
+                outputs.push(OutputTensor { name, shape: want, data });
+            }
+            row += rows;
+            per_request.push(outputs);
+        }
+        Ok(per_request)
     }
+}
+
+/// Copies the inputs into one zero-padded host tensor of `shape` (one copy per input).
+fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize]) -> Result<Tensor, tch::TchError> {
+    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    if inputs.len() == 1 && inputs[0].shape == shape {
+        return Tensor::f_from_slice(&inputs[0].data)?.f_reshape(&dims);
+    }
+    let batch = Tensor::f_zeros(&dims, (Kind::Float, Device::Cpu))?;
+    let mut row = 0i64;
+    for input in inputs {
+        let own: Vec<i64> = input.shape.iter().map(|&d| d as i64).collect();
+        let mut view = batch.f_narrow(0, row, own[0])?;
+        for (dim, &n) in own.iter().enumerate().skip(1) {
+            view = view.f_narrow(dim as i64, 0, n)?;
+        }
+        view.f_copy_(&Tensor::f_from_slice(&input.data)?.f_reshape(&own)?)?;
+        row += own[0];
+    }
+    Ok(batch)
+}
+
+/// The line of a libtorch message that says an allocation failed, if one does. TorchScript
+/// wraps the original error in a traceback, so the whole message is searched.
+pub fn out_of_memory_line(message: &str) -> Option<String> {
+    const MARKERS: [&str; 4] =
+        ["CUDA out of memory", "CUDNN_STATUS_ALLOC_FAILED", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED"];
+    message
+        .lines()
+        .find(|l| MARKERS.iter().any(|m| l.contains(m)))
+        .map(|l| l.trim().trim_start_matches("RuntimeError: ").to_string())
+}
+
+/// The useful line of a libtorch error: TorchScript puts "The following operation failed"
+/// first and the real error after the traceback; plain errors put it first.
+fn error_line(message: &str) -> String {
+    if message.contains("The following operation failed in the TorchScript interpreter") {
+        if let Some(line) = message.lines().rev().find(|l| l.contains("Error: ")) {
+            return line.trim().to_string();
+        }
+    }
+    first_line(message)
 }
 
 /// libtorch appends a C++ stack trace to its messages; the first line is the useful part.
@@ -224,6 +420,24 @@ fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_memory_is_found_inside_a_torchscript_traceback() {
+        let msg = "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most recent call last):\n  File \"x.py\", line 10\n        return F.conv2d(\nRuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 534775808 bytes. Error code 12 (Cannot allocate memory)\n";
+        let line = out_of_memory_line(msg).expect("an OOM");
+        assert!(line.starts_with("[enforce fail"), "{line}");
+        assert!(line.contains("534775808 bytes"));
+        assert!(out_of_memory_line("\n  CUDA out of memory. Tried to allocate 2.00 GiB\nframe #0").is_some());
+        assert!(out_of_memory_line("Expected 4D input").is_none());
+        assert_eq!(error_line(msg.replace("can't allocate memory", "bad shape").as_str()).split(':').next(), Some("RuntimeError"));
+    }
+
+    #[test]
+    fn padded_shape_takes_rows_and_the_largest_other_dims() {
+        let a = InputTensor { shape: vec![1, 3, 20, 30], data: vec![0.0; 1800] };
+        let b = InputTensor { shape: vec![2, 3, 25, 12], data: vec![0.0; 1800] };
+        assert_eq!(Model::padded_shape(&[&a, &b]), vec![3, 3, 25, 30]);
+    }
 
     #[test]
     fn first_line_drops_cpp_stack() {

@@ -5,9 +5,9 @@
 //! Every error leaves through [`ApiError`], whose `IntoResponse` picks the status code and the
 //! OIP error body; the logging middleware writes each failed request to the log once.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -19,14 +19,19 @@ use bytes::Bytes;
 use tokio::net::TcpListener;
 use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
 
-use crate::config::WorkerConfig;
+use crate::config::{AdmissionMode, WorkerConfig};
+use crate::engine::{Engine, InferError};
+use crate::estimate::{MemoryEstimate, Probe};
+use crate::memory::{Budget, MemoryMonitor};
+use crate::metrics::Metrics;
 use crate::model::{self, InputTensor, Model, ModelError};
 
-/// Shared by all handlers. `models` is empty until start-up loading finishes; readiness
-/// follows it.
+/// Shared by all handlers. `engine` is empty until start-up (loading, warming and memory
+/// calibration) finishes; readiness follows it.
 struct AppState {
-    models: OnceLock<HashMap<String, Arc<Model>>>,
+    engine: OnceLock<Arc<Engine>>,
     configured: Vec<String>,
+    metrics: Arc<Metrics>,
 }
 
 /// Binds nothing itself: takes a bound listener (port 0 in tests), serves until `shutdown`
@@ -37,22 +42,26 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let addr: SocketAddr = listener.local_addr()?;
+    let metrics = Arc::new(Metrics::new());
     let state = Arc::new(AppState {
-        models: OnceLock::new(),
+        engine: OnceLock::new(),
         configured: config.models.iter().map(|m| m.name.clone()).collect(),
+        metrics: metrics.clone(),
     });
     let app = router(state.clone(), config.max_request_bytes);
     tracing::info!(%addr, "ai-worker listening; loading models");
 
     let loader = {
         let config = config.clone();
-        tokio::task::spawn_blocking(move || load_models(&config))
+        tokio::task::spawn_blocking(move || start_engine(&config, metrics))
     };
     let mut server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
     tokio::select! {
         loaded = loader => {
-            let models = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
-            let _ = state.models.set(models);
+            let (engine, budget) = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
+            let engine = Arc::new(engine);
+            let _ = state.engine.set(engine.clone());
+            tokio::spawn(resample_memory(engine, budget, Duration::from_millis(config.memory_resample_ms.max(10))));
             tracing::info!(models = ?state.configured, "ai-worker ready");
             server.await??;
         }
@@ -61,15 +70,94 @@ pub async fn run(
     Ok(())
 }
 
-fn load_models(config: &WorkerConfig) -> anyhow::Result<HashMap<String, Arc<Model>>> {
+/// Loads and warms every model, measures its memory estimate, starts the batch threads,
+/// sets up the budget and applies the memory cap (in that order: the cap is relative to the
+/// footprint after start-up, and on CPU threads must exist before it).
+fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<(Engine, Budget)> {
     let device = model::init_torch(config.device, config.torch_threads)?;
     tracing::info!(device = %model::device_name(device), "libtorch initialised");
-    let mut models = HashMap::new();
+    let monitor = Arc::new(MemoryMonitor::new(device));
+    let mut models = Vec::new();
     for mc in &config.models {
-        let m = Model::load(mc.clone(), device)?;
-        models.insert(mc.name.clone(), Arc::new(m));
+        let m = Arc::new(Model::load(mc.clone(), device)?);
+        let estimate = Arc::new(calibrate(&m, &monitor)?);
+        models.push((m, estimate));
     }
-    Ok(models)
+    monitor.empty_cache();
+    let snap = monitor.snapshot();
+    let budget = Budget::new(
+        snap,
+        config.memory_limit_bytes,
+        config.memory_budget_bytes,
+        config.memory_reserve_fraction,
+        config.memory_reserve_bytes,
+    );
+    let capacity = match config.admission.mode {
+        AdmissionMode::Bytes => budget.available(snap),
+        AdmissionMode::Count => config.admission.max_concurrent,
+    };
+    let engine = Engine::start(config, models, monitor.clone(), metrics, capacity)?;
+    if let Some(limit) = config.memory_limit_bytes {
+        monitor.apply_limit(limit)?;
+    }
+    tracing::info!(
+        mode = ?config.admission.mode, capacity, cap_bytes = budget.cap, reserve_bytes = budget.reserve,
+        free_bytes = snap.free, ours_bytes = snap.ours, "admission ready"
+    );
+    Ok((engine, budget))
+}
+
+/// Fits the model's memory estimate to peaks measured on probe inputs, unless the config
+/// sets it.
+fn calibrate(model: &Model, monitor: &MemoryMonitor) -> anyhow::Result<MemoryEstimate> {
+    if let Some(configured) = model.config().estimate {
+        tracing::info!(model = %model.name(), ?configured, "memory estimate from config");
+        return Ok(MemoryEstimate::configured(configured));
+    }
+    anyhow::ensure!(
+        monitor.can_measure_peaks(),
+        "model '{}': cannot measure memory peaks here (see the log above); set [models.estimate] in the config",
+        model.name()
+    );
+    let mut probes = Vec::new();
+    for input in model.calibration_inputs() {
+        let peak = {
+            let scope = monitor.peak_scope();
+            model.infer(&input).map_err(|e| anyhow::anyhow!("calibrating '{}': {e}", model.name()))?;
+            scope.finish()
+        };
+        let Some(bytes) = peak else { continue };
+        probes.push(Probe { batch: input.shape[0], elements: input.elements(), bytes });
+    }
+    anyhow::ensure!(probes.len() >= 3, "model '{}': only {} calibration peaks could be measured", model.name(), probes.len());
+    let estimate = MemoryEstimate::fitted(probes);
+    let view = estimate.view();
+    tracing::info!(
+        model = %model.name(), base_bytes = view.base_bytes as u64, bytes_per_element = view.bytes_per_element,
+        probes = ?view.probes.iter().map(|p| (p.batch, p.elements, p.bytes)).collect::<Vec<_>>(),
+        "memory estimate measured: bytes ≈ base + per_element × elements"
+    );
+    Ok(estimate)
+}
+
+/// Re-reads free memory, resizes the admission budget, and refreshes the memory gauges.
+async fn resample_memory(engine: Arc<Engine>, budget: Budget, every: Duration) {
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let snap = engine.monitor.snapshot();
+        let available = budget.available(snap);
+        if engine.mode == AdmissionMode::Bytes && available != engine.pool.capacity() {
+            engine.pool.set_capacity(available);
+        }
+        let m = &engine.metrics;
+        m.memory_used.set(snap.ours as i64);
+        m.memory_available.set(snap.free as i64);
+        m.memory_budget.set(engine.pool.capacity() as i64);
+        m.memory_admitted.set(engine.pool.in_use() as i64);
+        m.memory_admitted_peak.set(engine.pool.high_water_mark() as i64);
+    }
 }
 
 fn router(state: Arc<AppState>, max_request_bytes: usize) -> Router {
@@ -82,6 +170,7 @@ fn router(state: Arc<AppState>, max_request_bytes: usize) -> Router {
         .route("/v2/models/{name}/ready", get(model_ready))
         .route("/v2/models/{name}/versions/{version}/ready", get(model_ready_versioned))
         .route("/v2/models/{name}/infer", post(infer))
+        .route("/metrics", get(metrics))
         .route("/v2/models/{name}/versions/{version}/infer", post(infer_versioned))
         .layer(DefaultBodyLimit::max(max_request_bytes))
         .layer(middleware::from_fn(log_failures))
@@ -93,11 +182,12 @@ fn router(state: Arc<AppState>, max_request_bytes: usize) -> Router {
 pub struct ApiError {
     status: StatusCode,
     message: String,
+    retry_after_seconds: Option<u64>,
 }
 
 impl ApiError {
     fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into() }
+        ApiError { status, message: message.into(), retry_after_seconds: None }
     }
 }
 
@@ -109,6 +199,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = oip::ErrorBody { error: self.message.clone() };
         let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after_seconds {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
         response.extensions_mut().insert(ErrorMessage(self.message));
         response
     }
@@ -121,6 +214,22 @@ impl From<ModelError> for ApiError {
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, e.to_string())
+    }
+}
+
+impl From<InferError> for ApiError {
+    fn from(e: InferError) -> Self {
+        match e {
+            InferError::Model(e) => e.into(),
+            InferError::OutOfMemory { message } => ApiError::new(StatusCode::INSUFFICIENT_STORAGE, message),
+            InferError::TooLarge(message) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, message),
+            InferError::Busy { message, retry_after_seconds } => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message,
+                retry_after_seconds: Some(retry_after_seconds),
+            },
+            InferError::Deadline(message) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, message),
+        }
     }
 }
 
@@ -145,9 +254,11 @@ async fn log_failures(request: Request, next: Next) -> Response {
 }
 
 impl AppState {
-    fn model(&self, name: &str) -> Result<Arc<Model>, ApiError> {
-        if let Some(m) = self.models.get().and_then(|models| models.get(name)) {
-            return Ok(m.clone());
+    fn engine_and_model(&self, name: &str) -> Result<(Arc<Engine>, Arc<Model>), ApiError> {
+        if let Some(engine) = self.engine.get() {
+            if let Some(served) = engine.served(name) {
+                return Ok((engine.clone(), served.model.clone()));
+            }
         }
         if self.configured.iter().any(|c| c == name) {
             return Err(ApiError::new(
@@ -168,7 +279,7 @@ async fn server_metadata() -> Json<oip::ServerMetadata> {
 }
 
 async fn server_ready(State(state): State<Arc<AppState>>) -> StatusCode {
-    if state.models.get().is_some() {
+    if state.engine.get().is_some() {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -176,7 +287,7 @@ async fn server_ready(State(state): State<Arc<AppState>>) -> StatusCode {
 }
 
 async fn model_ready(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
-    match state.model(&name) {
+    match state.engine_and_model(&name) {
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => e.into_response(),
     }
@@ -193,18 +304,29 @@ async fn model_metadata(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<oip::ModelMetadata>, ApiError> {
-    let model = state.model(&name)?;
-    let tensor = |name: &str| oip::TensorMetadata {
+    let (engine, model) = state.engine_and_model(&name)?;
+    let tensor = |name: &str, shape: Vec<i64>| oip::TensorMetadata {
         name: name.into(),
         datatype: DataType::Fp32.as_str().into(),
-        shape: vec![-1, -1],
+        shape,
     };
+    let estimate = engine.served(&name).map(|s| s.estimate.view());
+    let mut parameters = oip::Parameters::new();
+    if let Some(estimate) = estimate {
+        parameters.insert("memory_estimate".into(), serde_json::to_value(estimate).unwrap_or_default());
+    }
     Ok(Json(oip::ModelMetadata {
         name: model.name().into(),
         versions: Some(vec!["1".into()]),
         platform: "pytorch_libtorch".into(),
-        inputs: vec![tensor(model.input_name())],
-        outputs: vec![tensor(model.output_name())],
+        inputs: vec![tensor(model.input_name(), model.input_metadata_shape())],
+        outputs: model
+            .output_names()
+            .iter()
+            .zip(model.output_metadata_shapes())
+            .map(|(n, shape)| tensor(n, shape))
+            .collect(),
+        parameters: Some(parameters),
     }))
 }
 
@@ -230,7 +352,7 @@ async fn infer(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let model = state.model(&name)?;
+    let (engine, model) = state.engine_and_model(&name)?;
     let header_len = match headers.get(oip::INFERENCE_HEADER_CONTENT_LENGTH) {
         None => None,
         Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(
@@ -244,24 +366,26 @@ async fn infer(
     };
     let (request, tensors) = oip::decode_request(&body, header_len)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
+    // The body's bytes are now in `tensors`; free them before the request waits for memory.
+    drop(body);
     let input = take_input(&model, tensors)?;
+    model.validate(&input)?;
+    let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
+    let served = engine.served(&name).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("unknown model '{name}'")))?;
+    let outputs = engine.infer(served, input, timeout).await?;
 
-    let run = model.clone();
-    let output = tokio::task::spawn_blocking(move || run.infer(&input))
-        .await
-        .map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("inference task failed: {e}"))
-        })??;
-
-    let output_name = model.output_name();
-    let tensor = Tensor {
-        name: output_name.into(),
-        shape: output.shape,
-        data: TensorData::Fp32(output.data),
+    let tensors: Vec<Tensor> = outputs
+        .into_iter()
+        .map(|o| Tensor { name: o.name.into(), shape: o.shape, data: TensorData::Fp32(o.data) })
+        .collect();
+    let wanted: Vec<(String, bool)> =
+        tensors.iter().map(|t| (t.name.clone(), oip::wants_binary_output(&request, &t.name))).collect();
+    let tensors: Vec<Tensor> = match &request.outputs {
+        Some(asked) if !asked.is_empty() => tensors.into_iter().filter(|t| asked.iter().any(|a| a.name == t.name)).collect(),
+        _ => tensors,
     };
-    let binary = oip::wants_binary_output(&request, output_name);
-    let (body, header_len) =
-        oip::encode_response(model.name(), Some("1"), request.id.as_deref(), &[tensor], |_| binary);
+    let binary = |name: &str| wanted.iter().any(|(n, b)| n == name && *b);
+    let (body, header_len) = oip::encode_response(model.name(), Some("1"), request.id.as_deref(), &tensors, binary);
     let mut response = body.into_response();
     let content_type = if header_len.is_some() { "application/octet-stream" } else { "application/json" };
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -271,6 +395,34 @@ async fn infer(
             .insert(oip::INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(len));
     }
     Ok(response)
+}
+
+/// Header naming a request's deadline in milliseconds from its arrival.
+pub const TIMEOUT_HEADER: &str = "x-vramgate-timeout-ms";
+
+/// The request's deadline: the `x-vramgate-timeout-ms` header, else Triton's
+/// `parameters.timeout` (microseconds), else the configured default.
+fn request_timeout(headers: &HeaderMap, request: &oip::InferRequest, default: Duration) -> Result<Duration, ApiError> {
+    if let Some(v) = headers.get(TIMEOUT_HEADER) {
+        let ms = v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()).filter(|&ms| ms > 0).ok_or_else(|| {
+            ApiError::new(StatusCode::BAD_REQUEST, format!("header {TIMEOUT_HEADER} must be a positive number of milliseconds"))
+        })?;
+        return Ok(Duration::from_millis(ms));
+    }
+    if let Some(us) = request.parameters.as_ref().and_then(|p| p.get("timeout")).and_then(|v| v.as_u64()) {
+        if us > 0 {
+            return Ok(Duration::from_micros(us));
+        }
+    }
+    Ok(default)
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let mut response = state.metrics.render().into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+    response
 }
 
 /// Finds the model's input among the request's tensors and checks its datatype.

@@ -147,6 +147,9 @@ pub struct ModelMetadata {
     pub inputs: Vec<TensorMetadata>,
     #[serde(default)]
     pub outputs: Vec<TensorMetadata>,
+    /// Server-specific facts about the model (vramgate: its measured memory estimate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Parameters>,
 }
 
 /// A tensor in [`ModelMetadata`]; `-1` in `shape` is a variable dimension.
@@ -1484,6 +1487,7 @@ mod tests {
                 shape: vec![1, -1],
             }],
             outputs: vec![],
+            parameters: None,
         };
         let text = serde_json::to_string(&meta).unwrap();
         assert_eq!(

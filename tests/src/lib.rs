@@ -5,6 +5,7 @@
 //! Every test creates its own topics and consumer group (names with a random suffix), so tests
 //! can run side by side on one broker without seeing each other's records.
 
+pub mod oip_client;
 pub mod wav;
 
 use std::collections::HashMap;
@@ -328,6 +329,21 @@ pub fn silero_worker_config() -> String {
         "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\n\n[[models]]\nname = \"silero_vad\"\npath = \"{}\"\nkind = \"voice_activity\"\n",
         model.display()
     )
+}
+
+/// A worker config serving `models` (name, file under `models/`, kind, extra TOML lines),
+/// on the CPU, with `extra` top-level TOML (budget, admission, batching) before them.
+pub fn worker_config(extra: &str, models: &[(&str, &str, &str, &str)]) -> String {
+    let mut config = format!("listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\n{extra}\n");
+    for (name, file, kind, more) in models {
+        let path = repo_root().join("models").join(file);
+        assert!(path.is_file(), "{} missing: run scripts/setup", path.display());
+        config.push_str(&format!(
+            "\n[[models]]\nname = \"{name}\"\npath = \"{}\"\nkind = \"{kind}\"\n{more}\n",
+            path.display()
+        ));
+    }
+    config
 }
 
 /// Starts the api-gateway with environment overrides (`VRAMGATE_GATEWAY_*`) on top of the

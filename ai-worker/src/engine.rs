@@ -1,0 +1,509 @@
+//! Admission, batching and OOM recovery: everything between a decoded request and the model.
+//!
+//! ```text
+//! handler ──price (estimate)──► BytePool (FIFO, bytes) ──guard──► model's batch thread
+//!    ▲                                                              │ merge within window,
+//!    └──────────────── outputs (or 413 / 503 / 504 / 507) ◄─────────┘ run, split, recover
+//! ```
+//!
+//! * **Price.** A request costs its model's estimate for its input elements (`estimate.rs`).
+//!   In `count` mode every request costs 1 and the pool's capacity is `max_concurrent`.
+//! * **Admission.** The handler holds the [`ByteGuard`] until its response is built, so the
+//!   bytes come back on every path: success, error, client gone, deadline.
+//! * **Batching.** One OS thread per model takes admitted jobs, waits `window_ms` after the
+//!   first for more, and merges them while the padded batch stays within what its members
+//!   were granted (`estimate(padded elements) ≤ Σ granted`) and within the model's learned
+//!   capacity. Audio of different lengths is padded with silence to the longest member,
+//!   which costs `(longest − own) × bytes_per_element` per member; a member that would make
+//!   the padded batch cost more than the members' grants waits for the next batch instead,
+//!   so padding never spends memory nobody was granted. Images are bucketed instead: only
+//!   images of the same size share a batch, because P-Net's ceil-mode pooling lets padding
+//!   change the last row and column of a smaller image's map (the gateway resizes images to
+//!   the model's input size, so equal sizes are the common case).
+//! * **OOM.** A batch that fails to allocate: empty the cache, lower the learned capacity,
+//!   halve the batch and run the halves. A single request that fails runs again in the serial
+//!   lane (an exclusive lock every other model's batch also takes, shared), alone on the
+//!   device; if it fails there too it gets 507. Any other error in a batch of several is
+//!   isolated by running its members one by one, so only the bad request gets the 500.
+//! * **Deadlines.** Work whose deadline passed (or whose client left) is not started. A
+//!   handler stops waiting at its deadline and its bytes return to the pool then; a batch
+//!   already running on the device cannot be interrupted (neither libtorch nor CUDA can
+//!   cancel a launched kernel), so it finishes in the background, still holding the model's
+//!   thread and its real memory, and its results are dropped. The pool may meanwhile admit
+//!   work into memory that is not yet free; if that allocation fails, OOM recovery catches it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use vramgate_shared::admission::{AdmitError, ByteGuard, BytePool};
+
+use crate::config::{AdmissionMode, WorkerConfig};
+use crate::estimate::MemoryEstimate;
+use crate::memory::MemoryMonitor;
+use crate::metrics::Metrics;
+use crate::model::{InputTensor, Model, ModelError, OutputTensor};
+
+/// Why a request got no outputs.
+#[derive(Debug, thiserror::Error)]
+pub enum InferError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Still out of memory alone in the serial lane.
+    #[error("{message}")]
+    OutOfMemory { message: String },
+    #[error("{0}")]
+    TooLarge(String),
+    #[error("{message}")]
+    Busy { message: String, retry_after_seconds: u64 },
+    #[error("{0}")]
+    Deadline(String),
+}
+
+struct Job {
+    input: InputTensor,
+    /// Bytes (or, in count mode, permits) this job's guard holds.
+    granted: u64,
+    deadline: Instant,
+    reply: oneshot::Sender<Result<Vec<OutputTensor>, InferError>>,
+}
+
+impl Job {
+    /// Answers jobs that must not start: the client left, or the deadline passed.
+    fn still_wanted(self) -> Option<Job> {
+        if self.reply.is_closed() {
+            return None;
+        }
+        if Instant::now() >= self.deadline {
+            let _ = self.reply.send(Err(InferError::Deadline("the deadline passed before the request could start".into())));
+            return None;
+        }
+        Some(self)
+    }
+}
+
+/// One served model: the model, its estimate, and the way into its batch thread.
+pub struct Served {
+    pub model: Arc<Model>,
+    pub estimate: Arc<MemoryEstimate>,
+    jobs: Sender<Job>,
+}
+
+pub struct Engine {
+    served: HashMap<String, Served>,
+    pub pool: BytePool,
+    pub mode: AdmissionMode,
+    pub monitor: Arc<MemoryMonitor>,
+    pub metrics: Arc<Metrics>,
+    drain: Mutex<DrainRate>,
+    max_queue_wait: Duration,
+    max_queued: usize,
+    pub default_timeout: Duration,
+}
+
+/// What batch threads share.
+struct Shared {
+    monitor: Arc<MemoryMonitor>,
+    metrics: Arc<Metrics>,
+    /// Batches take it shared; a request retried alone after an OOM takes it exclusively.
+    lane: RwLock<()>,
+    batches: std::sync::atomic::AtomicU64,
+    cleanup_every: u64,
+    cleanup_slack: Option<u64>,
+    mode: AdmissionMode,
+}
+
+impl Engine {
+    /// Starts one batch thread per model. `capacity`: bytes (or permits) admission starts with.
+    pub fn start(
+        config: &WorkerConfig,
+        models: Vec<(Arc<Model>, Arc<MemoryEstimate>)>,
+        monitor: Arc<MemoryMonitor>,
+        metrics: Arc<Metrics>,
+        capacity: u64,
+    ) -> anyhow::Result<Engine> {
+        let shared = Arc::new(Shared {
+            monitor: monitor.clone(),
+            metrics: metrics.clone(),
+            lane: RwLock::new(()),
+            batches: Default::default(),
+            cleanup_every: config.cleanup_every_batches,
+            cleanup_slack: config.cleanup_slack_bytes,
+            mode: config.admission.mode,
+        });
+        let mut served = HashMap::new();
+        for (model, estimate) in models {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let batcher = Batcher {
+                model: model.clone(),
+                estimate: estimate.clone(),
+                shared: shared.clone(),
+                window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
+                max_batch: model.config().max_batch_size.unwrap_or(config.batching.max_batch_size).max(1),
+            };
+            std::thread::Builder::new()
+                .name(format!("batch-{}", model.name()))
+                .spawn(move || batcher.run(rx))?;
+            served.insert(model.name().to_string(), Served { model, estimate, jobs: tx });
+        }
+        Ok(Engine {
+            served,
+            pool: BytePool::new(capacity),
+            mode: config.admission.mode,
+            monitor,
+            metrics,
+            drain: Mutex::new(DrainRate::default()),
+            max_queue_wait: Duration::from_millis(config.admission.max_queue_wait_ms),
+            max_queued: config.admission.max_queued_requests,
+            default_timeout: Duration::from_millis(config.default_timeout_ms),
+        })
+    }
+
+    pub fn served(&self, name: &str) -> Option<&Served> {
+        self.served.get(name)
+    }
+
+    pub fn model_names(&self) -> Vec<String> {
+        self.served.keys().cloned().collect()
+    }
+
+    /// Admits `input` for `served`, runs it in a batch, and returns its outputs.
+    pub async fn infer(&self, served: &Served, input: InputTensor, timeout: Duration) -> Result<Vec<OutputTensor>, InferError> {
+        let deadline = Instant::now() + timeout;
+        let elements = input.elements();
+        let price = match self.mode {
+            // On CPU the request's own decoded input lives in the same memory as the model's
+            // tensors, so it is priced too (4 bytes per f32 element); on CUDA it is host memory.
+            AdmissionMode::Bytes if self.monitor.is_cuda() => served.estimate.bytes(elements),
+            AdmissionMode::Bytes => served.estimate.bytes(elements).saturating_add(4 * elements),
+            AdmissionMode::Count => 1,
+        };
+        let waited = Instant::now();
+        let wait_limit = self.max_queue_wait.min(timeout);
+        self.metrics.queued_requests.set(self.pool.queued() as i64 + 1);
+        let admitted = self.pool.acquire_timeout(price, wait_limit, self.max_queued).await;
+        self.metrics.queued_requests.set(self.pool.queued() as i64);
+        let guard: ByteGuard = match admitted {
+            Ok(guard) => guard,
+            Err(e) => return Err(self.rejected(e, served, elements, price, wait_limit == timeout)),
+        };
+        self.metrics.admission_wait.observe(waited.elapsed().as_secs_f64());
+        self.metrics.memory_admitted.set(self.pool.in_use() as i64);
+        self.metrics.memory_admitted_peak.set(self.pool.high_water_mark() as i64);
+
+        let (tx, rx) = oneshot::channel();
+        let job = Job { input, granted: price, deadline, reply: tx };
+        if served.jobs.send(job).is_err() {
+            return Err(InferError::Model(ModelError::Runtime {
+                name: served.model.name().into(),
+                message: "the model's batch thread has stopped".into(),
+            }));
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let outcome = match tokio::time::timeout(remaining, rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(InferError::Model(ModelError::Runtime {
+                name: served.model.name().into(),
+                message: "the model's batch thread dropped the request".into(),
+            })),
+            Err(_) => {
+                self.metrics.admission_rejections.with_label_values(&["deadline"]).inc();
+                Err(InferError::Deadline(format!(
+                    "inference did not finish within the request's deadline of {} ms",
+                    timeout.as_millis()
+                )))
+            }
+        };
+        drop(guard);
+        self.drain.lock().unwrap_or_else(|p| p.into_inner()).record(price);
+        self.metrics.memory_admitted.set(self.pool.in_use() as i64);
+        outcome
+    }
+
+    fn rejected(&self, e: AdmitError, served: &Served, elements: u64, price: u64, deadline_bound: bool) -> InferError {
+        let reason = match (&e, deadline_bound) {
+            (AdmitError::TooLarge { .. }, _) => "too_large",
+            (AdmitError::QueueFull { .. }, _) => "queue_full",
+            (AdmitError::Timeout { .. }, true) => "deadline",
+            (AdmitError::Timeout { .. }, false) => "timeout",
+        };
+        self.metrics.admission_rejections.with_label_values(&[reason]).inc();
+        match e {
+            AdmitError::TooLarge { needed, capacity } => {
+                let view = served.estimate.view();
+                InferError::TooLarge(format!(
+                    "request needs an estimated {needed} bytes ({elements} input elements at {:.1} bytes each plus {:.0} bytes) \
+                     but this worker's whole memory budget is {capacity} bytes; send smaller inputs",
+                    view.bytes_per_element, view.base_bytes
+                ))
+            }
+            AdmitError::Timeout { waited } if deadline_bound => InferError::Deadline(format!(
+                "no memory was free within the request's deadline ({} ms)",
+                waited.as_millis()
+            )),
+            other => {
+                let retry_after_seconds = self.retry_after(price);
+                InferError::Busy {
+                    message: format!(
+                        "worker busy: {other}; {} bytes admitted, {} requests waiting for {} bytes; retry after {retry_after_seconds} s",
+                        self.pool.in_use(),
+                        self.pool.queued(),
+                        self.pool.queued_bytes()
+                    ),
+                    retry_after_seconds,
+                }
+            }
+        }
+    }
+
+    /// How long until the queue ahead of a request of `price` has likely drained: the bytes
+    /// waiting (plus its own) over the rate at which bytes were released in the last seconds.
+    fn retry_after(&self, price: u64) -> u64 {
+        let rate = self.drain.lock().unwrap_or_else(|p| p.into_inner()).per_second();
+        let backlog = (self.pool.queued_bytes() + price) as f64;
+        if rate <= 0.0 {
+            return 5;
+        }
+        ((backlog / rate).ceil() as u64).clamp(1, 60)
+    }
+}
+
+/// Bytes given back over the last [`DrainRate::WINDOW`].
+#[derive(Default)]
+struct DrainRate {
+    events: VecDeque<(Instant, u64)>,
+}
+
+impl DrainRate {
+    const WINDOW: Duration = Duration::from_secs(10);
+
+    fn record(&mut self, bytes: u64) {
+        let now = Instant::now();
+        self.events.push_back((now, bytes));
+        while self.events.front().is_some_and(|(t, _)| now.duration_since(*t) > Self::WINDOW) {
+            self.events.pop_front();
+        }
+    }
+
+    fn per_second(&self) -> f64 {
+        let Some((first, _)) = self.events.front() else { return 0.0 };
+        let span = first.elapsed().max(Duration::from_secs(1)).min(Self::WINDOW);
+        self.events.iter().map(|(_, b)| *b as f64).sum::<f64>() / span.as_secs_f64()
+    }
+}
+
+struct Batcher {
+    model: Arc<Model>,
+    estimate: Arc<MemoryEstimate>,
+    shared: Arc<Shared>,
+    window: Duration,
+    max_batch: usize,
+}
+
+impl Batcher {
+    fn run(self, jobs: Receiver<Job>) {
+        // Admitted jobs that did not fit the batch being formed; they lead the next ones.
+        let mut pending: VecDeque<Job> = VecDeque::new();
+        loop {
+            let first = match pending.pop_front() {
+                Some(job) => job,
+                None => match jobs.recv() {
+                    Ok(job) => job,
+                    Err(_) => return, // the engine is gone
+                },
+            };
+            let Some(first) = first.still_wanted() else { continue };
+            let mut batch = vec![first];
+            let mut skipped = VecDeque::new();
+            while let Some(job) = pending.pop_front() {
+                if batch.len() < self.max_batch && self.fits(&batch, &job) {
+                    batch.push(job);
+                } else {
+                    skipped.push_back(job);
+                }
+            }
+            pending = skipped;
+            let window_end = Instant::now() + self.window;
+            while batch.len() < self.max_batch {
+                let wait = window_end.saturating_duration_since(Instant::now());
+                let next = match jobs.recv_timeout(wait) {
+                    Ok(job) => job,
+                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                };
+                let Some(next) = next.still_wanted() else { continue };
+                if self.fits(&batch, &next) {
+                    batch.push(next);
+                } else {
+                    pending.push_back(next);
+                }
+            }
+            self.execute(batch);
+        }
+    }
+
+    /// Whether `next` may join `batch`: the padded batch stays within the learned capacity
+    /// and, when admitting by bytes, within what its members were granted.
+    fn fits(&self, batch: &[Job], next: &Job) -> bool {
+        if !self.model.can_pad() && next.input.shape[1..] != batch[0].input.shape[1..] {
+            return false;
+        }
+        let mut inputs: Vec<&InputTensor> = batch.iter().map(|j| &j.input).collect();
+        inputs.push(&next.input);
+        let elements = padded_elements(&inputs);
+        if self.estimate.max_batch_elements().is_some_and(|cap| elements > cap) {
+            return false;
+        }
+        match self.shared.mode {
+            AdmissionMode::Bytes => {
+                let granted: u64 = batch.iter().map(|j| j.granted).sum::<u64>() + next.granted;
+                self.estimate.bytes(elements) <= granted
+            }
+            AdmissionMode::Count => true,
+        }
+    }
+
+    /// Runs a batch; on OOM halves it and goes on, down to one request alone in the serial
+    /// lane. Every job gets exactly one reply.
+    fn execute(&self, batch: Vec<Job>) {
+        let name = self.model.name().to_string();
+        let mut work: VecDeque<(Vec<Job>, bool)> = VecDeque::from([(batch, false)]);
+        while let Some((group, is_retry)) = work.pop_front() {
+            let group: Vec<Job> = group.into_iter().filter_map(Job::still_wanted).collect();
+            if group.is_empty() {
+                continue;
+            }
+            if is_retry {
+                self.shared.metrics.retry_attempts.with_label_values(&[&name]).inc();
+            }
+            let single = group.len() == 1;
+            match self.run_group(&group, false) {
+                Ok(outputs) => reply_all(group, outputs),
+                Err(ModelError::OutOfMemory { message, .. }) => {
+                    let elements = padded_elements(&group.iter().map(|j| &j.input).collect::<Vec<_>>());
+                    self.shared.metrics.oom_errors.with_label_values(&[&name]).inc();
+                    self.shared.monitor.empty_cache();
+                    let learned = self.estimate.learn_from_oom(elements);
+                    let granted: u64 = group.iter().map(|j| j.granted).sum();
+                    tracing::warn!(
+                        model = %name, batch = group.len(), elements, estimated_bytes = self.estimate.bytes(elements),
+                        granted, learned_max_batch_elements = learned, error = %message,
+                        "out of memory; {}", if single { "retrying alone in the serial lane" } else { "halving the batch" }
+                    );
+                    if single {
+                        self.retry_alone(group);
+                    } else {
+                        let mut first = group;
+                        let second = first.split_off(first.len() / 2);
+                        work.push_front((second, true));
+                        work.push_front((first, true));
+                    }
+                }
+                Err(e) if !single => {
+                    // One bad member must not fail the others: run them one by one.
+                    tracing::debug!(model = %name, error = %e, "batch failed; isolating its members");
+                    for job in group.into_iter().rev() {
+                        work.push_front((vec![job], false));
+                    }
+                }
+                Err(e) => reply_all_err(group, |_| InferError::Model(e.clone())),
+            }
+        }
+    }
+
+    fn retry_alone(&self, group: Vec<Job>) {
+        let name = self.model.name();
+        self.shared.metrics.retry_attempts.with_label_values(&[name]).inc();
+        match self.run_group(&group, true) {
+            Ok(outputs) => reply_all(group, outputs),
+            Err(ModelError::OutOfMemory { message, .. }) => {
+                self.shared.metrics.oom_errors.with_label_values(&[name]).inc();
+                self.shared.monitor.empty_cache();
+                tracing::warn!(model = %name, error = %message, "out of memory alone on the device; answering 507");
+                let text = format!(
+                    "model '{name}' ran out of memory even alone on the device ({message}); \
+                     this input is too large for this worker's memory"
+                );
+                reply_all_err(group, |_| InferError::OutOfMemory { message: text.clone() });
+            }
+            Err(e) => reply_all_err(group, |_| InferError::Model(e.clone())),
+        }
+    }
+
+    fn run_group(&self, group: &[Job], exclusive: bool) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
+        let inputs: Vec<&InputTensor> = group.iter().map(|j| &j.input).collect();
+        let elements = padded_elements(&inputs);
+        let name = self.model.name();
+        let (_shared_lane, _exclusive_lane);
+        if exclusive {
+            _exclusive_lane = self.shared.lane.write().unwrap_or_else(|p| p.into_inner());
+        } else {
+            _shared_lane = self.shared.lane.read().unwrap_or_else(|p| p.into_inner());
+        }
+        let metrics = &self.shared.metrics;
+        metrics.concurrent_tasks.inc();
+        let started = Instant::now();
+        let scope = self.shared.monitor.peak_scope();
+        let result = self.model.infer_batch(&inputs);
+        let peak = scope.finish();
+        metrics.concurrent_tasks.dec();
+        if result.is_ok() {
+            metrics.inference_duration.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
+            metrics.batch_size.with_label_values(&[name]).observe(group.len() as f64);
+            if let Some(peak) = peak {
+                let ratio = self.estimate.observe(elements, peak);
+                metrics.estimate_ratio.with_label_values(&[name]).set(ratio);
+                if ratio > 1.0 {
+                    tracing::info!(model = %name, elements, peak_bytes = peak, ratio, "batch used more than estimated; estimate raised");
+                }
+            }
+        }
+        self.maybe_clean_up();
+        result
+    }
+
+    fn maybe_clean_up(&self) {
+        let n = self.shared.batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let periodic = self.shared.cleanup_every > 0 && n % self.shared.cleanup_every == 0;
+        let slack = self
+            .shared
+            .cleanup_slack
+            .is_some_and(|limit| self.shared.monitor.cache_slack().is_some_and(|s| s > limit));
+        if periodic || slack {
+            self.shared.monitor.empty_cache();
+        }
+    }
+}
+
+fn padded_elements(inputs: &[&InputTensor]) -> u64 {
+    Model::padded_shape(inputs).iter().map(|&d| d as u64).product()
+}
+
+fn reply_all(group: Vec<Job>, outputs: Vec<Vec<OutputTensor>>) {
+    for (job, out) in group.into_iter().zip(outputs) {
+        let _ = job.reply.send(Ok(out));
+    }
+}
+
+fn reply_all_err(group: Vec<Job>, err: impl Fn(&Job) -> InferError) {
+    for job in group {
+        let e = err(&job);
+        let _ = job.reply.send(Err(e));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drain_rate_averages_over_at_least_a_second() {
+        let mut d = DrainRate::default();
+        assert_eq!(d.per_second(), 0.0);
+        d.record(1000);
+        d.record(1000);
+        let rate = d.per_second();
+        assert!((rate - 2000.0).abs() < 1.0, "{rate}");
+    }
+}

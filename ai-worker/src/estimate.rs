@@ -1,0 +1,232 @@
+//! What one request of a model will need in memory, as a line in its input size:
+//! `bytes ≈ base + per_element × elements`, where `elements` counts the (padded) input
+//! tensor's elements.
+//!
+//! The line is fitted at start-up to peaks measured on probe inputs (see `memory.rs` for how a
+//! peak is measured), then shifted up so that it covers every probe: an estimate that is a
+//! little high wastes a little budget, one that is low causes an OOM. Online, every batch
+//! whose peak could be measured is compared with its estimate; when the batch used more, the
+//! per-element cost is raised to match (never lowered: one batch that used less says little).
+//! An OOM also leaves its mark: the model's learned capacity, the most elements it will put
+//! in one batch, drops to half of what failed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+use crate::config::EstimateConfig;
+
+/// One measured probe: a batch of `elements` input elements peaked at `bytes` above the
+/// memory in use before it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Probe {
+    pub batch: usize,
+    pub elements: u64,
+    pub bytes: u64,
+}
+
+/// Where an estimate came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// Fitted to peaks measured at start-up.
+    Measured,
+    /// Set in the config.
+    Configured,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EstimateView {
+    pub source: Source,
+    pub base_bytes: f64,
+    pub bytes_per_element: f64,
+    pub probes: Vec<Probe>,
+    /// Corrections made online (the estimate was raised after a batch used more).
+    pub corrections: u64,
+    /// The most input elements one batch may hold after an OOM; absent until one happens.
+    pub learned_max_batch_elements: Option<u64>,
+    /// The last batch's measured peak over its estimate.
+    pub last_ratio: Option<f64>,
+}
+
+struct Line {
+    base: f64,
+    per_element: f64,
+    corrections: u64,
+    last_ratio: Option<f64>,
+}
+
+/// A model's memory estimate, shared by the request handlers (which price requests with it)
+/// and the model's batch thread (which corrects it).
+pub struct MemoryEstimate {
+    source: Source,
+    probes: Vec<Probe>,
+    line: Mutex<Line>,
+    /// `u64::MAX` while no OOM has taught a limit.
+    learned_max_elements: AtomicU64,
+}
+
+impl MemoryEstimate {
+    pub fn configured(config: EstimateConfig) -> Self {
+        Self::new(Source::Configured, config.base_bytes, config.bytes_per_element, Vec::new())
+    }
+
+    /// Fits `bytes = a + b × elements` to the probes by least squares, keeps both terms
+    /// non-negative, then raises `a` until no probe lies above the line.
+    pub fn fitted(probes: Vec<Probe>) -> Self {
+        let (a, b) = fit_covering(&probes);
+        Self::new(Source::Measured, a, b, probes)
+    }
+
+    fn new(source: Source, base: f64, per_element: f64, probes: Vec<Probe>) -> Self {
+        MemoryEstimate {
+            source,
+            probes,
+            line: Mutex::new(Line { base: base.max(0.0), per_element: per_element.max(0.0), corrections: 0, last_ratio: None }),
+            learned_max_elements: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    fn line(&self) -> std::sync::MutexGuard<'_, Line> {
+        self.line.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Estimated peak bytes of one batch holding `elements` input elements (at least 1 byte,
+    /// so that every admitted request occupies some budget).
+    pub fn bytes(&self, elements: u64) -> u64 {
+        let line = self.line();
+        let estimate = line.base + line.per_element * elements as f64;
+        (estimate.ceil() as u64).max(1)
+    }
+
+    /// Compares a batch's measured peak with its estimate and raises the per-element cost
+    /// when the batch used more. Returns measured / estimated.
+    pub fn observe(&self, elements: u64, measured: u64) -> f64 {
+        let mut line = self.line();
+        let estimate = (line.base + line.per_element * elements as f64).max(1.0);
+        let ratio = measured as f64 / estimate;
+        line.last_ratio = Some(ratio);
+        if ratio > 1.0 && elements > 0 {
+            let needed = (measured as f64 - line.base) / elements as f64;
+            if needed > line.per_element {
+                line.per_element = needed;
+                line.corrections += 1;
+            }
+        }
+        ratio
+    }
+
+    /// The most elements one batch may hold, if an OOM has taught a limit.
+    pub fn max_batch_elements(&self) -> Option<u64> {
+        match self.learned_max_elements.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            n => Some(n),
+        }
+    }
+
+    /// A batch of `elements` ran out of memory: allow at most half as much from now on.
+    /// Returns the new limit.
+    pub fn learn_from_oom(&self, elements: u64) -> u64 {
+        let limit = (elements / 2).max(1);
+        self.learned_max_elements.fetch_min(limit, Ordering::Relaxed);
+        self.learned_max_elements.load(Ordering::Relaxed)
+    }
+
+    pub fn view(&self) -> EstimateView {
+        let line = self.line();
+        EstimateView {
+            source: self.source,
+            base_bytes: line.base,
+            bytes_per_element: line.per_element,
+            probes: self.probes.clone(),
+            corrections: line.corrections,
+            learned_max_batch_elements: self.max_batch_elements(),
+            last_ratio: line.last_ratio,
+        }
+    }
+}
+
+/// Least squares through the probes, clamped to non-negative terms, then shifted up so that
+/// every probe lies on or under the line.
+fn fit_covering(probes: &[Probe]) -> (f64, f64) {
+    if probes.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = probes.len() as f64;
+    let xs: Vec<f64> = probes.iter().map(|p| p.elements as f64).collect();
+    let ys: Vec<f64> = probes.iter().map(|p| p.bytes as f64).collect();
+    let mean_x = xs.iter().sum::<f64>() / n;
+    let mean_y = ys.iter().sum::<f64>() / n;
+    let sxx: f64 = xs.iter().map(|x| (x - mean_x).powi(2)).sum();
+    let sxy: f64 = xs.iter().zip(&ys).map(|(x, y)| (x - mean_x) * (y - mean_y)).sum();
+    let mut b = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+    let mut a = mean_y - b * mean_x;
+    if a < 0.0 {
+        // A negative intercept means the points bend up; a line through the origin is the
+        // honest simpler model.
+        a = 0.0;
+        let sxx0: f64 = xs.iter().map(|x| x * x).sum();
+        b = if sxx0 > 0.0 { xs.iter().zip(&ys).map(|(x, y)| x * y).sum::<f64>() / sxx0 } else { 0.0 };
+    }
+    let under = xs.iter().zip(&ys).map(|(x, y)| y - (a + b * x)).fold(0.0_f64, f64::max);
+    (a + under, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe(elements: u64, bytes: u64) -> Probe {
+        Probe { batch: 1, elements, bytes }
+    }
+
+    #[test]
+    fn fit_recovers_an_exact_line() {
+        let est = MemoryEstimate::fitted(vec![probe(1000, 5000), probe(2000, 9000), probe(4000, 17000)]);
+        let v = est.view();
+        assert!((v.base_bytes - 1000.0).abs() < 1e-6, "{v:?}");
+        assert!((v.bytes_per_element - 4.0).abs() < 1e-9, "{v:?}");
+        assert_eq!(est.bytes(3000), 13000);
+    }
+
+    #[test]
+    fn fit_covers_every_probe() {
+        let probes = vec![probe(100, 900), probe(200, 1000), probe(400, 2500), probe(800, 3900)];
+        let est = MemoryEstimate::fitted(probes.clone());
+        for p in probes {
+            assert!(est.bytes(p.elements) >= p.bytes, "{p:?} above the fit {:?}", est.view());
+        }
+    }
+
+    #[test]
+    fn negative_intercept_falls_back_to_a_line_through_the_origin() {
+        let est = MemoryEstimate::fitted(vec![probe(100, 100), probe(200, 300), probe(300, 600)]);
+        let v = est.view();
+        assert!(v.base_bytes >= 0.0 && v.bytes_per_element > 0.0, "{v:?}");
+        assert!(est.bytes(300) >= 600);
+    }
+
+    #[test]
+    fn observe_raises_but_never_lowers() {
+        let est = MemoryEstimate::configured(EstimateConfig { base_bytes: 100.0, bytes_per_element: 1.0 });
+        assert_eq!(est.bytes(1000), 1100);
+        let ratio = est.observe(1000, 550);
+        assert!((ratio - 0.5).abs() < 1e-9);
+        assert_eq!(est.bytes(1000), 1100, "a batch that used less does not lower the estimate");
+        let ratio = est.observe(1000, 4100);
+        assert!(ratio > 3.7);
+        assert_eq!(est.bytes(1000), 4100);
+        assert_eq!(est.view().corrections, 1);
+    }
+
+    #[test]
+    fn oom_halves_the_learned_capacity_and_it_only_shrinks() {
+        let est = MemoryEstimate::configured(EstimateConfig { base_bytes: 0.0, bytes_per_element: 1.0 });
+        assert_eq!(est.max_batch_elements(), None);
+        assert_eq!(est.learn_from_oom(8000), 4000);
+        assert_eq!(est.learn_from_oom(20000), 4000);
+        assert_eq!(est.learn_from_oom(4000), 2000);
+        assert_eq!(est.max_batch_elements(), Some(2000));
+    }
+}

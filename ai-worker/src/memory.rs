@@ -1,0 +1,333 @@
+//! What the worker knows about its device memory: how much there is, how much it uses, the
+//! peak of one batch, and the cap it must stay under.
+//!
+//! | | CUDA | CPU |
+//! |---|---|---|
+//! | free / total | NVML (`nvml-wrapper`) for the device | `/proc/meminfo` `MemAvailable` / `MemTotal` |
+//! | ours, now | caching allocator's reserved bytes (the C++ shim) | resident set (`VmRSS`) |
+//! | peak of a batch | allocator's peak allocated, after a reset | `VmHWM`, after writing `5` to `/proc/self/clear_refs` |
+//! | cap (`memory_limit_bytes`) | allocator's per-process memory fraction | `RLIMIT_AS` |
+//! | give cache back | `emptyCache()` | nothing to do: large tensors are `mmap`ed and unmapped on free |
+//!
+//! A peak is a process-wide quantity, so a batch's peak is attributable to it only when no
+//! other batch ran at any moment during it; [`PeakScope`] knows whether that was so.
+//!
+//! The budget admission hands out is recomputed every `memory_resample_ms`:
+//! `min(cap, free now + what we hold above our start-up footprint) − reserve`. Memory another
+//! process takes shrinks it; it grows back when that memory is freed.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use tch::Device;
+
+use crate::cuda_memory;
+
+/// A reading of the device's memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub total: u64,
+    /// Free on the device (CUDA) or available to new allocations (CPU).
+    pub free: u64,
+    /// Held by this process: allocator reserved (CUDA) or resident set (CPU).
+    pub ours: u64,
+}
+
+pub struct MemoryMonitor {
+    backend: Backend,
+    running: AtomicUsize,
+    starts: AtomicU64,
+}
+
+enum Backend {
+    Cpu { clear_refs_works: bool },
+    Cuda { index: i32, nvml: Option<nvml_wrapper::Nvml> },
+}
+
+impl MemoryMonitor {
+    pub fn new(device: Device) -> Self {
+        let backend = match device {
+            Device::Cuda(index) => {
+                let nvml = match nvml_wrapper::Nvml::init() {
+                    Ok(nvml) => Some(nvml),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "NVML unavailable; free memory comes from the allocator's cap only");
+                        None
+                    }
+                };
+                if !cuda_memory::BUILT {
+                    tracing::warn!("built without the CUDA allocator shim: peaks and the memory cap are unavailable");
+                }
+                Backend::Cuda { index: index as i32, nvml }
+            }
+            _ => {
+                let clear_refs_works = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+                if !clear_refs_works {
+                    tracing::warn!("cannot write /proc/self/clear_refs: batch peaks cannot be measured");
+                }
+                Backend::Cpu { clear_refs_works }
+            }
+        };
+        MemoryMonitor { backend, running: AtomicUsize::new(0), starts: AtomicU64::new(0) }
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        matches!(self.backend, Backend::Cuda { .. })
+    }
+
+    /// Whether peaks can be measured at all (decides whether start-up probing is possible).
+    pub fn can_measure_peaks(&self) -> bool {
+        match &self.backend {
+            Backend::Cpu { clear_refs_works } => *clear_refs_works,
+            Backend::Cuda { .. } => cuda_memory::BUILT,
+        }
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        match &self.backend {
+            Backend::Cpu { .. } => {
+                let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+                Snapshot {
+                    total: kib_field(&meminfo, "MemTotal:").unwrap_or(0),
+                    free: kib_field(&meminfo, "MemAvailable:").unwrap_or(0),
+                    ours: proc_status("VmRSS:").unwrap_or(0),
+                }
+            }
+            Backend::Cuda { index, nvml } => {
+                let ours = cuda_memory::stats(*index).map(|s| s.reserved).unwrap_or(0);
+                let info = nvml
+                    .as_ref()
+                    .and_then(|n| n.device_by_index(*index as u32).ok())
+                    .and_then(|d| d.memory_info().ok());
+                match info {
+                    Some(info) => Snapshot { total: info.total, free: info.free, ours },
+                    None => Snapshot { total: 0, free: 0, ours },
+                }
+            }
+        }
+    }
+
+    /// Starts measuring a batch's peak. Hold the scope across the batch, then
+    /// [`PeakScope::finish`].
+    pub fn peak_scope(&self) -> PeakScope<'_> {
+        let was_running = self.running.fetch_add(1, Ordering::SeqCst);
+        let starts = self.starts.fetch_add(1, Ordering::SeqCst) + 1;
+        let alone = was_running == 0 && self.can_measure_peaks();
+        // Resetting the peak while another batch runs would spoil that batch's measurement, so
+        // only a batch that starts alone resets it (and only such a batch can be measured).
+        let base = if alone { self.reset_peak() } else { None };
+        PeakScope { monitor: self, starts, base, finished: false }
+    }
+
+    /// Resets the peak counter; returns the current usage it is measured from.
+    fn reset_peak(&self) -> Option<u64> {
+        match &self.backend {
+            Backend::Cpu { .. } => {
+                std::fs::write("/proc/self/clear_refs", "5").ok()?;
+                proc_status("VmRSS:")
+            }
+            Backend::Cuda { index, .. } => {
+                cuda_memory::reset_peak(*index).ok()?;
+                cuda_memory::stats(*index).ok().map(|s| s.allocated)
+            }
+        }
+    }
+
+    fn peak(&self) -> Option<u64> {
+        match &self.backend {
+            Backend::Cpu { .. } => proc_status("VmHWM:"),
+            Backend::Cuda { index, .. } => cuda_memory::stats(*index).ok().map(|s| s.peak_allocated),
+        }
+    }
+
+    /// Gives cached, unused memory back to the device.
+    pub fn empty_cache(&self) {
+        if self.is_cuda() {
+            if let Err(e) = cuda_memory::empty_cache() {
+                tracing::debug!(error = %e, "empty_cache unavailable");
+            }
+        }
+    }
+
+    /// Bytes the allocator holds but does not use (CUDA), for the optional cleanup.
+    pub fn cache_slack(&self) -> Option<u64> {
+        match &self.backend {
+            Backend::Cuda { index, .. } => {
+                cuda_memory::stats(*index).ok().map(|s| s.reserved.saturating_sub(s.allocated))
+            }
+            Backend::Cpu { .. } => None,
+        }
+    }
+
+    /// Applies `memory_limit_bytes`: from now on the process may take at most `limit` bytes
+    /// beyond what it holds now. Call once, after models are loaded and every long-lived
+    /// thread has started (on CPU a thread's stack counts against the address-space limit).
+    pub fn apply_limit(&self, limit: u64) -> anyhow::Result<()> {
+        match &self.backend {
+            Backend::Cpu { .. } => {
+                let vm_size = proc_status("VmSize:")
+                    .ok_or_else(|| anyhow::anyhow!("cannot read VmSize from /proc/self/status"))?;
+                let cap = vm_size.saturating_add(limit);
+                let rlimit = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
+                // SAFETY: setrlimit reads the struct we pass and touches no other memory.
+                let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &rlimit) };
+                anyhow::ensure!(rc == 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
+                tracing::info!(address_space_bytes = vm_size, limit_bytes = limit, "memory cap applied (RLIMIT_AS)");
+            }
+            Backend::Cuda { index, .. } => {
+                let snap = self.snapshot();
+                anyhow::ensure!(snap.total > 0, "memory_limit_bytes on CUDA needs NVML for the device's total");
+                let fraction = ((snap.ours + limit) as f64 / snap.total as f64).min(1.0);
+                cuda_memory::set_memory_fraction(fraction, *index).map_err(|e| anyhow::anyhow!(e))?;
+                tracing::info!(fraction, limit_bytes = limit, "memory cap applied (allocator memory fraction)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A batch's peak measurement in progress.
+pub struct PeakScope<'a> {
+    monitor: &'a MemoryMonitor,
+    starts: u64,
+    base: Option<u64>,
+    finished: bool,
+}
+
+impl PeakScope<'_> {
+    /// The batch's peak above the usage when it started, when the batch ran alone from start
+    /// to end (else `None`: the peak would include someone else's memory).
+    pub fn finish(mut self) -> Option<u64> {
+        self.finished = true;
+        let alone = self.monitor.starts.load(Ordering::SeqCst) == self.starts;
+        let peak = self.monitor.peak();
+        self.monitor.running.fetch_sub(1, Ordering::SeqCst);
+        match (alone, self.base, peak) {
+            (true, Some(base), Some(peak)) => Some(peak.saturating_sub(base)),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for PeakScope<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.monitor.running.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The admission budget: the cap on what requests may hold, as memory comes and goes.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// The most requests may ever hold: `memory_limit_bytes` / `memory_budget_bytes` /
+    /// the free memory at start-up.
+    pub cap: u64,
+    pub reserve: u64,
+    /// What this process held when the budget was set up (models loaded and warmed).
+    pub baseline_ours: u64,
+}
+
+impl Budget {
+    /// Sets up the budget from the first reading after start-up.
+    pub fn new(snap: Snapshot, limit: Option<u64>, configured: Option<u64>, reserve_fraction: f64, reserve_bytes: u64) -> Self {
+        let mut cap = snap.free;
+        if let Some(limit) = limit {
+            cap = if snap.free == 0 { limit } else { cap.min(limit) };
+        }
+        if let Some(configured) = configured {
+            cap = cap.min(configured);
+        }
+        let reserve = ((cap as f64 * reserve_fraction.clamp(0.0, 1.0)) as u64).max(reserve_bytes).min(cap);
+        Budget { cap, reserve, baseline_ours: snap.ours }
+    }
+
+    /// The bytes admission may hand out now.
+    pub fn available(&self, snap: Snapshot) -> u64 {
+        let ours = snap.ours.saturating_sub(self.baseline_ours);
+        // Without a reading of free memory (no NVML) the cap is all we know.
+        let room = if snap.free == 0 && snap.total == 0 { self.cap } else { self.cap.min(snap.free.saturating_add(ours)) };
+        room.saturating_sub(self.reserve)
+    }
+}
+
+fn proc_status(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_field(&status, field)
+}
+
+/// A `Name:   123 kB` line of a `/proc` file, in bytes.
+fn kib_field(text: &str, field: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Makes the C allocator's behaviour measurable and bounded. Call first thing in `main`,
+/// before any other thread starts.
+///
+/// * A fixed mmap threshold: every allocation over 256 KiB (every tensor worth counting) is
+///   its own `mmap` and goes back to the OS on free. glibc otherwise raises the threshold
+///   after frees and serves big tensors from the heap, which keeps freed memory resident, so
+///   peaks would not show and memory would not return.
+/// * Two malloc arenas: each arena reserves 64 MiB of address space, which under the CPU
+///   memory cap (`RLIMIT_AS`) would be charged to nobody's estimate.
+pub fn tune_allocator() {
+    // SAFETY: mallopt only sets allocator parameters; called before other threads exist.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kib_fields_parse() {
+        let text = "Name:\tai-worker\nVmHWM:\t  123456 kB\nVmRSS:\t    1024 kB\n";
+        assert_eq!(kib_field(text, "VmHWM:"), Some(123456 * 1024));
+        assert_eq!(kib_field(text, "VmRSS:"), Some(1024 * 1024));
+        assert_eq!(kib_field(text, "VmSize:"), None);
+    }
+
+    #[test]
+    fn budget_follows_free_memory_and_our_own_use() {
+        let start = Snapshot { total: 100_000, free: 60_000, ours: 10_000 };
+        let budget = Budget::new(start, Some(40_000), None, 0.05, 1_000);
+        assert_eq!(budget.cap, 40_000);
+        assert_eq!(budget.reserve, 2_000);
+        assert_eq!(budget.available(start), 38_000);
+        // Another process takes 50k: only 10k free, nothing of ours in use.
+        let squeezed = Snapshot { free: 10_000, ..start };
+        assert_eq!(budget.available(squeezed), 8_000);
+        // We hold 20k above our baseline and 25k are free: 45k is ours to use, capped at 40k.
+        let busy = Snapshot { free: 25_000, ours: 30_000, ..start };
+        assert_eq!(budget.available(busy), 38_000);
+    }
+
+    #[test]
+    fn configured_budget_and_reserve_floor() {
+        let start = Snapshot { total: 100_000, free: 60_000, ours: 0 };
+        let budget = Budget::new(start, None, Some(20_000), 0.0, 3_000);
+        assert_eq!(budget.cap, 20_000);
+        assert_eq!(budget.available(start), 17_000);
+    }
+
+    #[test]
+    fn cpu_peak_scope_sees_an_allocation() {
+        let monitor = MemoryMonitor::new(Device::Cpu);
+        if !monitor.can_measure_peaks() {
+            return; // a sandbox without clear_refs: nothing to measure here
+        }
+        let scope = monitor.peak_scope();
+        let block = vec![1u8; 64 << 20];
+        std::hint::black_box(&block);
+        drop(block);
+        // Other tests run in parallel threads of this process, so the peak is only a lower
+        // bound check: our 64 MiB must show (when no other scope was open).
+        if let Some(peak) = scope.finish() {
+            assert!(peak >= 60 << 20, "peak {peak} misses a 64 MiB allocation");
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! The worker's Prometheus metrics, served as text at `GET /metrics`.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    /// Memory held by this process: allocator reserved (CUDA) or resident set (CPU).
+    pub memory_used: IntGauge,
+    /// Free on the device (CUDA) or available to new allocations (CPU).
+    pub memory_available: IntGauge,
+    pub memory_budget: IntGauge,
+    pub memory_admitted: IntGauge,
+    pub memory_admitted_peak: IntGauge,
+    pub oom_errors: IntCounterVec,
+    pub retry_attempts: IntCounterVec,
+    pub inference_duration: HistogramVec,
+    pub concurrent_tasks: IntGauge,
+    pub admission_wait: Histogram,
+    pub admission_rejections: IntCounterVec,
+    pub batch_size: HistogramVec,
+    pub estimate_ratio: prometheus::GaugeVec,
+    pub queued_requests: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let histogram = |name: &str, help: &str, labels: &[&str], buckets: Vec<f64>| {
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid metric");
+            registry.register(Box::new(h.clone())).expect("unique metric");
+            h
+        };
+        let seconds = vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+        let estimate_ratio = prometheus::GaugeVec::new(
+            Opts::new("memory_estimate_ratio", "Last measured batch peak over its estimate, by model"),
+            &["model"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(estimate_ratio.clone())).expect("unique metric");
+        let admission_wait = Histogram::with_opts(
+            HistogramOpts::new("admission_wait_seconds", "Time requests waited for memory before they were admitted")
+                .buckets(seconds.clone()),
+        )
+        .expect("valid metric");
+        registry.register(Box::new(admission_wait.clone())).expect("unique metric");
+        Metrics {
+            memory_used: gauge("gpu_memory_used_bytes", "Device memory held by this worker (CUDA: allocator reserved; CPU: resident set)"),
+            memory_available: gauge("gpu_memory_available_bytes", "Device memory free (CUDA: NVML; CPU: MemAvailable)"),
+            memory_budget: gauge("gpu_memory_budget_bytes", "Bytes admission may hand out now"),
+            memory_admitted: gauge("gpu_memory_admitted_bytes", "Estimated bytes of the requests admitted now"),
+            memory_admitted_peak: gauge(
+                "gpu_memory_admitted_peak_bytes",
+                "Most estimated bytes ever admitted at once (high-water mark)",
+            ),
+            oom_errors: counter("inference_oom_errors_total", "Allocation failures while running a batch", &["model"]),
+            retry_attempts: counter(
+                "inference_retry_attempts_total",
+                "Batches run again after an OOM (halved, or alone in the serial lane)",
+                &["model"],
+            ),
+            inference_duration: histogram(
+                "inference_duration_seconds",
+                "Time one batch took in the model",
+                &["model"],
+                seconds.clone(),
+            ),
+            concurrent_tasks: gauge("concurrent_inference_tasks", "Batches running now"),
+            admission_wait,
+            admission_rejections: counter(
+                "admission_rejections_total",
+                "Requests not admitted, by reason (too_large, queue_full, timeout, deadline)",
+                &["reason"],
+            ),
+            batch_size: histogram(
+                "inference_batch_size",
+                "Requests per batch",
+                &["model"],
+                vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0],
+            ),
+            estimate_ratio,
+            queued_requests: gauge("admission_queued_requests", "Requests waiting for memory now"),
+            registry,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding into a Vec");
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_names_operators_query() {
+        let m = Metrics::new();
+        m.oom_errors.with_label_values(&["m"]).inc();
+        m.batch_size.with_label_values(&["m"]).observe(3.0);
+        m.inference_duration.with_label_values(&["m"]).observe(0.01);
+        m.admission_rejections.with_label_values(&["queue_full"]).inc();
+        m.retry_attempts.with_label_values(&["m"]).inc();
+        m.estimate_ratio.with_label_values(&["m"]).set(0.9);
+        let text = m.render();
+        for name in [
+            "gpu_memory_used_bytes",
+            "gpu_memory_available_bytes",
+            "gpu_memory_budget_bytes",
+            "gpu_memory_admitted_bytes",
+            "inference_oom_errors_total{model=\"m\"} 1",
+            "inference_retry_attempts_total",
+            "inference_duration_seconds_bucket",
+            "concurrent_inference_tasks",
+            "admission_wait_seconds",
+            "admission_rejections_total{reason=\"queue_full\"} 1",
+            "inference_batch_size_bucket",
+            "memory_estimate_ratio{model=\"m\"} 0.9",
+        ] {
+            assert!(text.contains(name), "{name} missing from\n{text}");
+        }
+    }
+}
