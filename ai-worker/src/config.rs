@@ -27,6 +27,12 @@ pub struct WorkerConfig {
     /// this many bytes, so libtorch's allocations past it fail with `can't allocate memory`.
     /// Also caps the admission budget. Unset: no cap.
     pub memory_limit_bytes: Option<u64>,
+    /// CPU only: room the address-space limit leaves on top of `memory_limit_bytes` for what
+    /// would be host memory next to a GPU (request bodies, decoded inputs waiting for
+    /// admission, HTTP buffers, thread stacks, allocator arenas). Without it a burst of
+    /// large request bodies would meet the cap in Rust code, where a failed allocation
+    /// aborts the process instead of raising an OOM libtorch can recover from.
+    pub memory_host_allowance_bytes: u64,
     /// CPU only: the memory admission may hand out. Unset: what the kernel reports available
     /// (`MemAvailable`) after start-up. Either way capped by `memory_limit_bytes`.
     pub memory_budget_bytes: Option<u64>,
@@ -107,6 +113,7 @@ impl Default for WorkerConfig {
             torch_threads: 1,
             max_request_bytes: 256 * 1024 * 1024,
             memory_limit_bytes: None,
+            memory_host_allowance_bytes: 256 * 1024 * 1024,
             memory_budget_bytes: None,
             memory_reserve_fraction: 0.05,
             memory_reserve_bytes: 32 * 1024 * 1024,
@@ -149,6 +156,11 @@ pub struct ModelConfig {
     /// Largest number of input elements (e.g. audio samples × batch) one request may carry.
     #[serde(default = "default_max_input_elements")]
     pub max_input_elements: usize,
+    /// Copies of the model loaded, each with its own batch thread: how many batches of this
+    /// model may run at once (Triton's instance count). Memory admission decides whether
+    /// they fit; this only bounds the parallelism.
+    #[serde(default = "default_instances")]
+    pub instances: usize,
     /// Overrides `batching.max_batch_size` for this model.
     #[serde(default)]
     pub max_batch_size: Option<usize>,
@@ -164,6 +176,10 @@ pub struct ModelConfig {
 pub struct EstimateConfig {
     pub base_bytes: f64,
     pub bytes_per_element: f64,
+}
+
+fn default_instances() -> usize {
+    1
 }
 
 fn default_max_input_elements() -> usize {

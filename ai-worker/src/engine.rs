@@ -136,16 +136,20 @@ impl Engine {
         let mut served = HashMap::new();
         for (model, estimate) in models {
             let (tx, rx) = std::sync::mpsc::channel();
-            let batcher = Batcher {
-                model: model.clone(),
-                estimate: estimate.clone(),
-                shared: shared.clone(),
-                window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
-                max_batch: model.config().max_batch_size.unwrap_or(config.batching.max_batch_size).max(1),
-            };
-            std::thread::Builder::new()
-                .name(format!("batch-{}", model.name()))
-                .spawn(move || batcher.run(rx))?;
+            let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
+            for instance in 0..model.instances() {
+                let batcher = Batcher {
+                    model: model.clone(),
+                    estimate: estimate.clone(),
+                    shared: shared.clone(),
+                    window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
+                    max_batch: model.config().max_batch_size.unwrap_or(config.batching.max_batch_size).max(1),
+                };
+                let intake = intake.clone();
+                std::thread::Builder::new()
+                    .name(format!("batch-{}-{instance}", model.name()))
+                    .spawn(move || batcher.run(&intake))?;
+            }
             served.insert(model.name().to_string(), Served { model, estimate, jobs: tx });
         }
         Ok(Engine {
@@ -174,10 +178,7 @@ impl Engine {
         let deadline = Instant::now() + timeout;
         let elements = input.elements();
         let price = match self.mode {
-            // On CPU the request's own decoded input lives in the same memory as the model's
-            // tensors, so it is priced too (4 bytes per f32 element); on CUDA it is host memory.
-            AdmissionMode::Bytes if self.monitor.is_cuda() => served.estimate.bytes(elements),
-            AdmissionMode::Bytes => served.estimate.bytes(elements).saturating_add(4 * elements),
+            AdmissionMode::Bytes => served.estimate.bytes(elements),
             AdmissionMode::Count => 1,
         };
         let waited = Instant::now();
@@ -294,6 +295,13 @@ impl DrainRate {
     }
 }
 
+/// Where a model's admitted jobs wait: the channel, and the jobs that did not fit the last
+/// batch formed (they lead the next one).
+struct Intake {
+    jobs: Receiver<Job>,
+    pending: VecDeque<Job>,
+}
+
 struct Batcher {
     model: Arc<Model>,
     estimate: Arc<MemoryEstimate>,
@@ -303,44 +311,56 @@ struct Batcher {
 }
 
 impl Batcher {
-    fn run(self, jobs: Receiver<Job>) {
-        // Admitted jobs that did not fit the batch being formed; they lead the next ones.
-        let mut pending: VecDeque<Job> = VecDeque::new();
+    /// Forms batches and runs them. Several instances of one model share the intake: the one
+    /// forming a batch holds it (so a batch is formed from every job available), and lets go
+    /// of it before running the batch, so the next instance can form another.
+    fn run(self, intake: &Mutex<Intake>) {
         loop {
-            let first = match pending.pop_front() {
-                Some(job) => job,
-                None => match jobs.recv() {
-                    Ok(job) => job,
-                    Err(_) => return, // the engine is gone
-                },
+            let batch = {
+                let mut intake = intake.lock().unwrap_or_else(|p| p.into_inner());
+                let Intake { jobs, pending } = &mut *intake;
+                match self.form_batch(jobs, pending) {
+                    Some(batch) => batch,
+                    None => return, // the engine is gone
+                }
             };
-            let Some(first) = first.still_wanted() else { continue };
-            let mut batch = vec![first];
-            let mut skipped = VecDeque::new();
-            while let Some(job) = pending.pop_front() {
-                if batch.len() < self.max_batch && self.fits(&batch, &job) {
-                    batch.push(job);
-                } else {
-                    skipped.push_back(job);
-                }
+            if !batch.is_empty() {
+                self.execute(batch);
             }
-            pending = skipped;
-            let window_end = Instant::now() + self.window;
-            while batch.len() < self.max_batch {
-                let wait = window_end.saturating_duration_since(Instant::now());
-                let next = match jobs.recv_timeout(wait) {
-                    Ok(job) => job,
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
-                };
-                let Some(next) = next.still_wanted() else { continue };
-                if self.fits(&batch, &next) {
-                    batch.push(next);
-                } else {
-                    pending.push_back(next);
-                }
-            }
-            self.execute(batch);
         }
+    }
+
+    fn form_batch(&self, jobs: &Receiver<Job>, pending: &mut VecDeque<Job>) -> Option<Vec<Job>> {
+        let first = match pending.pop_front() {
+            Some(job) => job,
+            None => jobs.recv().ok()?,
+        };
+        let Some(first) = first.still_wanted() else { return Some(Vec::new()) };
+        let mut batch = vec![first];
+        let mut skipped = VecDeque::new();
+        while let Some(job) = pending.pop_front() {
+            if batch.len() < self.max_batch && self.fits(&batch, &job) {
+                batch.push(job);
+            } else {
+                skipped.push_back(job);
+            }
+        }
+        *pending = skipped;
+        let window_end = Instant::now() + self.window;
+        while batch.len() < self.max_batch {
+            let wait = window_end.saturating_duration_since(Instant::now());
+            let next = match jobs.recv_timeout(wait) {
+                Ok(job) => job,
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+            };
+            let Some(next) = next.still_wanted() else { continue };
+            if self.fits(&batch, &next) {
+                batch.push(next);
+            } else {
+                pending.push_back(next);
+            }
+        }
+        Some(batch)
     }
 
     /// Whether `next` may join `batch`: the padded batch stays within the learned capacity

@@ -161,17 +161,22 @@ impl MemoryMonitor {
     /// Applies `memory_limit_bytes`: from now on the process may take at most `limit` bytes
     /// beyond what it holds now. Call once, after models are loaded and every long-lived
     /// thread has started (on CPU a thread's stack counts against the address-space limit).
-    pub fn apply_limit(&self, limit: u64) -> anyhow::Result<()> {
+    /// On CPU `host_allowance` is added to the address-space limit: see
+    /// `WorkerConfig::memory_host_allowance_bytes`.
+    pub fn apply_limit(&self, limit: u64, host_allowance: u64) -> anyhow::Result<()> {
         match &self.backend {
             Backend::Cpu { .. } => {
                 let vm_size = proc_status("VmSize:")
                     .ok_or_else(|| anyhow::anyhow!("cannot read VmSize from /proc/self/status"))?;
-                let cap = vm_size.saturating_add(limit);
+                let cap = vm_size.saturating_add(limit).saturating_add(host_allowance);
                 let rlimit = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
                 // SAFETY: setrlimit reads the struct we pass and touches no other memory.
                 let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &rlimit) };
                 anyhow::ensure!(rc == 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
-                tracing::info!(address_space_bytes = vm_size, limit_bytes = limit, "memory cap applied (RLIMIT_AS)");
+                tracing::info!(
+                    address_space_bytes = vm_size, limit_bytes = limit, host_allowance_bytes = host_allowance,
+                    "memory cap applied (RLIMIT_AS)"
+                );
             }
             Backend::Cuda { index, .. } => {
                 let snap = self.snapshot();

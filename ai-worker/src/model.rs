@@ -2,9 +2,10 @@
 //! knows libtorch: the rest of the worker sees [`Model`], [`InputTensor`] and [`ModelError`].
 //!
 //! A model is loaded once, warmed up with a probe input (so the first request doesn't pay
-//! TorchScript's compilation), and called from blocking threads. Calls into one model are
-//! serialised by a mutex: Silero VAD keeps recurrent state inside the module, so two
-//! concurrent calls into one instance would corrupt each other's results.
+//! TorchScript's compilation), and called from blocking threads. Calls into one loaded copy
+//! are serialised by a mutex: Silero VAD keeps recurrent state inside the module, so two
+//! concurrent calls into one copy would corrupt each other's results. `instances` loads
+//! several copies, so that several batches of one model can run at once.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
@@ -80,7 +81,8 @@ pub struct OutputTensor {
 pub struct Model {
     config: ModelConfig,
     device: Device,
-    module: Mutex<CModule>,
+    /// One loaded copy per configured instance; a batch runs on whichever is free.
+    modules: Vec<Mutex<CModule>>,
 }
 
 impl Model {
@@ -89,10 +91,14 @@ impl Model {
         let started = Instant::now();
         let (name, path) = (config.name.clone(), config.path.display().to_string());
         let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
-        let mut module = CModule::load_on_device(&config.path, device)
-            .map_err(|e| load_err(first_line(&e.to_string())))?;
-        module.set_eval();
-        let model = Model { config, device, module: Mutex::new(module) };
+        let mut modules = Vec::new();
+        for _ in 0..config.instances.max(1) {
+            let mut module = CModule::load_on_device(&config.path, device)
+                .map_err(|e| load_err(first_line(&e.to_string())))?;
+            module.set_eval();
+            modules.push(Mutex::new(module));
+        }
+        let model = Model { config, device, modules };
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| load_err(format!("warm-up call failed: {e}")))?;
         tracing::info!(
@@ -307,7 +313,7 @@ impl Model {
         };
         let shape = Self::padded_shape(inputs);
         let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape)).map_err(failed)?;
-        let module = self.module.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let module = self.free_instance();
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
             let x = batch_input.f_to_device(self.device)?;
             match self.config.kind {
@@ -357,6 +363,24 @@ impl Model {
             per_request.push(outputs);
         }
         Ok(per_request)
+    }
+}
+
+impl Model {
+    /// The first instance nobody is running, else the first one (waiting for it).
+    fn free_instance(&self) -> std::sync::MutexGuard<'_, CModule> {
+        for m in &self.modules {
+            match m.try_lock() {
+                Ok(guard) => return guard,
+                Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+        }
+        self.modules[0].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn instances(&self) -> usize {
+        self.modules.len()
     }
 }
 

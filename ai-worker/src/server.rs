@@ -98,7 +98,7 @@ fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<
     };
     let engine = Engine::start(config, models, monitor.clone(), metrics, capacity)?;
     if let Some(limit) = config.memory_limit_bytes {
-        monitor.apply_limit(limit)?;
+        monitor.apply_limit(limit, config.memory_host_allowance_bytes)?;
     }
     tracing::info!(
         mode = ?config.admission.mode, capacity, cap_bytes = budget.cap, reserve_bytes = budget.reserve,

@@ -58,6 +58,9 @@ impl InferCall {
 pub struct WorkerClient {
     http: reqwest::Client,
     base: String,
+    /// Sent as the worker's deadline header, so the worker neither starts nor keeps waiting
+    /// for work this client has stopped waiting for.
+    timeout_ms: u64,
 }
 
 impl WorkerClient {
@@ -67,14 +70,19 @@ impl WorkerClient {
             .connect_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(64)
             .build()?;
-        Ok(WorkerClient { http, base: endpoint.url.trim_end_matches('/').to_string() })
+        let timeout_ms = (endpoint.request_timeout_seconds.max(0.001) * 1000.0).ceil() as u64;
+        Ok(WorkerClient { http, base: endpoint.url.trim_end_matches('/').to_string(), timeout_ms })
     }
 
     /// Sends a prepared request to `model` and returns its output tensor.
     pub async fn infer(&self, model: &str, call: &InferCall) -> Result<ModelOutput, CallError> {
         let output_name = call.output_name.as_str();
         let url = format!("{}/v2/models/{model}/infer", self.base);
-        let mut request = self.http.post(&url).header("content-type", "application/octet-stream");
+        let mut request = self
+            .http
+            .post(&url)
+            .header("content-type", "application/octet-stream")
+            .header("x-vramgate-timeout-ms", self.timeout_ms);
         if let Some(len) = call.header_len {
             request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len);
         }

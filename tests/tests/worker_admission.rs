@@ -122,7 +122,7 @@ async fn batched_answers_equal_answers_computed_alone() {
 async fn a_real_oom_is_recovered_by_halving_and_not_repeated() {
     // A cap the 8-image batch cannot fit in, and an estimate 30x too low so admission lets
     // all 8 in at once: the batch of 8 must fail to allocate for real.
-    let extra = "memory_limit_bytes = 900000000\n[batching]\nwindow_ms = 500.0\nmax_batch_size = 8\n";
+    let extra = "memory_limit_bytes = 700000000\n[batching]\nwindow_ms = 500.0\nmax_batch_size = 8\n";
     let low = "estimate = { base_bytes = 1000000.0, bytes_per_element = 1.0 }";
     let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", low)]))
         .await
