@@ -31,7 +31,9 @@ pub struct WorkerConfig {
     /// would be host memory next to a GPU (request bodies, decoded inputs waiting for
     /// admission, HTTP buffers, thread stacks, allocator arenas). Without it a burst of
     /// large request bodies would meet the cap in Rust code, where a failed allocation
-    /// aborts the process instead of raising an OOM libtorch can recover from.
+    /// aborts the process instead of raising an OOM libtorch can recover from. A request
+    /// holds up to about 3× its body at once while it is read and decoded, so size it as
+    /// 3 × (requests in flight) × (largest body).
     pub memory_host_allowance_bytes: u64,
     /// CPU only: the memory admission may hand out. Unset: what the kernel reports available
     /// (`MemAvailable`) after start-up. Either way capped by `memory_limit_bytes`.
@@ -113,7 +115,7 @@ impl Default for WorkerConfig {
             torch_threads: 1,
             max_request_bytes: 256 * 1024 * 1024,
             memory_limit_bytes: None,
-            memory_host_allowance_bytes: 256 * 1024 * 1024,
+            memory_host_allowance_bytes: 512 * 1024 * 1024,
             memory_budget_bytes: None,
             memory_reserve_fraction: 0.05,
             memory_reserve_bytes: 32 * 1024 * 1024,

@@ -23,7 +23,10 @@ use vramgate_tests::{start_worker, worker_config};
 
 struct Setup {
     sides: Vec<usize>,
+    /// Generated before any run, so the client's own work stays out of the timings.
+    images: Vec<Arc<[f32]>>,
     limit: u64,
+    host_allowance: u64,
     instances: usize,
     in_flight: usize,
 }
@@ -45,6 +48,10 @@ impl Run {
     }
 }
 
+fn tracing_free_log(e: &anyhow::Error) {
+    eprintln!("  transport error, retrying: {e}");
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -57,9 +64,9 @@ fn proc_kib(pid: u32, field: &str) -> Option<u64> {
 
 async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result<Run> {
     let extra = format!(
-        "memory_limit_bytes = {}\n[admission]\n{admission}\nmax_queue_wait_ms = 600000\nmax_queued_requests = 4096\n\
+        "memory_limit_bytes = {}\nmemory_host_allowance_bytes = {}\n[admission]\n{admission}\nmax_queue_wait_ms = 600000\nmax_queued_requests = 4096\n\
          [batching]\nwindow_ms = 2.0\nmax_batch_size = 8\n",
-        setup.limit
+        setup.limit, setup.host_allowance
     );
     let model = format!("instances = {}\nmax_input_elements = 20000000", setup.instances);
     let config = worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", model.as_str())]);
@@ -69,21 +76,27 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
     let gate = Arc::new(Semaphore::new(setup.in_flight));
     let started = Instant::now();
-    let calls = setup.sides.iter().enumerate().map(|(i, &side)| {
+    let calls = setup.sides.iter().zip(setup.images.iter()).map(|(&side, data)| {
         let (http, url, gate) = (http.clone(), worker.url.clone(), gate.clone());
         async move {
             let _permit = gate.acquire().await.expect("semaphore open");
-            let data = test_image(side, side, i);
-            for _ in 0..1000 {
-                match infer(&http, &url, "pnet", "image", vec![1, 3, side, side], data.clone(), None).await {
+            let mut transport_errors = 0;
+            loop {
+                match infer(&http, &url, "pnet", "image", vec![1, 3, side, side], data.to_vec(), None).await {
                     Ok(a) if a.status == 503 => {
                         tokio::time::sleep(Duration::from_secs(a.retry_after.unwrap_or(1).min(2))).await;
                     }
-                    Ok(a) => return a.status == 200,
-                    Err(_) => return false, // connection refused or reset: the worker died
+                    Ok(a) if a.status == 200 => return Ok(()),
+                    Ok(a) => return Err(format!("{}: {}", a.status, a.error.unwrap_or_default())),
+                    // A connection closed under us: retried like the gateway does, a few times.
+                    Err(e) if transport_errors < 3 => {
+                        transport_errors += 1;
+                        tracing_free_log(&e);
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Err(e) => return Err(format!("transport: {e}")),
                 }
             }
-            false
         }
     });
     let results = join_all(calls).await;
@@ -94,7 +107,13 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
         Ok(text) => metric(&text, "inference_oom_errors_total{model=\"pnet\"}"),
         Err(_) => f64::NAN,
     };
-    let ok = results.iter().filter(|&&r| r).count();
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    let mut reasons: Vec<String> = results.iter().filter_map(|r| r.clone().err()).collect();
+    reasons.sort();
+    reasons.dedup();
+    for reason in reasons.iter().take(3) {
+        println!("  {label}: failure: {}", reason.chars().take(200).collect::<String>());
+    }
     Ok(Run {
         label: label.into(),
         seconds,
@@ -128,12 +147,16 @@ async fn safe_count(setup: &Setup) -> anyhow::Result<(u64, u64, u64)> {
 async fn main() -> anyhow::Result<()> {
     let count: usize = env_or("VRAMGATE_BENCH_REQUESTS", 96);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    // A fixed pseudo-random spread of sizes, the same for every run.
+    let sides: Vec<usize> = (0..count).map(|i| 160 + (i * 7919 + 13) % 1041).collect();
+    let images = sides.iter().enumerate().map(|(i, &side)| Arc::from(test_image(side, side, i))).collect();
     let setup = Setup {
-        // A fixed pseudo-random spread of sizes, the same for every run.
-        sides: (0..count).map(|i| 160 + (i * 7919 + 13) % 1041).collect(),
-        limit: env_or("VRAMGATE_BENCH_LIMIT_BYTES", 700 << 20),
+        sides,
+        images,
+        limit: env_or("VRAMGATE_BENCH_LIMIT_BYTES", 340 << 20),
+        host_allowance: env_or("VRAMGATE_BENCH_HOST_ALLOWANCE_BYTES", 256 << 20),
         instances: env_or("VRAMGATE_BENCH_INSTANCES", cores),
-        in_flight: env_or("VRAMGATE_BENCH_IN_FLIGHT", 8),
+        in_flight: env_or("VRAMGATE_BENCH_IN_FLIGHT", 4),
     };
     let max_count: u64 = env_or("VRAMGATE_BENCH_MAX_COUNT", 6);
     let (safe, price, budget) = safe_count(&setup).await?;

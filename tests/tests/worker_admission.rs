@@ -122,7 +122,7 @@ async fn batched_answers_equal_answers_computed_alone() {
 async fn a_real_oom_is_recovered_by_halving_and_not_repeated() {
     // A cap the 8-image batch cannot fit in, and an estimate 30x too low so admission lets
     // all 8 in at once: the batch of 8 must fail to allocate for real.
-    let extra = "memory_limit_bytes = 700000000\n[batching]\nwindow_ms = 500.0\nmax_batch_size = 8\n";
+    let extra = "memory_limit_bytes = 700000000\nmemory_host_allowance_bytes = 268435456\n[batching]\nwindow_ms = 500.0\nmax_batch_size = 8\n";
     let low = "estimate = { base_bytes = 1000000.0, bytes_per_element = 1.0 }";
     let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", low)]))
         .await
@@ -236,7 +236,21 @@ async fn an_expired_deadline_is_504_and_gives_its_bytes_back() {
         .await
         .expect("sent");
     assert_eq!(hurried.status, 504, "{hurried:?}");
+    assert!(hurried.error.as_deref().unwrap_or("").contains("deadline"), "{hurried:?}");
     assert_eq!(slow.await.expect("slow request").status, 200);
     let text = metrics_text(&http, &worker.url).await.expect("metrics");
     assert_eq!(metric(&text, "gpu_memory_admitted_bytes"), 0.0, "{text}");
+
+    // A request admitted at once whose inference outlives its deadline: 504 at the deadline,
+    // and its permit is back while the batch is still running on the model's thread.
+    let started = Instant::now();
+    let late = infer(&http, &worker.url, "pnet", "image", vec![1, 3, 1400, 1400], test_image(1400, 1400, 2), Some(60))
+        .await
+        .expect("sent");
+    let answered = started.elapsed();
+    assert_eq!(late.status, 504, "{late:?}");
+    let text = metrics_text(&http, &worker.url).await.expect("metrics");
+    let running = metric(&text, "concurrent_inference_tasks");
+    assert_eq!(metric(&text, "gpu_memory_admitted_bytes"), 0.0, "bytes still held after the deadline: {text}");
+    eprintln!("late request answered 504 after {answered:?}; batches still running then: {running}");
 }
