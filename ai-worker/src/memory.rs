@@ -40,7 +40,7 @@ pub struct MemoryMonitor {
 
 enum Backend {
     Cpu { clear_refs_works: bool },
-    Cuda { index: i32, nvml: Option<nvml_wrapper::Nvml> },
+    Cuda { index: i32, nvml: Option<Box<nvml_wrapper::Nvml>> },
 }
 
 impl MemoryMonitor {
@@ -48,7 +48,7 @@ impl MemoryMonitor {
         let backend = match device {
             Device::Cuda(index) => {
                 let nvml = match nvml_wrapper::Nvml::init() {
-                    Ok(nvml) => Some(nvml),
+                    Ok(nvml) => Some(Box::new(nvml)),
                     Err(e) => {
                         tracing::warn!(error = %e, "NVML unavailable; free memory comes from the allocator's cap only");
                         None
