@@ -92,7 +92,7 @@ pub struct Served {
 }
 
 pub struct Engine {
-    served: HashMap<String, Served>,
+    served: HashMap<String, Arc<Served>>,
     pub pool: BytePool,
     pub mode: AdmissionMode,
     pub monitor: Arc<MemoryMonitor>,
@@ -150,7 +150,7 @@ impl Engine {
                     .name(format!("batch-{}-{instance}", model.name()))
                     .spawn(move || batcher.run(&intake))?;
             }
-            served.insert(model.name().to_string(), Served { model, estimate, jobs: tx });
+            served.insert(model.name().to_string(), Arc::new(Served { model, estimate, jobs: tx }));
         }
         Ok(Engine {
             served,
@@ -165,12 +165,18 @@ impl Engine {
         })
     }
 
-    pub fn served(&self, name: &str) -> Option<&Served> {
-        self.served.get(name)
+    pub fn served(&self, name: &str) -> Option<Arc<Served>> {
+        self.served.get(name).cloned()
     }
 
-    pub fn model_names(&self) -> Vec<String> {
-        self.served.keys().cloned().collect()
+    /// Copies the pool's state into the admission gauges; called when metrics are scraped,
+    /// so the figures are exact at that moment and the request path writes no gauge.
+    pub fn publish_admission(&self) {
+        let m = &self.metrics;
+        m.memory_budget.set(self.pool.capacity() as i64);
+        m.memory_admitted.set(self.pool.in_use() as i64);
+        m.memory_admitted_peak.set(self.pool.high_water_mark() as i64);
+        m.queued_requests.set(self.pool.queued() as i64);
     }
 
     /// Admits `input` for `served`, runs it in a batch, and returns its outputs.
@@ -183,16 +189,12 @@ impl Engine {
         };
         let waited = Instant::now();
         let wait_limit = self.max_queue_wait.min(timeout);
-        self.metrics.queued_requests.set(self.pool.queued() as i64 + 1);
         let admitted = self.pool.acquire_timeout(price, wait_limit, self.max_queued).await;
-        self.metrics.queued_requests.set(self.pool.queued() as i64);
         let guard: ByteGuard = match admitted {
             Ok(guard) => guard,
             Err(e) => return Err(self.rejected(e, served, elements, price, wait_limit == timeout)),
         };
         self.metrics.admission_wait.observe(waited.elapsed().as_secs_f64());
-        self.metrics.memory_admitted.set(self.pool.in_use() as i64);
-        self.metrics.memory_admitted_peak.set(self.pool.high_water_mark() as i64);
 
         let (tx, rx) = oneshot::channel();
         let job = Job { input, granted: price, deadline, reply: tx };
@@ -219,7 +221,6 @@ impl Engine {
         };
         drop(guard);
         self.drain.lock().unwrap_or_else(|p| p.into_inner()).record(price);
-        self.metrics.memory_admitted.set(self.pool.in_use() as i64);
         outcome
     }
 

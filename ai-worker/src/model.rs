@@ -70,6 +70,13 @@ impl InputTensor {
     }
 }
 
+/// A tensor a model takes or gives, as OIP metadata shows it (`-1`: a variable dimension).
+#[derive(Debug, Clone, Copy)]
+pub struct TensorSpec {
+    pub name: &'static str,
+    pub shape: &'static [i64],
+}
+
 /// A model's output, row-major f32 with its shape.
 #[derive(Debug, Clone)]
 pub struct OutputTensor {
@@ -118,32 +125,22 @@ impl Model {
         &self.config
     }
 
-    pub fn input_name(&self) -> &'static str {
+    /// The model's one input tensor: its name and OIP shape (`-1`: variable).
+    pub fn input_spec(&self) -> TensorSpec {
         match self.config.kind {
-            ModelKind::VoiceActivity => "audio",
-            ModelKind::FaceDetection => "image",
+            ModelKind::VoiceActivity => TensorSpec { name: "audio", shape: &[-1, -1] },
+            ModelKind::FaceDetection => TensorSpec { name: "image", shape: &[-1, 3, -1, -1] },
         }
     }
 
-    pub fn output_names(&self) -> &'static [&'static str] {
+    /// The model's output tensors, in the order [`Model::infer_batch`] returns them.
+    pub fn output_specs(&self) -> &'static [TensorSpec] {
         match self.config.kind {
-            ModelKind::VoiceActivity => &["speech_prob"],
-            ModelKind::FaceDetection => &["face_prob", "box_offsets"],
-        }
-    }
-
-    /// The input shape in OIP metadata terms (`-1`: variable).
-    pub fn input_metadata_shape(&self) -> Vec<i64> {
-        match self.config.kind {
-            ModelKind::VoiceActivity => vec![-1, -1],
-            ModelKind::FaceDetection => vec![-1, 3, -1, -1],
-        }
-    }
-
-    pub fn output_metadata_shapes(&self) -> Vec<Vec<i64>> {
-        match self.config.kind {
-            ModelKind::VoiceActivity => vec![vec![-1, -1]],
-            ModelKind::FaceDetection => vec![vec![-1, -1, -1], vec![-1, 4, -1, -1]],
+            ModelKind::VoiceActivity => &[TensorSpec { name: "speech_prob", shape: &[-1, -1] }],
+            ModelKind::FaceDetection => &[
+                TensorSpec { name: "face_prob", shape: &[-1, -1, -1] },
+                TensorSpec { name: "box_offsets", shape: &[-1, 4, -1, -1] },
+            ],
         }
     }
 
@@ -344,20 +341,20 @@ impl Model {
             .map(|t| t.f_to_kind(Kind::Float).and_then(|t| t.f_to_device(Device::Cpu)))
             .collect::<Result<_, _>>()
             .map_err(failed)?;
-        let names = self.output_names();
+        let specs = self.output_specs();
         let mut row = 0i64;
         let mut per_request = Vec::with_capacity(inputs.len());
         for input in inputs {
             let rows = input.shape[0] as i64;
-            let mut outputs = Vec::with_capacity(names.len());
-            for ((name, tensor), want) in names.iter().zip(&raw).zip(self.output_shapes(&input.shape)) {
+            let mut outputs = Vec::with_capacity(specs.len());
+            for ((spec, tensor), want) in specs.iter().zip(&raw).zip(self.output_shapes(&input.shape)) {
                 let mut t = tensor.f_narrow(0, row, rows).map_err(failed)?;
                 for (dim, &n) in want.iter().enumerate().skip(1) {
                     t = t.f_narrow(dim as i64, 0, n as i64).map_err(failed)?;
                 }
                 let flat = t.f_contiguous().and_then(|t| t.f_reshape([-1])).map_err(failed)?;
                 let data = Vec::<f32>::try_from(&flat).map_err(failed)?;
-                outputs.push(OutputTensor { name, shape: want, data });
+                outputs.push(OutputTensor { name: spec.name, shape: want, data });
             }
             row += rows;
             per_request.push(outputs);

@@ -20,11 +20,11 @@ use tokio::net::TcpListener;
 use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
 
 use crate::config::{AdmissionMode, WorkerConfig};
-use crate::engine::{Engine, InferError};
+use crate::engine::{Engine, InferError, Served};
 use crate::estimate::{MemoryEstimate, Probe};
 use crate::memory::{Budget, MemoryMonitor};
 use crate::metrics::Metrics;
-use crate::model::{self, InputTensor, Model, ModelError};
+use crate::model::{self, InputTensor, Model, ModelError, TensorSpec};
 
 /// Shared by all handlers. `engine` is empty until start-up (loading, warming and memory
 /// calibration) finishes; readiness follows it.
@@ -154,9 +154,6 @@ async fn resample_memory(engine: Arc<Engine>, budget: Budget, every: Duration) {
         let m = &engine.metrics;
         m.memory_used.set(snap.ours as i64);
         m.memory_available.set(snap.free as i64);
-        m.memory_budget.set(engine.pool.capacity() as i64);
-        m.memory_admitted.set(engine.pool.in_use() as i64);
-        m.memory_admitted_peak.set(engine.pool.high_water_mark() as i64);
     }
 }
 
@@ -254,10 +251,11 @@ async fn log_failures(request: Request, next: Next) -> Response {
 }
 
 impl AppState {
-    fn engine_and_model(&self, name: &str) -> Result<(Arc<Engine>, Arc<Model>), ApiError> {
+    /// The engine and the named model, or 503 while loading / 404 for an unknown name.
+    fn served(&self, name: &str) -> Result<(Arc<Engine>, Arc<Served>), ApiError> {
         if let Some(engine) = self.engine.get() {
             if let Some(served) = engine.served(name) {
-                return Ok((engine.clone(), served.model.clone()));
+                return Ok((engine.clone(), served));
             }
         }
         if self.configured.iter().any(|c| c == name) {
@@ -287,7 +285,7 @@ async fn server_ready(State(state): State<Arc<AppState>>) -> StatusCode {
 }
 
 async fn model_ready(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
-    match state.engine_and_model(&name) {
+    match state.served(&name) {
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => e.into_response(),
     }
@@ -304,28 +302,21 @@ async fn model_metadata(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<oip::ModelMetadata>, ApiError> {
-    let (engine, model) = state.engine_and_model(&name)?;
-    let tensor = |name: &str, shape: Vec<i64>| oip::TensorMetadata {
-        name: name.into(),
+    let (_, served) = state.served(&name)?;
+    let model = &served.model;
+    let tensor = |spec: &TensorSpec| oip::TensorMetadata {
+        name: spec.name.into(),
         datatype: DataType::Fp32.as_str().into(),
-        shape,
+        shape: spec.shape.to_vec(),
     };
-    let estimate = engine.served(&name).map(|s| s.estimate.view());
     let mut parameters = oip::Parameters::new();
-    if let Some(estimate) = estimate {
-        parameters.insert("memory_estimate".into(), serde_json::to_value(estimate).unwrap_or_default());
-    }
+    parameters.insert("memory_estimate".into(), serde_json::to_value(served.estimate.view()).unwrap_or_default());
     Ok(Json(oip::ModelMetadata {
         name: model.name().into(),
         versions: Some(vec!["1".into()]),
         platform: "pytorch_libtorch".into(),
-        inputs: vec![tensor(model.input_name(), model.input_metadata_shape())],
-        outputs: model
-            .output_names()
-            .iter()
-            .zip(model.output_metadata_shapes())
-            .map(|(n, shape)| tensor(n, shape))
-            .collect(),
+        inputs: vec![tensor(&model.input_spec())],
+        outputs: model.output_specs().iter().map(tensor).collect(),
         parameters: Some(parameters),
     }))
 }
@@ -352,7 +343,8 @@ async fn infer(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let (engine, model) = state.engine_and_model(&name)?;
+    let (engine, served) = state.served(&name)?;
+    let model = served.model.clone();
     let header_len = match headers.get(oip::INFERENCE_HEADER_CONTENT_LENGTH) {
         None => None,
         Some(v) => Some(v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()).ok_or_else(
@@ -371,20 +363,17 @@ async fn infer(
     let input = take_input(&model, tensors)?;
     model.validate(&input)?;
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
-    let served = engine.served(&name).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("unknown model '{name}'")))?;
-    let outputs = engine.infer(served, input, timeout).await?;
+    let outputs = engine.infer(&served, input, timeout).await?;
 
     let tensors: Vec<Tensor> = outputs
         .into_iter()
         .map(|o| Tensor { name: o.name.into(), shape: o.shape, data: TensorData::Fp32(o.data) })
         .collect();
-    let wanted: Vec<(String, bool)> =
-        tensors.iter().map(|t| (t.name.clone(), oip::wants_binary_output(&request, &t.name))).collect();
     let tensors: Vec<Tensor> = match &request.outputs {
         Some(asked) if !asked.is_empty() => tensors.into_iter().filter(|t| asked.iter().any(|a| a.name == t.name)).collect(),
         _ => tensors,
     };
-    let binary = |name: &str| wanted.iter().any(|(n, b)| n == name && *b);
+    let binary = |name: &str| oip::wants_binary_output(&request, name);
     let (body, header_len) = oip::encode_response(model.name(), Some("1"), request.id.as_deref(), &tensors, binary);
     let mut response = body.into_response();
     let content_type = if header_len.is_some() { "application/octet-stream" } else { "application/json" };
@@ -418,6 +407,9 @@ fn request_timeout(headers: &HeaderMap, request: &oip::InferRequest, default: Du
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(engine) = state.engine.get() {
+        engine.publish_admission();
+    }
     let mut response = state.metrics.render().into_response();
     response
         .headers_mut()
@@ -427,7 +419,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 
 /// Finds the model's input among the request's tensors and checks its datatype.
 fn take_input(model: &Model, tensors: Vec<Tensor>) -> Result<InputTensor, ApiError> {
-    let wanted = model.input_name();
+    let wanted = model.input_spec().name;
     let count = tensors.len();
     let tensor = if count == 1 {
         tensors.into_iter().next()
@@ -450,5 +442,29 @@ fn take_input(model: &Model, tensors: Vec<Tensor>) -> Result<InputTensor, ApiErr
                 other.datatype().as_str()
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(parameters: serde_json::Value) -> oip::InferRequest {
+        oip::InferRequest { parameters: parameters.as_object().cloned(), ..Default::default() }
+    }
+
+    #[test]
+    fn deadline_comes_from_the_header_then_tritons_parameter_then_the_default() {
+        let default = Duration::from_secs(60);
+        let mut headers = HeaderMap::new();
+        let triton = request(serde_json::json!({"timeout": 250_000}));
+        assert_eq!(request_timeout(&headers, &request(serde_json::json!({})), default).expect("a deadline"), default);
+        assert_eq!(request_timeout(&headers, &triton, default).expect("a deadline"), Duration::from_millis(250));
+        headers.insert(TIMEOUT_HEADER, HeaderValue::from_static("40"));
+        assert_eq!(request_timeout(&headers, &triton, default).expect("a deadline"), Duration::from_millis(40));
+        headers.insert(TIMEOUT_HEADER, HeaderValue::from_static("soon"));
+        let err = request_timeout(&headers, &triton, default).expect_err("not a number");
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert!(err.message.contains(TIMEOUT_HEADER));
     }
 }

@@ -48,10 +48,6 @@ impl Run {
     }
 }
 
-fn tracing_free_log(e: &anyhow::Error) {
-    eprintln!("  transport error, retrying: {e}");
-}
-
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -91,7 +87,7 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
                     // A connection closed under us: retried like the gateway does, a few times.
                     Err(e) if transport_errors < 3 => {
                         transport_errors += 1;
-                        tracing_free_log(&e);
+                        eprintln!("  transport error, retrying: {e}");
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                     Err(e) => return Err(format!("transport: {e}")),
