@@ -1,5 +1,11 @@
 //! The gateway's configuration tree. Read from a TOML file and `VRAMGATE_GATEWAY_*` environment
-//! variables (`__` between levels, e.g. `VRAMGATE_GATEWAY_KAFKA__BROKERS`).
+//! variables (`__` between levels, e.g. `VRAMGATE_GATEWAY_KAFKA__BROKERS`,
+//! `VRAMGATE_GATEWAY_TASKS__VOICE__GPU_PERMITS__MAX`).
+//!
+//! Two bounds keep the gateway's memory flat whatever the backlog: `max_in_flight` records and
+//! `max_held_bytes` of payload (raw, decoded, in flight). Past either, it pauses its partitions
+//! instead of fetching more. Per task type, `gpu_permits` bounds concurrent worker calls and
+//! adapts between its `min` and `max` to what the worker answers.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -7,39 +13,110 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::vision::ImageOptions;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
     pub kafka: KafkaConfig,
+    /// Defaults for every task's worker calls.
     pub worker: WorkerEndpoint,
     pub input: InputConfig,
-    /// The `voice` task: WAV in, speech segments out.
-    pub voice: VoiceTaskConfig,
-    /// Records held by the gateway at once, from fetch to acknowledged result. Bounds memory
-    /// and the number of duplicates after a crash.
+    /// The task table, by task type (the `task` field of a request). Built in: `voice` and
+    /// `image`; either can be switched off with `enabled = false`.
+    pub tasks: BTreeMap<String, TaskConfig>,
+    /// Records held at once, all tasks together, from fetch to acknowledged output. Past it,
+    /// fetching pauses. Also bounds the duplicates a crash can cause.
     pub max_in_flight: usize,
+    /// Bytes of payload held at once: raw records, files read, decoded inputs, request bodies.
+    /// Charged before decoding; past it, fetching pauses and conversions wait.
+    pub max_held_bytes: u64,
+    /// Fetching resumes once held bytes and records fall below this fraction of their bounds
+    /// (hysteresis: librdkafka drops a paused partition's prefetched data, so pausing and
+    /// resuming on every record would fetch the same data over and over).
+    pub resume_fraction: f64,
+    /// How often finished offsets are committed.
+    pub commit_interval_ms: u64,
+    /// When partitions are revoked, how long their in-flight records may take to finish before
+    /// the rebalance goes on without them. Keep it below the session timeout.
+    pub drain_timeout_seconds: f64,
     /// On SIGTERM/SIGINT, how long in-flight records may take to finish before the gateway
     /// exits anyway (their offsets are then not committed, so they are redelivered).
     pub shutdown_timeout_seconds: f64,
+    /// Address of the Prometheus `/metrics` endpoint; port 0 picks a free one. The bound
+    /// address is printed on stdout as `metrics on <addr>`.
+    pub metrics_listen: String,
 }
 
 impl Default for GatewayConfig {
     fn default() -> Self {
+        let mut tasks = BTreeMap::new();
+        tasks.insert("voice".to_string(), TaskConfig::default());
+        tasks.insert(
+            "image".to_string(),
+            TaskConfig { converter: Converter::Image, model: "mtcnn_pnet".into(), ..TaskConfig::default() },
+        );
         GatewayConfig {
             kafka: KafkaConfig::default(),
             worker: WorkerEndpoint::default(),
             input: InputConfig::default(),
-            voice: VoiceTaskConfig::default(),
-            max_in_flight: 64,
+            tasks,
+            max_in_flight: 256,
+            max_held_bytes: 256 * 1024 * 1024,
+            resume_fraction: 0.5,
+            commit_interval_ms: 200,
+            drain_timeout_seconds: 10.0,
             shutdown_timeout_seconds: 20.0,
+            metrics_listen: "0.0.0.0:9464".into(),
         }
     }
 }
 
 impl GatewayConfig {
     pub fn shutdown_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.shutdown_timeout_seconds.max(0.0))
+        seconds(self.shutdown_timeout_seconds)
     }
+
+    pub fn drain_timeout(&self) -> Duration {
+        seconds(self.drain_timeout_seconds)
+    }
+
+    /// The enabled tasks, by name.
+    pub fn enabled_tasks(&self) -> impl Iterator<Item = (&String, &TaskConfig)> {
+        self.tasks.iter().filter(|(_, t)| t.enabled)
+    }
+
+    /// Checks what the types cannot: bounds that contradict each other, topics used twice.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.enabled_tasks().next().is_none() {
+            return Err("no task is enabled; enable at least one under [tasks]".into());
+        }
+        if !(0.0..1.0).contains(&self.resume_fraction) {
+            return Err(format!("resume_fraction must be in [0, 1), got {}", self.resume_fraction));
+        }
+        let mut topics = BTreeMap::new();
+        for (name, task) in self.enabled_tasks() {
+            let p = &task.gpu_permits;
+            if p.min == 0 || p.min > p.max || !(p.min..=p.max).contains(&p.initial) {
+                return Err(format!(
+                    "tasks.{name}.gpu_permits must satisfy 1 <= min <= initial <= max, got min {} initial {} max {}",
+                    p.min, p.initial, p.max
+                ));
+            }
+            if !(0.0..=1.0).contains(&task.retry.jitter) {
+                return Err(format!("tasks.{name}.retry.jitter must be in [0, 1], got {}", task.retry.jitter));
+            }
+            let topic = task.requests_topic(name);
+            if let Some(other) = topics.insert(topic.clone(), name) {
+                return Err(format!("tasks {other} and {name} both read {topic}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn seconds(s: f64) -> Duration {
+    Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 })
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -49,6 +126,14 @@ pub struct KafkaConfig {
     pub brokers: String,
     /// Consumer group of all gateway replicas.
     pub group_id: String,
+    /// librdkafka's prefetch queue bound, in KiB, for all partitions together
+    /// (`queued.max.messages.kbytes`).
+    pub queue_max_kbytes: u64,
+    /// Largest fetch response (`fetch.max.bytes`) and per partition (`max.partition.fetch.bytes`).
+    pub fetch_max_bytes: u64,
+    pub partition_fetch_max_bytes: u64,
+    /// Group session timeout; the drain timeout must stay below it.
+    pub session_timeout_ms: u64,
     /// Extra librdkafka properties, by their librdkafka names, applied to the consumer and the
     /// producer (e.g. `"security.protocol" = "SASL_SSL"`). They override vramgate's defaults.
     pub properties: BTreeMap<String, String>,
@@ -59,6 +144,10 @@ impl Default for KafkaConfig {
         KafkaConfig {
             brokers: "127.0.0.1:9092".into(),
             group_id: "vramgate-gateway".into(),
+            queue_max_kbytes: 16 * 1024,
+            fetch_max_bytes: 16 * 1024 * 1024,
+            partition_fetch_max_bytes: 1024 * 1024,
+            session_timeout_ms: 45_000,
             properties: BTreeMap::new(),
         }
     }
@@ -69,24 +158,13 @@ impl Default for KafkaConfig {
 pub struct WorkerEndpoint {
     /// Base URL of the ai-worker, e.g. `http://127.0.0.1:8081`.
     pub url: String,
-    /// Limit for one worker call, connection included.
+    /// Limit for one worker call, connection included; also sent to the worker as its deadline.
     pub request_timeout_seconds: f64,
-    /// Worker calls per record before it is dead-lettered as `worker_unavailable`.
-    pub max_attempts: u32,
-    /// First retry delay; doubles per attempt up to `backoff_max_seconds`.
-    pub backoff_base_seconds: f64,
-    pub backoff_max_seconds: f64,
 }
 
 impl Default for WorkerEndpoint {
     fn default() -> Self {
-        WorkerEndpoint {
-            url: "http://127.0.0.1:8081".into(),
-            request_timeout_seconds: 60.0,
-            max_attempts: 8,
-            backoff_base_seconds: 0.25,
-            backoff_max_seconds: 5.0,
-        }
+        WorkerEndpoint { url: "http://127.0.0.1:8081".into(), request_timeout_seconds: 60.0 }
     }
 }
 
@@ -105,35 +183,138 @@ impl Default for InputConfig {
     }
 }
 
+/// How a task turns input bytes into the model's tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Converter {
+    /// WAV → 16 kHz mono f32 → a voice-activity model → speech segments.
+    Wav,
+    /// PNG/JPEG/WebP → oriented, resized, normalised RGB → a face detector → boxes.
+    Image,
+}
+
+/// One row of the task table.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct VoiceTaskConfig {
-    pub requests_topic: String,
-    pub results_topic: String,
-    pub dlq_topic: String,
+pub struct TaskConfig {
+    pub enabled: bool,
+    /// Topics; default `<task>.requests`, `<task>.results`, `<task>.dlq`.
+    pub requests_topic: Option<String>,
+    pub results_topic: Option<String>,
+    pub dlq_topic: Option<String>,
+    pub converter: Converter,
     /// The worker's model for this task.
     pub model: String,
-    /// Threads of this task's CPU pool (WAV decode and resampling); 0 = one per core.
+    /// The worker for this task; default `worker.url`.
+    pub worker_url: Option<String>,
+    /// Threads of this task's CPU pool (decode, resample, resize); 0 = one per core. Each task
+    /// has its own pool, so a burst of one type never queues behind the other.
     pub cpu_threads: usize,
-    /// Concurrent worker calls for this task.
-    pub gpu_permits: usize,
-    /// Longer audio is dead-lettered as `input_too_large` before it is decoded.
+    pub gpu_permits: PermitConfig,
+    /// A record that waits longer than this for a GPU permit pauses this task's partitions
+    /// until the permits catch up (it keeps waiting; nothing is dropped).
+    pub permit_wait_ms: u64,
+    /// Limit of one worker call; default `worker.request_timeout_seconds`.
+    pub request_timeout_seconds: Option<f64>,
+    pub retry: RetryConfig,
+    /// Options of the `wav` converter.
+    pub wav: WavOptions,
+    /// Options of the `image` converter.
+    pub image: ImageOptions,
+}
+
+impl Default for TaskConfig {
+    fn default() -> Self {
+        TaskConfig {
+            enabled: true,
+            requests_topic: None,
+            results_topic: None,
+            dlq_topic: None,
+            converter: Converter::Wav,
+            model: "silero_vad".into(),
+            worker_url: None,
+            cpu_threads: 0,
+            gpu_permits: PermitConfig::default(),
+            permit_wait_ms: 1000,
+            request_timeout_seconds: None,
+            retry: RetryConfig::default(),
+            wav: WavOptions::default(),
+            image: ImageOptions::default(),
+        }
+    }
+}
+
+impl TaskConfig {
+    pub fn requests_topic(&self, name: &str) -> String {
+        self.requests_topic.clone().unwrap_or_else(|| format!("{name}.requests"))
+    }
+
+    pub fn results_topic(&self, name: &str) -> String {
+        self.results_topic.clone().unwrap_or_else(|| format!("{name}.results"))
+    }
+
+    pub fn dlq_topic(&self, name: &str) -> String {
+        self.dlq_topic.clone().unwrap_or_else(|| format!("{name}.dlq"))
+    }
+
+    pub fn cpu_threads(&self) -> usize {
+        match self.cpu_threads {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        }
+    }
+}
+
+/// Concurrent worker calls of one task: starts at `initial`, adapts between `min` and `max`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PermitConfig {
+    pub initial: usize,
+    pub min: usize,
+    pub max: usize,
+}
+
+impl Default for PermitConfig {
+    fn default() -> Self {
+        PermitConfig { initial: 4, min: 1, max: 16 }
+    }
+}
+
+/// When and how often a failed worker call is tried again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Calls per record that fail with 5xx, a timeout or a connection error before the record
+    /// is dead-lettered as `worker_unavailable`.
+    pub max_attempts: u32,
+    /// Backoff before retry n is base·2^(n-1), capped at max, less a random part of up to
+    /// `jitter` of it (0 = none, 1 = "full jitter").
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    pub jitter: f64,
+    /// 503/429 answers ("busy, come back after Retry-After") do not use up attempts, since the
+    /// worker is healthy; this bounds how long a record may keep being told to wait.
+    pub max_retry_seconds: f64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig { max_attempts: 8, backoff_base_ms: 250, backoff_max_ms: 5000, jitter: 0.5, max_retry_seconds: 300.0 }
+    }
+}
+
+/// Options of the `wav` converter.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WavOptions {
+    /// Longer audio is dead-lettered as `input_too_large` before its samples are decoded.
     pub max_audio_seconds: f64,
     pub segments: SegmentConfig,
 }
 
-impl Default for VoiceTaskConfig {
+impl Default for WavOptions {
     fn default() -> Self {
-        VoiceTaskConfig {
-            requests_topic: "voice.requests".into(),
-            results_topic: "voice.results".into(),
-            dlq_topic: "voice.dlq".into(),
-            model: "silero_vad".into(),
-            cpu_threads: 0,
-            gpu_permits: 4,
-            max_audio_seconds: 600.0,
-            segments: SegmentConfig::default(),
-        }
+        WavOptions { max_audio_seconds: 600.0, segments: SegmentConfig::default() }
     }
 }
 
@@ -154,5 +335,55 @@ pub struct SegmentConfig {
 impl Default for SegmentConfig {
     fn default() -> Self {
         SegmentConfig { threshold: 0.5, min_speech_ms: 250, min_silence_ms: 100, speech_pad_ms: 30 }
+    }
+}
+
+#[cfg(test)]
+// figment's `Jail` closures must return its large error type; that is its API, not ours.
+#[allow(clippy::result_large_err)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_name_both_tasks() {
+        let config = GatewayConfig::default();
+        config.validate().expect("defaults validate");
+        let names: Vec<&String> = config.enabled_tasks().map(|(n, _)| n).collect();
+        assert_eq!(names, ["image", "voice"]);
+        assert_eq!(config.tasks["image"].requests_topic("image"), "image.requests");
+        assert_eq!(config.tasks["voice"].dlq_topic("voice"), "voice.dlq");
+    }
+
+    #[test]
+    fn contradictions_are_refused() {
+        let mut config = GatewayConfig::default();
+        config.tasks.get_mut("voice").expect("voice").gpu_permits = PermitConfig { initial: 9, min: 1, max: 8 };
+        assert!(config.validate().expect_err("initial > max").contains("gpu_permits"));
+
+        let mut config = GatewayConfig::default();
+        config.tasks.get_mut("image").expect("image").requests_topic = Some("voice.requests".into());
+        assert!(config.validate().expect_err("shared topic").contains("both read voice.requests"));
+
+        let mut config = GatewayConfig::default();
+        for task in config.tasks.values_mut() {
+            task.enabled = false;
+        }
+        assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn env_overrides_reach_nested_task_keys() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("VGGW_TASKS__VOICE__GPU_PERMITS__MAX", "7");
+            jail.set_env("VGGW_TASKS__IMAGE__ENABLED", "false");
+            jail.set_env("VGGW_TASKS__IMAGE__IMAGE__RESIZE", "stretch");
+            let config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+            assert_eq!(config.tasks["voice"].gpu_permits.max, 7);
+            assert_eq!(config.tasks["voice"].gpu_permits.min, 1, "siblings keep their defaults");
+            assert!(!config.tasks["image"].enabled);
+            assert_eq!(config.tasks["image"].model, "mtcnn_pnet");
+            assert_eq!(config.tasks["image"].image.resize, crate::vision::ResizeMode::Stretch);
+            Ok(())
+        });
     }
 }

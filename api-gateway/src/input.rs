@@ -32,6 +32,8 @@ impl FetchError {
         match self {
             FetchError::TooLarge { .. } => ErrorKind::InputTooLarge,
             FetchError::UnsupportedScheme(_) | FetchError::UriHasHost(_) => ErrorKind::UnsupportedInput,
+            FetchError::NotFound(_) => ErrorKind::InputNotFound,
+            FetchError::OutsideRoot { .. } => ErrorKind::InputOutsideRoot,
             _ => ErrorKind::FetchFailed,
         }
     }
@@ -52,6 +54,22 @@ impl InputSource {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// How many bytes [`fetch`](Self::fetch) will return, at most, checked against the limit:
+    /// the caller reserves them before reading. Failures are those `fetch` would give.
+    pub async fn size(&self, input: &InputRef) -> Result<u64, FetchError> {
+        let size = match input {
+            InputRef::Inline { data_b64 } => (data_b64.len() as u64).div_ceil(4) * 3,
+            InputRef::Uri { uri } => {
+                let path = self.resolve(uri)?;
+                tokio::fs::metadata(&path).await.map_err(|source| FetchError::Io { path, source })?.len()
+            }
+        };
+        if size > self.max_bytes {
+            return Err(FetchError::TooLarge { size, limit: self.max_bytes });
+        }
+        Ok(size)
     }
 
     /// Reads the input's bytes. Async file IO, so the caller's runtime thread is not blocked.
@@ -142,9 +160,11 @@ mod tests {
         let dir = temp_dir("ok");
         std::fs::write(dir.join("a b.wav"), b"RIFF").expect("write");
         let src = source(&dir, 1024);
-        let uri = format!("file://{}/a%20b.wav", dir.display());
-        assert_eq!(src.fetch(&InputRef::Uri { uri }).await.expect("reads"), b"RIFF");
+        let uri = InputRef::Uri { uri: format!("file://{}/a%20b.wav", dir.display()) };
+        assert_eq!(src.size(&uri).await.expect("stat"), 4);
+        assert_eq!(src.fetch(&uri).await.expect("reads"), b"RIFF");
         let inline = InputRef::Inline { data_b64: "UklGRg==".into() };
+        assert!(src.size(&inline).await.expect("size") >= 4);
         assert_eq!(src.fetch(&inline).await.expect("decodes"), b"RIFF");
     }
 
@@ -164,8 +184,8 @@ mod tests {
                 assert!(err.to_string().contains(needle), "{uri}: {err}");
             }
         };
-        check(format!("file://{}/missing.wav", inner.display()), ErrorKind::FetchFailed, "does not exist").await;
-        check(format!("file://{}/../secret", inner.display()), ErrorKind::FetchFailed, "outside the allowed root").await;
+        check(format!("file://{}/missing.wav", inner.display()), ErrorKind::InputNotFound, "does not exist").await;
+        check(format!("file://{}/../secret", inner.display()), ErrorKind::InputOutsideRoot, "outside the allowed root").await;
         check(format!("file://{}/big", inner.display()), ErrorKind::InputTooLarge, "limit of 10").await;
         check("http://example.com/a.wav".into(), ErrorKind::UnsupportedInput, "not a file://").await;
         check("file://host/a.wav".into(), ErrorKind::UnsupportedInput, "has a host").await;

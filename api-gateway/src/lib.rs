@@ -4,11 +4,17 @@
 //! This is the only crate that knows Kafka; it reaches the worker only over HTTP.
 
 pub mod audio;
+pub mod budget;
 pub mod config;
 pub mod failure;
 pub mod input;
+pub mod metrics;
 pub mod offsets;
+pub mod permits;
 pub mod pipeline;
+pub mod record;
+pub mod task;
+pub mod vision;
 pub mod voice;
 pub mod worker_client;
 

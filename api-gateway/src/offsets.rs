@@ -9,6 +9,8 @@
 //! (before a revoke) cannot move the position of the current one.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// A Kafka partition: topic and partition number.
 pub type TopicPartition = (String, i32);
@@ -27,8 +29,8 @@ struct PartitionState {
     unfinished: BTreeSet<i64>,
     /// One past the highest offset started in this epoch.
     next: Option<i64>,
-    /// The last position returned to the caller, to report only advances.
-    reported: Option<i64>,
+    /// The last position handed out for committing, to commit only advances.
+    committed: Option<i64>,
 }
 
 impl PartitionState {
@@ -76,24 +78,111 @@ impl OffsetTracker {
         Ticket { partition, offset, epoch: state.epoch }
     }
 
-    /// Records that the ticket's record is finished (its output acknowledged). Returns the new
-    /// committable position when it advanced, `None` otherwise (also for a stale ticket).
-    pub fn finish(&mut self, ticket: &Ticket) -> Option<i64> {
-        let state = self.partitions.get_mut(&ticket.partition)?;
-        if state.epoch != ticket.epoch || !state.unfinished.remove(&ticket.offset) {
-            return None;
+    /// Whether the ticket's partition is still assigned in the epoch it was started in: work
+    /// for a stale ticket belongs to the partition's new owner, which reads it again.
+    pub fn is_current(&self, ticket: &Ticket) -> bool {
+        self.partitions.get(&ticket.partition).is_some_and(|s| s.epoch == ticket.epoch)
+    }
+
+    /// Records that the ticket's record is finished (its output acknowledged). Returns false
+    /// for a stale ticket or one finished before.
+    pub fn finish(&mut self, ticket: &Ticket) -> bool {
+        match self.partitions.get_mut(&ticket.partition) {
+            Some(state) if state.epoch == ticket.epoch => state.unfinished.remove(&ticket.offset),
+            _ => false,
         }
-        let position = state.position()?;
-        if state.reported.is_some_and(|r| r >= position) {
-            return None;
+    }
+
+    /// The committable position of a partition (Kafka's "next offset to read"): the lowest
+    /// unfinished offset, or one past the highest started when nothing is unfinished.
+    pub fn position(&self, partition: &TopicPartition) -> Option<i64> {
+        self.partitions.get(partition).and_then(PartitionState::position)
+    }
+
+    /// Positions that advanced since they were last taken, marked as taken.
+    pub fn take_advanced(&mut self) -> Vec<(TopicPartition, i64)> {
+        let mut advanced = Vec::new();
+        for (tp, state) in &mut self.partitions {
+            if let Some(position) = state.position() {
+                if state.committed.is_none_or(|c| c < position) {
+                    state.committed = Some(position);
+                    advanced.push((tp.clone(), position));
+                }
+            }
         }
-        state.reported = Some(position);
-        Some(position)
+        advanced
+    }
+
+    /// Takes back positions handed out by [`take_advanced`](Self::take_advanced) whose commit
+    /// failed, so the next round offers them again.
+    pub fn untake(&mut self, positions: &[(TopicPartition, i64)]) {
+        for (tp, position) in positions {
+            if let Some(state) = self.partitions.get_mut(tp) {
+                if state.committed == Some(*position) {
+                    state.committed = None;
+                }
+            }
+        }
+    }
+
+    /// Unfinished records of these partitions.
+    pub fn unfinished_in(&self, partitions: &[TopicPartition]) -> usize {
+        partitions.iter().filter_map(|tp| self.partitions.get(tp)).map(|s| s.unfinished.len()).sum()
+    }
+
+    /// Unfinished records per partition.
+    pub fn pending(&self) -> impl Iterator<Item = (&TopicPartition, usize)> {
+        self.partitions.iter().map(|(tp, s)| (tp, s.unfinished.len()))
     }
 
     /// Total records in flight.
     pub fn in_flight(&self) -> usize {
         self.partitions.values().map(|s| s.unfinished.len()).sum()
+    }
+}
+
+/// The tracker shared between the fetch loop, its rebalance callbacks and the record tasks,
+/// with a condition variable so a revoke can wait for its partitions' records to finish.
+#[derive(Debug, Default)]
+pub struct SharedOffsets {
+    tracker: Mutex<OffsetTracker>,
+    changed: Condvar,
+}
+
+impl SharedOffsets {
+    /// A poisoned lock means a panic while holding it; the tracker is a plain set of offsets
+    /// that stays consistent, so keep using it rather than taking the gateway down.
+    pub fn lock(&self) -> MutexGuard<'_, OffsetTracker> {
+        self.tracker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn finish(&self, ticket: &Ticket) -> bool {
+        let finished = self.lock().finish(ticket);
+        self.changed.notify_all();
+        finished
+    }
+
+    pub fn is_current(&self, ticket: &Ticket) -> bool {
+        self.lock().is_current(ticket)
+    }
+
+    /// Waits until these partitions have no unfinished record, or `timeout` passes. Returns how
+    /// many are still unfinished.
+    pub fn wait_drained(&self, partitions: &[TopicPartition], timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut tracker = self.lock();
+        loop {
+            let left = tracker.unfinished_in(partitions);
+            let now = Instant::now();
+            if left == 0 || now >= deadline {
+                return left;
+            }
+            tracker = self
+                .changed
+                .wait_timeout(tracker, deadline - now)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
     }
 }
 
@@ -111,12 +200,16 @@ mod tests {
         let mut t = OffsetTracker::new();
         let tickets: Vec<Ticket> = (10..15).map(|o| t.begin(tp(), o)).collect();
         // finish 11, 12, 14: 10 is still open, so nothing is committable beyond 10
-        assert_eq!(t.finish(&tickets[1]), Some(10));
-        assert_eq!(t.finish(&tickets[2]), None);
-        assert_eq!(t.finish(&tickets[4]), None);
+        for i in [1, 2, 4] {
+            assert!(t.finish(&tickets[i]));
+        }
+        assert_eq!(t.take_advanced(), vec![(tp(), 10)]);
+        assert_eq!(t.take_advanced(), vec![], "only advances are handed out");
         // finish 10: everything up to 13 (exclusive) is done
-        assert_eq!(t.finish(&tickets[0]), Some(13));
-        assert_eq!(t.finish(&tickets[3]), Some(15));
+        assert!(t.finish(&tickets[0]));
+        assert_eq!(t.position(&tp()), Some(13));
+        assert!(t.finish(&tickets[3]));
+        assert_eq!(t.take_advanced(), vec![(tp(), 15)]);
         assert_eq!(t.in_flight(), 0);
     }
 
@@ -124,26 +217,49 @@ mod tests {
     fn stale_tickets_from_a_revoked_assignment_are_ignored() {
         let mut t = OffsetTracker::new();
         let old = t.begin(tp(), 5);
+        assert!(t.is_current(&old));
         t.revoke([&tp()]);
-        assert_eq!(t.finish(&old), None);
+        assert!(!t.is_current(&old));
+        assert!(!t.finish(&old));
         t.assign([tp()]);
         let new = t.begin(tp(), 5);
-        assert_eq!(t.finish(&old), None, "old epoch must not finish the new record");
-        assert_eq!(t.finish(&new), Some(6));
+        assert!(!t.finish(&old), "old epoch must not finish the new record");
+        assert_eq!(t.unfinished_in(&[tp()]), 1);
+        assert!(t.finish(&new));
+        assert_eq!(t.position(&tp()), Some(6));
+    }
+
+    #[test]
+    fn draining_waits_for_the_revoked_partitions_only() {
+        let offsets = std::sync::Arc::new(SharedOffsets::default());
+        let other = ("t".to_string(), 1);
+        let a = offsets.lock().begin(tp(), 0);
+        let _b = offsets.lock().begin(other.clone(), 0);
+        let finisher = {
+            let offsets = offsets.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                offsets.finish(&a);
+            })
+        };
+        assert_eq!(offsets.wait_drained(&[tp()], Duration::from_secs(5)), 0);
+        finisher.join().expect("thread");
+        assert_eq!(offsets.wait_drained(&[other], Duration::from_millis(20)), 1, "times out");
     }
 
     #[test]
     fn finishing_twice_is_harmless() {
         let mut t = OffsetTracker::new();
         let a = t.begin(tp(), 0);
-        assert_eq!(t.finish(&a), Some(1));
-        assert_eq!(t.finish(&a), None);
+        assert!(t.finish(&a));
+        assert!(!t.finish(&a));
+        assert_eq!(t.position(&tp()), Some(1));
     }
 
     proptest! {
-        /// Whatever order records finish in, a reported position never passes an unfinished
-        /// record, positions only grow, and once all are finished the position is one past
-        /// the highest offset.
+        /// Whatever order records finish in, the position never passes an unfinished record,
+        /// the positions handed out only grow, and once all are finished the position is one
+        /// past the highest offset.
         #[test]
         fn commit_never_passes_an_unfinished_record(
             count in 1usize..60,
@@ -159,7 +275,8 @@ mod tests {
                 let pick = order[tickets.len() % order.len()] as usize % tickets.len();
                 let ticket = tickets.swap_remove(pick);
                 finished[(ticket.offset - base) as usize] = true;
-                if let Some(pos) = t.finish(&ticket) {
+                prop_assert!(t.finish(&ticket));
+                for (_, pos) in t.take_advanced() {
                     for (i, done) in finished.iter().enumerate() {
                         if (base + i as i64) < pos {
                             prop_assert!(*done, "position {} passes unfinished {}", pos, base + i as i64);
@@ -170,6 +287,42 @@ mod tests {
                 }
             }
             prop_assert_eq!(last, Some(base + count as i64));
+        }
+
+        /// Interleaved rebalances: a record finished under an older epoch never moves the
+        /// position of the current one.
+        #[test]
+        fn revoked_work_never_commits(
+            ops in proptest::collection::vec((0u8..4, 0i64..20), 1..80),
+        ) {
+            let mut t = OffsetTracker::new();
+            t.assign([tp()]);
+            let mut live: Vec<Ticket> = Vec::new();
+            let mut stale: Vec<Ticket> = Vec::new();
+            let mut next = 0i64;
+            for (op, n) in ops {
+                match op {
+                    0 => { live.push(t.begin(tp(), next)); next += 1; }
+                    1 if !live.is_empty() => { let k = n as usize % live.len(); let tk = live.swap_remove(k); prop_assert!(t.finish(&tk)); }
+                    2 if !stale.is_empty() => {
+                        let before = t.position(&tp());
+                        let k = n as usize % stale.len();
+                        prop_assert!(!t.finish(&stale[k]));
+                        prop_assert_eq!(t.position(&tp()), before);
+                    }
+                    3 => {
+                        // revoke and reassign: the new owner starts from the committed position
+                        stale.append(&mut live);
+                        t.revoke([&tp()]);
+                        t.assign([tp()]);
+                        next = n.min(next);
+                    }
+                    _ => {}
+                }
+                if let Some(low) = live.iter().map(|tk| tk.offset).min() {
+                    prop_assert!(t.position(&tp()).is_some_and(|p| p <= low));
+                }
+            }
         }
     }
 }

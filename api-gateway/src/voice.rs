@@ -4,7 +4,8 @@
 use serde::Deserialize;
 use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
 
-use crate::audio::{self, segments::SegmentParams, wav};
+use crate::audio::wav::{self, WavInfo};
+use crate::audio::{self, segments::SegmentParams};
 use crate::config::SegmentConfig;
 use crate::failure::Failure;
 
@@ -69,12 +70,10 @@ pub struct Converted {
     pub input_channels: u16,
 }
 
-/// Decodes and converts. CPU-bound: runs on the voice pool, never on a tokio thread.
-pub fn convert(bytes: &[u8], max_audio_seconds: f64) -> Result<Converted, Failure> {
-    let decoded = wav::decode_wav(bytes).map_err(|e| {
-        Failure::new(ErrorKind::UnsupportedInput, Stage::Convert, format!("input is not a usable wav file: {e}"))
-    })?;
-    let duration_seconds = decoded.duration_seconds();
+/// Reads the WAV header and checks the duration limit without decoding a sample.
+pub fn probe(bytes: &[u8], max_audio_seconds: f64) -> Result<WavInfo, Failure> {
+    let info = wav::probe_wav(bytes).map_err(invalid_wav)?;
+    let duration_seconds = info.duration_seconds();
     if duration_seconds > max_audio_seconds {
         return Err(Failure::new(
             ErrorKind::InputTooLarge,
@@ -82,7 +81,31 @@ pub fn convert(bytes: &[u8], max_audio_seconds: f64) -> Result<Converted, Failur
             format!("audio is {duration_seconds:.1} s long, more than the limit of {max_audio_seconds} s"),
         ));
     }
+    Ok(info)
+}
+
+/// Bytes [`convert`] holds at its peak for this input, and the request body after it: the
+/// decoded interleaved samples, their mono mix, the 16 kHz samples and their encoded copy.
+pub fn conversion_bytes(info: &WavInfo) -> u64 {
+    let f32_bytes = 4u64;
+    let interleaved = info.frames * u64::from(info.channels) * f32_bytes;
+    let mono = info.frames * f32_bytes;
+    let out_samples = (info.frames * u64::from(MODEL_SAMPLE_RATE)).div_ceil(u64::from(info.sample_rate.max(1)));
+    let out = out_samples.max(u64::from(MODEL_WINDOW)) * f32_bytes;
+    interleaved + mono + 2 * out
+}
+
+fn invalid_wav(e: wav::WavError) -> Failure {
+    Failure::new(ErrorKind::InvalidAudio, Stage::Convert, format!("input is not a usable wav file: {e}"))
+}
+
+/// Decodes and converts. CPU-bound: runs on the voice pool, never on a tokio thread.
+pub fn convert(bytes: &[u8], max_audio_seconds: f64) -> Result<Converted, Failure> {
+    let info = probe(bytes, max_audio_seconds)?;
+    let decoded = wav::decode_wav_limited(bytes, info.frames).map_err(invalid_wav)?;
+    let duration_seconds = decoded.duration_seconds();
     let mut samples = audio::to_16k_mono(&decoded);
+    drop(decoded);
     let real_samples = samples.len();
     if samples.len() < MODEL_WINDOW as usize {
         samples.resize(MODEL_WINDOW as usize, 0.0);
@@ -91,8 +114,8 @@ pub fn convert(bytes: &[u8], max_audio_seconds: f64) -> Result<Converted, Failur
         samples,
         real_samples,
         duration_seconds,
-        input_sample_rate_hz: decoded.sample_rate,
-        input_channels: decoded.channels,
+        input_sample_rate_hz: info.sample_rate,
+        input_channels: info.channels,
     })
 }
 
@@ -131,9 +154,38 @@ mod tests {
     }
 
     #[test]
+    fn probe_refuses_long_audio_before_decoding_and_sizes_the_work() {
+        // 16-bit mono 8 kHz, 2 s: header says 32000 bytes of data
+        let mut wav = Vec::new();
+        wav.extend_from_slice(b"RIFF");
+        wav.extend_from_slice(&(36u32 + 32_000).to_le_bytes());
+        wav.extend_from_slice(b"WAVEfmt ");
+        wav.extend_from_slice(&16u32.to_le_bytes());
+        for v in [1u16, 1] {
+            wav.extend_from_slice(&v.to_le_bytes());
+        }
+        wav.extend_from_slice(&8_000u32.to_le_bytes());
+        wav.extend_from_slice(&16_000u32.to_le_bytes());
+        for v in [2u16, 16] {
+            wav.extend_from_slice(&v.to_le_bytes());
+        }
+        wav.extend_from_slice(b"data");
+        wav.extend_from_slice(&32_000u32.to_le_bytes());
+        wav.resize(wav.len() + 32_000, 0);
+        let info = probe(&wav, 10.0).expect("valid header");
+        assert_eq!((info.frames, info.sample_rate, info.channels), (16_000, 8_000, 1));
+        // interleaved 64000 + mono 64000 + 2 × 32000 samples × 4 bytes
+        assert_eq!(conversion_bytes(&info), 64_000 + 64_000 + 2 * 128_000);
+        let err = probe(&wav, 1.5).expect_err("2 s > 1.5 s");
+        assert_eq!(err.kind, ErrorKind::InputTooLarge);
+        let converted = convert(&wav, 10.0).expect("converts");
+        assert_eq!(converted.samples.len(), 32_000);
+    }
+
+    #[test]
     fn garbage_is_unsupported_input_not_a_panic() {
         let err = convert(b"definitely not audio", 600.0).expect_err("garbage");
-        assert_eq!(err.kind, ErrorKind::UnsupportedInput);
+        assert_eq!(err.kind, ErrorKind::InvalidAudio);
         assert_eq!(err.stage, Stage::Convert);
     }
 }

@@ -7,16 +7,21 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use vramgate_shared::oip::{self, Tensor, TensorData};
 
-use crate::config::WorkerEndpoint;
-
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    /// The worker said the request itself is wrong (4xx other than 408/429): don't retry.
+    /// The worker said the request itself is wrong (4xx other than 408/429, or 507 "does not
+    /// fit even alone"): don't retry.
     #[error("worker rejected the request with {status}: {message}")]
     Rejected { status: u16, message: String },
-    /// Busy, overloaded or down: worth another try, after `retry_after` when it gave one.
+    /// Healthy but full (503, 429): come back after `retry_after` when it gave one.
+    #[error("worker busy ({status}): {message}")]
+    Throttled { status: u16, message: String, retry_after: Option<Duration> },
+    /// The call ran past its deadline (client timeout, 408, 504).
+    #[error("worker call timed out: {message}")]
+    TimedOut { message: String },
+    /// Down, unreachable or failing (connection errors, other 5xx): worth a later try.
     #[error("worker unavailable: {message}")]
-    Unavailable { message: String, retry_after: Option<Duration> },
+    Failed { message: String },
     /// The worker answered 200 but with something we can't use: a bug on one side.
     #[error("worker answer unusable: {0}")]
     BadResponse(String),
@@ -24,14 +29,26 @@ pub enum CallError {
 
 impl CallError {
     pub fn is_retryable(&self) -> bool {
-        matches!(self, CallError::Unavailable { .. })
+        matches!(self, CallError::Throttled { .. } | CallError::TimedOut { .. } | CallError::Failed { .. })
+    }
+
+    /// Whether the answer says the worker has more work than it can take: the signal that
+    /// lowers the task's permit limit.
+    pub fn is_overload(&self) -> bool {
+        matches!(self, CallError::Throttled { .. } | CallError::TimedOut { .. })
     }
 }
 
-/// A model's output as the gateway needs it.
+/// A model's output tensors as the gateway needs them, in the order they were asked for.
 #[derive(Debug, Clone)]
 pub struct ModelOutput {
     pub model: String,
+    pub tensors: Vec<OutputTensor>,
+}
+
+#[derive(Debug, Clone)]
+pub struct OutputTensor {
+    pub name: String,
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
 }
@@ -40,17 +57,29 @@ pub struct ModelOutput {
 pub struct InferCall {
     body: bytes::Bytes,
     header_len: Option<usize>,
-    output_name: String,
+    output_names: Vec<String>,
 }
 
 impl InferCall {
-    /// Encodes `input` with its tensor data in the binary extension, asking for `output_name`
-    /// in binary too.
-    pub fn new(request_id: &str, input: &Tensor, output_name: &str) -> Self {
-        let outputs = [oip::RequestOutputSpec { name: output_name.to_string(), binary: true }];
+    /// Encodes `input` with its tensor data in the binary extension, asking for the named
+    /// outputs in binary too.
+    pub fn new(request_id: &str, input: &Tensor, output_names: &[&str]) -> Self {
+        let outputs: Vec<oip::RequestOutputSpec> = output_names
+            .iter()
+            .map(|name| oip::RequestOutputSpec { name: name.to_string(), binary: true })
+            .collect();
         let (body, header_len) =
             oip::encode_request(Some(request_id), std::slice::from_ref(input), true, &outputs);
-        InferCall { body: body.into(), header_len, output_name: output_name.to_string() }
+        InferCall {
+            body: body.into(),
+            header_len,
+            output_names: output_names.iter().map(|n| n.to_string()).collect(),
+        }
+    }
+
+    /// Size of the encoded request body.
+    pub fn body_len(&self) -> usize {
+        self.body.len()
     }
 }
 
@@ -64,19 +93,24 @@ pub struct WorkerClient {
 }
 
 impl WorkerClient {
-    pub fn new(endpoint: &WorkerEndpoint) -> anyhow::Result<Self> {
+    /// A client of the worker at `url` whose calls time out after `timeout_seconds`.
+    pub fn new(url: &str, timeout_seconds: f64) -> anyhow::Result<Self> {
+        let timeout_seconds = if timeout_seconds.is_finite() { timeout_seconds.max(0.001) } else { 60.0 };
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs_f64(endpoint.request_timeout_seconds.max(0.001)))
+            .timeout(Duration::from_secs_f64(timeout_seconds))
             .connect_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(64)
             .build()?;
-        let timeout_ms = (endpoint.request_timeout_seconds.max(0.001) * 1000.0).ceil() as u64;
-        Ok(WorkerClient { http, base: endpoint.url.trim_end_matches('/').to_string(), timeout_ms })
+        let timeout_ms = (timeout_seconds * 1000.0).ceil() as u64;
+        Ok(WorkerClient { http, base: url.trim_end_matches('/').to_string(), timeout_ms })
     }
 
-    /// Sends a prepared request to `model` and returns its output tensor.
+    pub fn url(&self) -> &str {
+        &self.base
+    }
+
+    /// Sends a prepared request to `model` and returns its output tensors.
     pub async fn infer(&self, model: &str, call: &InferCall) -> Result<ModelOutput, CallError> {
-        let output_name = call.output_name.as_str();
         let url = format!("{}/v2/models/{model}/infer", self.base);
         let mut request = self
             .http
@@ -87,10 +121,7 @@ impl WorkerClient {
             request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len);
         }
         // `Bytes` clones share the buffer: a retry re-sends the same body without copying it.
-        let response = request.body(call.body.clone()).send().await.map_err(|e| CallError::Unavailable {
-            message: format!("calling {url}: {}", error_chain(&e)),
-            retry_after: None,
-        })?;
+        let response = request.body(call.body.clone()).send().await.map_err(|e| transport(&url, "calling", &e))?;
         let status = response.status();
         let retry_after = response
             .headers()
@@ -104,10 +135,7 @@ impl WorkerClient {
             .get(oip::INFERENCE_HEADER_CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
-        let body = response.bytes().await.map_err(|e| CallError::Unavailable {
-            message: format!("reading the answer from {url}: {}", error_chain(&e)),
-            retry_after: None,
-        })?;
+        let body = response.bytes().await.map_err(|e| transport(&url, "reading the answer from", &e))?;
         if !status.is_success() {
             let message = serde_json::from_slice::<oip::ErrorBody>(&body)
                 .map(|b| b.error)
@@ -116,31 +144,50 @@ impl WorkerClient {
         }
         let (header, tensors) =
             oip::decode_response(&body, header_len).map_err(|e| CallError::BadResponse(e.to_string()))?;
-        let tensor = tensors
-            .into_iter()
-            .find(|t| t.name == output_name)
-            .ok_or_else(|| CallError::BadResponse(format!("no output named '{output_name}'")))?;
-        match tensor.data {
-            TensorData::Fp32(data) => {
-                Ok(ModelOutput { model: header.model_name, shape: tensor.shape, data })
+        let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
+        let mut outputs = Vec::with_capacity(call.output_names.len());
+        for name in &call.output_names {
+            let tensor = tensors
+                .iter_mut()
+                .find(|t| t.as_ref().is_some_and(|t| &t.name == name))
+                .and_then(Option::take)
+                .ok_or_else(|| CallError::BadResponse(format!("no output named '{name}'")))?;
+            match tensor.data {
+                TensorData::Fp32(data) => outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data }),
+                other => {
+                    return Err(CallError::BadResponse(format!(
+                        "output '{name}' is {}, expected FP32",
+                        other.datatype().as_str()
+                    )))
+                }
             }
-            other => Err(CallError::BadResponse(format!(
-                "output '{output_name}' is {}, expected FP32",
-                other.datatype().as_str()
-            ))),
         }
+        Ok(ModelOutput { model: header.model_name, tensors: outputs })
+    }
+}
+
+fn transport(url: &str, doing: &str, e: &reqwest::Error) -> CallError {
+    let message = format!("{doing} {url}: {}", error_chain(e));
+    if e.is_timeout() {
+        CallError::TimedOut { message }
+    } else {
+        CallError::Failed { message }
     }
 }
 
 fn classify(status: StatusCode, message: String, retry_after: Option<Duration>) -> CallError {
-    // 507 is the worker's "this input alone does not fit in GPU memory": retrying can't help.
-    let retryable = (status.is_server_error() && status != StatusCode::INSUFFICIENT_STORAGE)
-        || status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS;
-    if retryable {
-        CallError::Unavailable { message: format!("{status}: {message}"), retry_after }
-    } else {
-        CallError::Rejected { status: status.as_u16(), message }
+    let code = status.as_u16();
+    match status {
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS => {
+            CallError::Throttled { status: code, message, retry_after }
+        }
+        StatusCode::REQUEST_TIMEOUT | StatusCode::GATEWAY_TIMEOUT => {
+            CallError::TimedOut { message: format!("{status}: {message}") }
+        }
+        // 507 is the worker's "this input alone does not fit in GPU memory": retrying can't help.
+        StatusCode::INSUFFICIENT_STORAGE => CallError::Rejected { status: code, message },
+        s if s.is_server_error() => CallError::Failed { message: format!("{status}: {message}") },
+        _ => CallError::Rejected { status: code, message },
     }
 }
 
@@ -172,6 +219,10 @@ mod tests {
         check(429, true);
         check(500, true);
         check(503, true);
+        check(504, true);
         check(507, false);
+        let overload = |code: u16| classify(StatusCode::from_u16(code).expect("valid"), "m".into(), None).is_overload();
+        assert!(overload(503) && overload(429) && overload(504));
+        assert!(!overload(500) && !overload(400));
     }
 }

@@ -88,6 +88,28 @@ pub struct SpeechSegment {
     pub end_seconds: f64,
 }
 
+/// The output of the `image` task: faces found by the detector, in the pixel coordinates of
+/// the input image as it is meant to be viewed (after its EXIF orientation).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageOutput {
+    pub faces: Vec<FaceBox>,
+    /// Size of the input image after its EXIF orientation.
+    pub width: u32,
+    pub height: u32,
+    /// The decoded format: `png`, `jpeg` or `webp`.
+    pub format: String,
+}
+
+/// One detected face: a box in input pixels and the model's face probability.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FaceBox {
+    pub x1: f32,
+    pub y1: f32,
+    pub x2: f32,
+    pub y2: f32,
+    pub score: f32,
+}
+
 /// Why a record went to the dead-letter topic. A small fixed set, so consumers can route on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -98,11 +120,20 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The request names a task this gateway does not serve on that topic.
     UnknownTask,
-    /// The input could not be understood (corrupt or unsupported audio/image format).
+    /// The input is in a form this task does not take (a URI scheme other than `file://`, an
+    /// image format without a decoder here).
     UnsupportedInput,
-    /// The input is larger than the configured limits.
+    /// The input is a WAV file that cannot be decoded (corrupt, truncated, an unknown encoding).
+    InvalidAudio,
+    /// The input is an image that cannot be decoded (corrupt or truncated PNG/JPEG/WebP).
+    InvalidImage,
+    /// The input is larger than the configured limits (bytes, seconds of audio, pixels).
     InputTooLarge,
-    /// The input could not be read (missing file, path outside the allowed root, bad base64).
+    /// The input file named by the request does not exist.
+    InputNotFound,
+    /// The input file resolves (symlinks followed) to a path outside the allowed root.
+    InputOutsideRoot,
+    /// The input could not be read for another reason (an IO error, bad base64).
     FetchFailed,
     /// The worker refused the request as invalid (HTTP 4xx).
     WorkerRejected,
@@ -121,7 +152,11 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => "invalid_request",
             ErrorKind::UnknownTask => "unknown_task",
             ErrorKind::UnsupportedInput => "unsupported_input",
+            ErrorKind::InvalidAudio => "invalid_audio",
+            ErrorKind::InvalidImage => "invalid_image",
             ErrorKind::InputTooLarge => "input_too_large",
+            ErrorKind::InputNotFound => "input_not_found",
+            ErrorKind::InputOutsideRoot => "input_outside_root",
             ErrorKind::FetchFailed => "fetch_failed",
             ErrorKind::WorkerRejected => "worker_rejected",
             ErrorKind::WorkerUnavailable => "worker_unavailable",
@@ -337,7 +372,11 @@ mod tests {
             ErrorKind::InvalidRequest,
             ErrorKind::UnknownTask,
             ErrorKind::UnsupportedInput,
+            ErrorKind::InvalidAudio,
+            ErrorKind::InvalidImage,
             ErrorKind::InputTooLarge,
+            ErrorKind::InputNotFound,
+            ErrorKind::InputOutsideRoot,
             ErrorKind::FetchFailed,
             ErrorKind::WorkerRejected,
             ErrorKind::WorkerUnavailable,

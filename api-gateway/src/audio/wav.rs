@@ -201,8 +201,39 @@ pub fn decode_wav(bytes: &[u8]) -> Result<Audio, WavError> {
 /// the samples actually present are used, truncated to whole frames. Chunks
 /// after the data chunk are ignored.
 pub fn decode_wav_limited(bytes: &[u8], max_frames: u64) -> Result<Audio, WavError> {
-    check_riff_header(bytes)?;
+    let (format, data) = locate(bytes)?;
+    decode_samples(data, format, max_frames)
+}
 
+/// What a WAV file holds, read from its header without decoding samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WavInfo {
+    pub sample_rate: u32,
+    pub channels: u16,
+    /// Whole frames present in the data chunk.
+    pub frames: u64,
+}
+
+impl WavInfo {
+    pub fn duration_seconds(&self) -> f64 {
+        self.frames as f64 / f64::from(self.sample_rate)
+    }
+}
+
+/// Reads the header and checks it as [`decode_wav`] would, without decoding any sample, so a
+/// caller can size or refuse the work first.
+pub fn probe_wav(bytes: &[u8]) -> Result<WavInfo, WavError> {
+    let (format, data) = locate(bytes)?;
+    let frames = (data.len() / usize::from(format.block_align)) as u64;
+    if frames == 0 {
+        return Err(WavError::EmptyAudio { data_bytes: data.len() as u64, block_align: format.block_align });
+    }
+    Ok(WavInfo { sample_rate: format.sample_rate, channels: format.channels, frames })
+}
+
+/// Walks the chunks to the format and the data chunk's bytes.
+fn locate(bytes: &[u8]) -> Result<(Format, &[u8]), WavError> {
+    check_riff_header(bytes)?;
     let mut format: Option<Format> = None;
     let mut pos: usize = 12;
     loop {
@@ -221,7 +252,7 @@ pub fn decode_wav_limited(bytes: &[u8], max_frames: u64) -> Result<Audio, WavErr
             let format = format.ok_or(WavError::MissingFmtChunk)?;
             // Deliberately no truncation error here: streaming writers leave the size unknown.
             let data = body.get(..declared).unwrap_or(body);
-            return decode_samples(data, format, max_frames);
+            return Ok((format, data));
         }
 
         let Some(chunk_body) = body.get(..declared) else {

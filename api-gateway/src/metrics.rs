@@ -1,0 +1,125 @@
+//! The gateway's Prometheus metrics, served as text at `GET /metrics` on `metrics_listen`.
+//! Every name starts with `vramgate_gateway_`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::routing::get;
+use axum::Router;
+use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+
+pub struct Metrics {
+    registry: Registry,
+    pub consumed: IntCounterVec,
+    pub produced: IntCounterVec,
+    pub dead_letters: IntCounterVec,
+    pub retries: IntCounterVec,
+    pub in_flight: IntGaugeVec,
+    pub worker_calls: IntGaugeVec,
+    pub permit_limit: IntGaugeVec,
+    pub cpu_queue: IntGaugeVec,
+    pub paused: IntGaugeVec,
+    pub pauses: IntCounterVec,
+    pub resumes: IntCounterVec,
+    pub pending: IntGaugeVec,
+    pub held_bytes: IntGauge,
+    pub held_bytes_limit: IntGauge,
+    pub stale: prometheus::IntCounter,
+    pub commits: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let registry = Registry::new_custom(Some("vramgate_gateway".into()), None).expect("valid prefix");
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let held_bytes = IntGauge::new("held_bytes", "Payload bytes held: raw records, inputs read, decoded, in flight")
+            .expect("valid metric");
+        registry.register(Box::new(held_bytes.clone())).expect("unique metric");
+        let held_bytes_limit =
+            IntGauge::new("held_bytes_limit", "max_held_bytes: past it fetching pauses").expect("valid metric");
+        registry.register(Box::new(held_bytes_limit.clone())).expect("unique metric");
+        let stale = prometheus::IntCounter::new(
+            "stale_records_total",
+            "Records dropped unfinished because their partition was revoked (its new owner reads them)",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(stale.clone())).expect("unique metric");
+        Arc::new(Metrics {
+            consumed: counter("records_consumed_total", "Records fetched from the request topics", &["task"]),
+            produced: counter(
+                "records_produced_total",
+                "Records written and acknowledged, by outcome (result or dead_letter)",
+                &["task", "outcome"],
+            ),
+            dead_letters: counter("dead_letters_total", "Dead letters written, by error kind", &["task", "kind"]),
+            retries: counter(
+                "retries_total",
+                "Worker calls retried: throttled (503/429, after Retry-After) or error (5xx, timeout, connection)",
+                &["task", "reason"],
+            ),
+            in_flight: gauge("records_in_flight", "Records held, from fetch to acknowledged output", &["task"]),
+            worker_calls: gauge("worker_calls_in_flight", "Worker calls in progress (permits in use)", &["task"]),
+            permit_limit: gauge("gpu_permit_limit", "Current adaptive limit of concurrent worker calls", &["task"]),
+            cpu_queue: gauge("cpu_queue_depth", "Conversions submitted to the task's CPU pool and not finished", &["task"]),
+            paused: gauge("paused_partitions", "Partitions paused by backpressure", &["task"]),
+            pauses: counter(
+                "partition_pauses_total",
+                "Partitions paused, by reason (permits, budget, in_flight)",
+                &["task", "reason"],
+            ),
+            resumes: counter("partition_resumes_total", "Partitions resumed after a pause", &["task"]),
+            pending: gauge(
+                "partition_pending_records",
+                "Records fetched and not yet finished, per partition (what holds its commit back)",
+                &["topic", "partition"],
+            ),
+            held_bytes,
+            held_bytes_limit,
+            stale,
+            commits: counter("offset_commits_total", "Offset commits, by result (ok or error)", &["result"]),
+            registry,
+        })
+    }
+
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buffer).expect("text encoding cannot fail");
+        String::from_utf8(buffer).expect("prometheus text is utf-8")
+    }
+}
+
+/// Binds the metrics endpoint and serves it in the background. Returns the bound address.
+pub async fn serve(listen: &str, metrics: Arc<Metrics>, refresh: impl Fn() + Send + Sync + 'static) -> anyhow::Result<SocketAddr> {
+    use anyhow::Context;
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding metrics on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let refresh = Arc::new(refresh);
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                let refresh = refresh.clone();
+                async move {
+                    refresh();
+                    metrics.render()
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    Ok(addr)
+}

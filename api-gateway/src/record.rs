@@ -1,0 +1,580 @@
+//! One record's life, from fetched to finished: parse, read the input, convert it on the
+//! task's CPU pool, call the worker under the task's GPU permits (retrying what is worth it),
+//! and write exactly one result or dead letter. Only then is the record finished, so only then
+//! can its offset be committed.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::Deserialize;
+use tracing::{instrument, Instrument};
+use vramgate_shared::events::{
+    DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, SourceRecord, Stage, TimingsMs,
+    SCHEMA_VERSION,
+};
+use vramgate_shared::oip::{Tensor, TensorData};
+
+use crate::budget::{ByteBudget, Held};
+use crate::config::{Converter, RetryConfig};
+use crate::failure::Failure;
+use crate::input::InputSource;
+use crate::metrics::Metrics;
+use crate::offsets::{SharedOffsets, Ticket};
+use crate::task::Task;
+use crate::vision::{self, ImageOptions};
+use crate::voice::{self, VoiceOptions};
+use crate::worker_client::{CallError, InferCall, ModelOutput};
+
+/// Charged per record on top of its key and value: the message struct, its task and tracking.
+pub const RECORD_OVERHEAD_BYTES: u64 = 2048;
+
+/// What every record task shares.
+pub struct Shared {
+    pub producer: FutureProducer,
+    pub offsets: Arc<SharedOffsets>,
+    pub input: InputSource,
+    pub budget: Arc<ByteBudget>,
+    pub metrics: Arc<Metrics>,
+    /// Records fetched and not yet finished (or dropped as stale), all tasks.
+    pub in_flight: AtomicUsize,
+}
+
+/// Counts a record in flight until it is dropped, whatever path the record takes.
+struct InFlight<'a> {
+    shared: &'a Shared,
+    task: &'a str,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.shared.metrics.in_flight.with_label_values(&[self.task]).dec();
+    }
+}
+
+/// Called by the fetch loop for each record, before it spawns [`handle`]: counts and charges it.
+pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, Held) {
+    shared.metrics.consumed.with_label_values(&[&task.name]).inc();
+    shared.metrics.in_flight.with_label_values(&[&task.name]).inc();
+    shared.in_flight.fetch_add(1, Ordering::SeqCst);
+    let raw = message.payload().map_or(0, <[u8]>::len) + message.key().map_or(0, <[u8]>::len);
+    let held = shared.budget.hold(raw as u64 + RECORD_OVERHEAD_BYTES);
+    let ticket = shared.offsets.lock().begin((message.topic().to_string(), message.partition()), message.offset());
+    (ticket, held)
+}
+
+/// Processes one record to its end: a produced result or dead letter, then finishes its ticket.
+#[instrument(skip_all, fields(task = %task.name, partition = message.partition(), offset = message.offset(), event_id))]
+pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, mut held: Held) {
+    let _in_flight = InFlight { shared: &shared, task: &task.name };
+    if !shared.offsets.is_current(&ticket) {
+        // Revoked before it started: the partition's new owner reads it from the last commit.
+        shared.metrics.stale.inc();
+        return;
+    }
+    let started = Instant::now();
+    let outcome = AssertUnwindSafe(process(&shared, &task, &message, &mut held, started))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| {
+            Err(Rejection::anonymous(Failure::new(
+                ErrorKind::Internal,
+                Stage::Postprocess,
+                "the gateway panicked while processing this record; see its log",
+            )))
+        });
+    if !shared.offsets.is_current(&ticket) {
+        // Revoked while it ran and the drain gave up on it: the new owner redoes it, so writing
+        // this output too would only make a duplicate.
+        shared.metrics.stale.inc();
+        return;
+    }
+    let (topic, payload, extra_headers, outcome_label) = match outcome {
+        Ok(result) => {
+            tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
+            let payload = serde_json::to_vec(&result).expect("result events always serialise");
+            (task.results_topic.as_str(), payload, Vec::new(), "result")
+        }
+        Err(rejection) => {
+            let kind = rejection.failure.kind;
+            tracing::warn!(kind = kind.as_str(), error = %rejection.failure.message, "dead-lettering record");
+            shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
+            let headers = dead_letter_headers(&message, &rejection.failure);
+            let letter = dead_letter(&message, rejection);
+            let payload = serde_json::to_vec(&letter).expect("dead letters always serialise");
+            (task.dlq_topic.as_str(), payload, headers, "dead_letter")
+        }
+    };
+    deliver(&shared.producer, topic, &message, &payload, extra_headers).await;
+    shared.metrics.produced.with_label_values(&[&task.name, outcome_label]).inc();
+    shared.offsets.finish(&ticket);
+}
+
+/// Produces until the broker acknowledges. Retrying forever is deliberate: giving up would
+/// mean either losing the record or committing past it.
+async fn deliver(
+    producer: &FutureProducer,
+    topic: &str,
+    source: &OwnedMessage,
+    payload: &[u8],
+    extra_headers: Vec<(String, Vec<u8>)>,
+) {
+    let mut headers = OwnedHeaders::new();
+    if let Some(h) = source.headers() {
+        for header in h.iter() {
+            if header.key == "traceparent" || header.key == "tracestate" {
+                headers = headers.insert(Header { key: header.key, value: header.value });
+            }
+        }
+    }
+    for (key, value) in &extra_headers {
+        headers = headers.insert(Header { key, value: Some(value) });
+    }
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let mut record = FutureRecord::to(topic).payload(payload).headers(headers.clone());
+        if let Some(key) = source.key() {
+            record = record.key(key);
+        }
+        match producer.send(record, Duration::from_secs(30)).await {
+            Ok(_) => return,
+            Err((e, _)) => {
+                tracing::warn!(error = %e, topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}
+
+/// A failure plus what was known about the request when it happened.
+struct Rejection {
+    failure: Failure,
+    id: Option<String>,
+    task: Option<String>,
+}
+
+impl Rejection {
+    fn anonymous(failure: Failure) -> Self {
+        Rejection { failure, id: None, task: None }
+    }
+}
+
+/// Per-request overrides of the image task's detection parameters.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ImageRequestOptions {
+    threshold: Option<f32>,
+    nms_iou: Option<f32>,
+    max_faces: Option<usize>,
+}
+
+fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>) -> Result<ImageOptions, Failure> {
+    let mut merged = config.clone();
+    let Some(value) = options.filter(|v| !v.is_null()) else { return Ok(merged) };
+    let parsed: ImageRequestOptions = serde_json::from_value(value.clone())
+        .map_err(|e| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid image options: {e}")))?;
+    for (name, v) in [("threshold", parsed.threshold), ("nms_iou", parsed.nms_iou)] {
+        if v.is_some_and(|v| !(0.0..=1.0).contains(&v)) {
+            return Err(Failure::new(
+                ErrorKind::InvalidRequest,
+                Stage::Parse,
+                format!("image option {name} must be between 0 and 1, got {}", v.unwrap_or_default()),
+            ));
+        }
+    }
+    merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
+    merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
+    merged.max_faces = parsed.max_faces.unwrap_or(merged.max_faces);
+    Ok(merged)
+}
+
+/// A task's options for one request, checked before any input is read.
+enum Options {
+    Voice(VoiceOptions),
+    Image(ImageOptions),
+}
+
+/// The converted input and what postprocessing needs of it.
+enum Converted {
+    Voice(voice::Converted),
+    Image(vision::Placement, &'static str),
+}
+
+async fn process(
+    shared: &Shared,
+    task: &Task,
+    message: &OwnedMessage,
+    held: &mut Held,
+    started: Instant,
+) -> Result<ResultEvent, Rejection> {
+    let value = message.payload().ok_or_else(|| {
+        Rejection::anonymous(Failure::new(
+            ErrorKind::InvalidJson,
+            Stage::Parse,
+            "record has no value; expected a json request",
+        ))
+    })?;
+    let request = parse_request(value)?;
+    tracing::Span::current().record("event_id", request.id.as_str());
+    let reject = |failure: Failure| Rejection {
+        failure,
+        id: Some(request.id.clone()),
+        task: Some(request.task.clone()),
+    };
+    if request.version > SCHEMA_VERSION {
+        return Err(reject(Failure::new(
+            ErrorKind::InvalidRequest,
+            Stage::Parse,
+            format!("request version {} is newer than this gateway reads ({SCHEMA_VERSION})", request.version),
+        )));
+    }
+    if request.task != task.name {
+        return Err(reject(Failure::new(
+            ErrorKind::UnknownTask,
+            Stage::Parse,
+            format!(
+                "request task '{}' does not match topic {}, which carries '{}' requests",
+                request.task,
+                message.topic(),
+                task.name
+            ),
+        )));
+    }
+    let options = match task.config.converter {
+        Converter::Wav => Options::Voice(VoiceOptions::parse(request.options.as_ref()).map_err(reject)?),
+        Converter::Image => Options::Image(image_options(&task.config.image, request.options.as_ref()).map_err(reject)?),
+    };
+
+    // Read the input, its bytes reserved from the budget first.
+    let convert_started = Instant::now();
+    let record_bytes = held.bytes();
+    let fetch_failed = |e: crate::input::FetchError| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string()));
+    let size = shared.input.size(&request.input).await.map_err(fetch_failed)?;
+    held.grow(size).await;
+    let bytes = shared.input.fetch(&request.input).await.map_err(fetch_failed)?;
+
+    // Check the header (limits, format) and reserve what decoding will hold, before decoding.
+    let queue = shared.metrics.cpu_queue.with_label_values(&[&task.name]);
+    let (tensor, converted) = match &options {
+        Options::Voice(_) => {
+            let max_seconds = task.config.wav.max_audio_seconds;
+            let info = voice::probe(&bytes, max_seconds).map_err(reject)?;
+            held.grow(voice::conversion_bytes(&info)).await;
+            queue.inc();
+            let result = on_pool(&task.pool, move || voice::convert(&bytes, max_seconds)).await;
+            queue.dec();
+            let mut converted = result.and_then(|r| r).map_err(reject)?;
+            let samples = std::mem::take(&mut converted.samples);
+            let tensor = Tensor {
+                name: voice::MODEL_INPUT.into(),
+                shape: vec![1, samples.len()],
+                data: TensorData::Fp32(samples),
+            };
+            (tensor, Converted::Voice(converted))
+        }
+        Options::Image(image) => {
+            let header = vision::probe(&bytes, image.max_pixels).map_err(reject)?;
+            held.grow(vision::conversion_bytes(&header, image)).await;
+            queue.inc();
+            let image = image.clone();
+            let result = on_pool(&task.pool, move || vision::convert(&bytes, &image)).await;
+            queue.dec();
+            let prepared = result.and_then(|r| r).map_err(reject)?;
+            let tensor = Tensor {
+                name: vision::MODEL_INPUT.into(),
+                shape: vec![1, 3, prepared.height as usize, prepared.width as usize],
+                data: TensorData::Fp32(prepared.chw),
+            };
+            (tensor, Converted::Image(prepared.placement, prepared.format))
+        }
+    };
+    let convert_ms = ms(convert_started.elapsed());
+
+    // One encoded body that every attempt re-sends; the input and tensor are gone after it.
+    let outputs: &[&str] = match converted {
+        Converted::Voice(_) => &[voice::MODEL_OUTPUT],
+        Converted::Image(..) => &[vision::PROB_OUTPUT, vision::BOX_OUTPUT],
+    };
+    let infer_call = InferCall::new(&request.id, &tensor, outputs);
+    drop(tensor);
+    held.shrink_to(record_bytes + infer_call.body_len() as u64);
+
+    let call = call_worker(shared, task, &infer_call).await.map_err(reject)?;
+    drop(infer_call);
+    let output = match (&options, converted) {
+        (Options::Voice(voice_options), Converted::Voice(converted)) => {
+            let probs = &call.output.tensors[0].data;
+            let params = voice_options.params(&task.config.wav.segments);
+            serde_json::to_value(voice::output(probs, &converted, &params))
+        }
+        (Options::Image(image), Converted::Image(placement, format)) => {
+            let [prob, boxes] = &call.output.tensors[..] else {
+                unreachable!("infer returns exactly the two outputs asked for")
+            };
+            let faces = vision::faces(&prob.data, &prob.shape, &boxes.data, &placement, image).map_err(reject)?;
+            serde_json::to_value(vision::output(faces, &placement, format))
+        }
+        _ => unreachable!("options and conversion come from the same converter"),
+    }
+    .expect("task outputs always serialise");
+    Ok(ResultEvent {
+        version: SCHEMA_VERSION,
+        id: request.id.clone(),
+        task: request.task.clone(),
+        status: "ok".into(),
+        model: call.output.model,
+        output,
+        timings_ms: TimingsMs {
+            convert: convert_ms,
+            gpu_wait: call.wait_ms,
+            inference: call.inference_ms,
+            total: ms(started.elapsed()),
+        },
+        attempts: call.attempts,
+    })
+}
+
+/// Reads a request in one pass. Only a record that fails is read again, as loose JSON, to
+/// tell "not JSON" from "not a request" and to recover its id and task for the dead letter.
+fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
+    let error = match serde_json::from_slice::<RequestEvent>(value) {
+        Ok(request) => return Ok(request),
+        Err(e) => e,
+    };
+    let json: serde_json::Value = serde_json::from_slice(value).map_err(|e| {
+        Rejection::anonymous(Failure::new(ErrorKind::InvalidJson, Stage::Parse, format!("record value is not json: {e}")))
+    })?;
+    let hint = |key: &str| json.get(key).and_then(|v| v.as_str()).map(str::to_string);
+    Err(Rejection {
+        failure: Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("record is not a valid request: {error}")),
+        id: hint("id"),
+        task: hint("task"),
+    })
+}
+
+/// Runs CPU-bound work on a rayon pool and awaits it without blocking a tokio thread. The
+/// caller's span goes along, so the pool's logs carry the record's fields.
+async fn on_pool<T: Send + 'static>(
+    pool: &rayon::ThreadPool,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Failure> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let span = tracing::Span::current();
+    pool.spawn(move || {
+        let _entered = span.enter();
+        let _ = tx.send(std::panic::catch_unwind(AssertUnwindSafe(work)));
+    });
+    match rx.await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(_)) => Err(Failure::new(
+            ErrorKind::Internal,
+            Stage::Convert,
+            "conversion panicked on this input; see the gateway log",
+        )),
+        Err(_) => Err(Failure::new(ErrorKind::Internal, Stage::Convert, "cpu pool dropped the job")),
+    }
+}
+
+struct WorkerCall {
+    output: ModelOutput,
+    attempts: u32,
+    wait_ms: f64,
+    inference_ms: f64,
+}
+
+/// Calls the worker under the task's permits, retrying what is worth retrying:
+/// - 503/429: after the worker's `Retry-After` (or the backoff), without using up attempts,
+///   for up to `max_retry_seconds`;
+/// - 5xx, timeouts, connection errors: exponential backoff with jitter, `max_attempts` calls;
+/// - anything else (4xx, 507): not at all.
+///
+/// The permit is held only during a call, never while backing off, and each answer adjusts the
+/// task's permit limit.
+async fn call_worker(shared: &Shared, task: &Task, infer_call: &InferCall) -> Result<WorkerCall, Failure> {
+    let retry = &task.config.retry;
+    let max_attempts = retry.max_attempts.max(1);
+    let permit_wait = Duration::from_millis(task.config.permit_wait_ms);
+    let throttle_deadline = Instant::now() + Duration::from_secs_f64(retry.max_retry_seconds.max(0.0));
+    let calls_gauge = shared.metrics.worker_calls.with_label_values(&[&task.name]);
+    let mut calls = 0u32;
+    let mut failures = 0u32;
+    let mut throttled = 0u32;
+    let mut wait_ms = 0.0;
+    let mut inference_ms = 0.0;
+    loop {
+        let (permit, waited) = task.permits.acquire_within(permit_wait, || task.mark_congested()).await;
+        wait_ms += ms(waited);
+        calls += 1;
+        calls_gauge.inc();
+        let call_started = Instant::now();
+        let result = task
+            .worker
+            .infer(&task.config.model, infer_call)
+            .instrument(tracing::info_span!("worker_call", attempt = calls))
+            .await;
+        let latency = call_started.elapsed();
+        calls_gauge.dec();
+        inference_ms += ms(latency);
+        let error = match result {
+            Ok(output) => {
+                task.permits.succeeded(&permit, latency);
+                return Ok(WorkerCall { output, attempts: calls, wait_ms, inference_ms });
+            }
+            Err(e) => e,
+        };
+        if error.is_overload() {
+            task.permits.overloaded();
+        }
+        drop(permit);
+        if !error.is_retryable() {
+            return Err(call_failure(error).with_attempts(calls));
+        }
+        let delay = match &error {
+            CallError::Throttled { retry_after, .. } => {
+                throttled += 1;
+                let delay = retry_after.unwrap_or_else(|| backoff(retry, throttled));
+                if Instant::now() + delay > throttle_deadline {
+                    return Err(Failure::new(
+                        ErrorKind::WorkerUnavailable,
+                        Stage::Infer,
+                        format!("worker still busy after {} s of retries: {error}", retry.max_retry_seconds),
+                    )
+                    .with_attempts(calls));
+                }
+                shared.metrics.retries.with_label_values(&[&task.name, "throttled"]).inc();
+                delay
+            }
+            _ => {
+                failures += 1;
+                if failures >= max_attempts {
+                    return Err(call_failure(error).with_attempts(calls));
+                }
+                shared.metrics.retries.with_label_values(&[&task.name, "error"]).inc();
+                backoff(retry, failures)
+            }
+        };
+        tracing::warn!(attempt = calls, error = %error, retry_in_ms = delay.as_millis() as u64, "worker call failed; retrying");
+        tokio::time::sleep(delay).await;
+    }
+}
+
+fn call_failure(error: CallError) -> Failure {
+    let kind = match &error {
+        CallError::Rejected { status: 413 | 507, .. } => ErrorKind::InputTooLarge,
+        CallError::Rejected { .. } => ErrorKind::WorkerRejected,
+        CallError::TimedOut { .. } => ErrorKind::Timeout,
+        CallError::Throttled { .. } | CallError::Failed { .. } => ErrorKind::WorkerUnavailable,
+        CallError::BadResponse(_) => ErrorKind::Internal,
+    };
+    Failure::new(kind, Stage::Infer, error.to_string())
+}
+
+/// Exponential backoff: base·2^(n-1) capped at the maximum, less a random share of up to
+/// `jitter` of it, so a crowd of retries after a worker restart spreads out.
+fn backoff(retry: &RetryConfig, attempt: u32) -> Duration {
+    let exp = retry.backoff_base_ms as f64 * 2f64.powi(attempt.saturating_sub(1).min(30) as i32);
+    let capped = exp.min(retry.backoff_max_ms as f64).max(0.0);
+    let jitter = retry.jitter.clamp(0.0, 1.0);
+    Duration::from_secs_f64(capped * (1.0 - jitter * random_unit()) / 1000.0)
+}
+
+/// A number in [0, 1) from the standard library's randomly keyed hasher: enough to spread
+/// retries, without a dependency for it.
+fn random_unit() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent {
+    use base64::Engine;
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    DeadLetterEvent {
+        version: SCHEMA_VERSION,
+        id: rejection.id,
+        task: rejection.task,
+        error: ErrorInfo {
+            kind: rejection.failure.kind,
+            message: rejection.failure.message,
+            stage: rejection.failure.stage,
+        },
+        attempts: rejection.failure.attempts,
+        source: SourceRecord {
+            topic: message.topic().to_string(),
+            partition: message.partition(),
+            offset: message.offset(),
+            key_b64: message.key().map(b64),
+            value_b64: message.payload().map(b64),
+        },
+    }
+}
+
+/// The headers Spring Kafka's dead-letter publisher writes, so existing tooling reads ours.
+fn dead_letter_headers(message: &OwnedMessage, failure: &Failure) -> Vec<(String, Vec<u8>)> {
+    vec![
+        ("kafka_dlt-original-topic".into(), message.topic().as_bytes().to_vec()),
+        ("kafka_dlt-original-partition".into(), message.partition().to_be_bytes().to_vec()),
+        ("kafka_dlt-original-offset".into(), message.offset().to_be_bytes().to_vec()),
+        ("kafka_dlt-exception-fqcn".into(), failure.kind.as_str().as_bytes().to_vec()),
+        ("kafka_dlt-exception-message".into(), failure.message.as_bytes().to_vec()),
+        ("kafka_dlt-exception-stage".into(), failure.stage.as_str().as_bytes().to_vec()),
+        ("vramgate-error-kind".into(), failure.kind.as_str().as_bytes().to_vec()),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_is_capped_and_jittered_within_bounds() {
+        let retry = RetryConfig { backoff_base_ms: 100, backoff_max_ms: 1000, jitter: 0.5, ..Default::default() };
+        for attempt in 1..12 {
+            let d = backoff(&retry, attempt).as_secs_f64();
+            let ceiling = (0.1 * 2f64.powi(attempt as i32 - 1)).min(1.0);
+            assert!(d <= ceiling + 1e-9 && d >= ceiling / 2.0 - 1e-9, "attempt {attempt}: {d}");
+        }
+        let none = RetryConfig { jitter: 0.0, ..retry };
+        assert_eq!(backoff(&none, 2), Duration::from_millis(200));
+    }
+
+    #[test]
+    fn random_unit_is_in_range_and_varies() {
+        let draws: Vec<f64> = (0..100).map(|_| random_unit()).collect();
+        assert!(draws.iter().all(|d| (0.0..1.0).contains(d)));
+        assert!(draws.windows(2).any(|w| w[0] != w[1]));
+    }
+
+    #[test]
+    fn worker_errors_map_to_dead_letter_kinds() {
+        let check = |e: CallError, kind: ErrorKind| assert_eq!(call_failure(e).kind, kind);
+        check(CallError::Rejected { status: 400, message: "m".into() }, ErrorKind::WorkerRejected);
+        check(CallError::Rejected { status: 413, message: "m".into() }, ErrorKind::InputTooLarge);
+        check(CallError::Failed { message: "m".into() }, ErrorKind::WorkerUnavailable);
+        check(CallError::TimedOut { message: "m".into() }, ErrorKind::Timeout);
+        check(CallError::BadResponse("m".into()), ErrorKind::Internal);
+    }
+
+    #[test]
+    fn image_options_are_checked_and_merged() {
+        let base = ImageOptions::default();
+        let merged = image_options(&base, Some(&serde_json::json!({"threshold": 0.9}))).expect("valid");
+        assert_eq!(merged.threshold, 0.9);
+        assert_eq!(merged.nms_iou, base.nms_iou);
+        for bad in [serde_json::json!({"threshold": 1.5}), serde_json::json!({"thresh": 0.5})] {
+            assert_eq!(image_options(&base, Some(&bad)).expect_err("invalid").kind, ErrorKind::InvalidRequest);
+        }
+    }
+}

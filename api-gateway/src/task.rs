@@ -1,0 +1,71 @@
+//! One row of the task table at run time: its topics, CPU pool, GPU permits and worker.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+
+use crate::config::{TaskConfig, WorkerEndpoint};
+use crate::permits::AdaptivePermits;
+use crate::worker_client::WorkerClient;
+
+pub struct Task {
+    pub name: String,
+    pub config: TaskConfig,
+    pub requests_topic: String,
+    pub results_topic: String,
+    pub dlq_topic: String,
+    /// This task's own CPU pool: a burst of one type never queues behind another's conversions.
+    pub pool: rayon::ThreadPool,
+    pub permits: AdaptivePermits,
+    /// Set when a record waited past `permit_wait_ms` for a permit: the fetch loop pauses this
+    /// task's partitions until the waiters are served.
+    congested: AtomicBool,
+    pub worker: WorkerClient,
+}
+
+impl Task {
+    pub fn new(name: &str, config: &TaskConfig, worker: &WorkerEndpoint) -> anyhow::Result<Self> {
+        let threads = config.cpu_threads();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name({
+                let name = name.to_string();
+                move |i| format!("{name}-cpu-{i}")
+            })
+            .build()
+            .with_context(|| format!("starting the {name} cpu pool"))?;
+        let url = config.worker_url.as_deref().unwrap_or(&worker.url);
+        let timeout = config.request_timeout_seconds.unwrap_or(worker.request_timeout_seconds);
+        let p = &config.gpu_permits;
+        Ok(Task {
+            name: name.to_string(),
+            requests_topic: config.requests_topic(name),
+            results_topic: config.results_topic(name),
+            dlq_topic: config.dlq_topic(name),
+            config: config.clone(),
+            pool,
+            permits: AdaptivePermits::new(p.initial, p.min, p.max),
+            congested: AtomicBool::new(false),
+            worker: WorkerClient::new(url, timeout)?,
+        })
+    }
+
+    pub fn mark_congested(&self) {
+        self.congested.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether this task's partitions should stay paused for lack of permits. Clears the flag
+    /// once the waiters fall to `resume_fraction` of the limit (hysteresis), so a short stall
+    /// does not flap the partitions.
+    pub fn congested(&self, resume_fraction: f64) -> bool {
+        if !self.congested.load(Ordering::Relaxed) {
+            return false;
+        }
+        let resume_at = (self.permits.limit() as f64 * resume_fraction).floor() as usize;
+        if self.permits.waiting() <= resume_at {
+            self.congested.store(false, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+}
