@@ -103,6 +103,9 @@ impl GatewayConfig {
                     p.min, p.initial, p.max
                 ));
             }
+            if task.converter == Converter::Image {
+                task.image.validate().map_err(|e| format!("tasks.{name}.{e}"))?;
+            }
             if !(0.0..=1.0).contains(&task.retry.jitter) {
                 return Err(format!("tasks.{name}.retry.jitter must be in [0, 1], got {}", task.retry.jitter));
             }
