@@ -358,6 +358,19 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_config_file_loads_and_matches_the_defaults() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml");
+        let config: GatewayConfig = vramgate_shared::config::load(Some(&path), "VGGW_UNUSED_").expect("loads");
+        config.validate().expect("validates");
+        let defaults = GatewayConfig::default();
+        assert_eq!(
+            serde_json::to_value(&config).expect("serialises"),
+            serde_json::to_value(&defaults).expect("serialises"),
+            "config/gateway.toml documents the defaults; keep them in step"
+        );
+    }
+
+    #[test]
     fn contradictions_are_refused() {
         let mut config = GatewayConfig::default();
         config.tasks.get_mut("voice").expect("voice").gpu_permits = PermitConfig { initial: 9, min: 1, max: 8 };

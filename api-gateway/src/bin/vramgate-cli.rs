@@ -11,7 +11,9 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use vramgate_shared::events::{DeadLetterEvent, InputRef, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION};
+use vramgate_shared::events::{
+    DeadLetterEvent, ImageOutput, InputRef, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION,
+};
 
 #[derive(Parser)]
 #[command(version, about = "Emit vramgate request events and watch their results")]
@@ -221,7 +223,27 @@ fn summarise_result(payload: &[u8]) -> String {
                 .collect();
             format!("speech {} (of {:.2} s)", segments.join(", "), v.duration_seconds)
         }
-        Err(_) => result.output.to_string(),
+        Err(_) => match serde_json::from_value::<ImageOutput>(result.output.clone()) {
+            Ok(image) => {
+                let best: Vec<String> = image
+                    .faces
+                    .iter()
+                    .take(3)
+                    .map(|f| format!("({:.0},{:.0})–({:.0},{:.0}) p={:.2}", f.x1, f.y1, f.x2, f.y2, f.score))
+                    .collect();
+                let more = image.faces.len().saturating_sub(best.len());
+                let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+                format!(
+                    "{} face box(es) in {}×{} {}: {}{more}",
+                    image.faces.len(),
+                    image.width,
+                    image.height,
+                    image.format,
+                    best.join(", ")
+                )
+            }
+            Err(_) => result.output.to_string(),
+        },
     };
     format!(
         "{}  ok  {detail}  [{} · {:.0} ms total, {:.0} ms inference]",
