@@ -25,8 +25,10 @@ pub struct GatewayConfig {
     /// The task table, by task type (the `task` field of a request). Built in: `voice` and
     /// `image`; either can be switched off with `enabled = false`.
     pub tasks: BTreeMap<String, TaskConfig>,
-    /// Records held at once, all tasks together, from fetch to acknowledged output. Past it,
-    /// fetching pauses. Also bounds the duplicates a crash can cause.
+    /// Records fetched past the last commit, all tasks together (so: records held, plus
+    /// finished ones whose offset is not committed yet). Past it, fetching pauses. It bounds
+    /// the duplicates a crash can cause, and how far a partition runs ahead of a record that
+    /// waits to retry.
     pub max_in_flight: usize,
     /// Bytes of payload held at once: raw records, files read, decoded inputs, request bodies.
     /// Charged before decoding; past it, fetching pauses and conversions wait.

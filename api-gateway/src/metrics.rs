@@ -25,6 +25,7 @@ pub struct Metrics {
     pub held_bytes: IntGauge,
     pub held_bytes_limit: IntGauge,
     pub stale: prometheus::IntCounter,
+    pub uncommitted: IntGauge,
     pub commits: IntCounterVec,
 }
 
@@ -53,6 +54,12 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(stale.clone())).expect("unique metric");
+        let uncommitted = IntGauge::new(
+            "records_uncommitted",
+            "Records fetched past the last commit (bounded by max_in_flight): what a crash would redo",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(uncommitted.clone())).expect("unique metric");
         Arc::new(Metrics {
             consumed: counter("records_consumed_total", "Records fetched from the request topics", &["task"]),
             produced: counter(
@@ -85,6 +92,7 @@ impl Metrics {
             held_bytes,
             held_bytes_limit,
             stale,
+            uncommitted,
             commits: counter("offset_commits_total", "Offset commits, by result (ok or error)", &["result"]),
             registry,
         })

@@ -31,6 +31,8 @@ struct PartitionState {
     next: Option<i64>,
     /// The last position handed out for committing, to commit only advances.
     committed: Option<i64>,
+    /// The first offset started in this epoch: where the group's commit stood when it began.
+    start: Option<i64>,
 }
 
 impl PartitionState {
@@ -75,6 +77,7 @@ impl OffsetTracker {
         let state = self.partitions.get_mut(&partition).expect("assigned just above");
         state.unfinished.insert(offset);
         state.next = Some(state.next.map_or(offset + 1, |n| n.max(offset + 1)));
+        state.start = Some(state.start.map_or(offset, |s| s.min(offset)));
         Ticket { partition, offset, epoch: state.epoch }
     }
 
@@ -133,6 +136,16 @@ impl OffsetTracker {
     /// Unfinished records per partition.
     pub fn pending(&self) -> impl Iterator<Item = (&TopicPartition, usize)> {
         self.partitions.iter().map(|(tp, s)| (tp, s.unfinished.len()))
+    }
+
+    /// Records fetched past the last commit, all partitions: what a crash now would make the
+    /// group read again. Bounding it bounds the duplicates, finished-but-uncommitted records
+    /// (behind a slow one, or since the last commit) included.
+    pub fn uncommitted(&self) -> usize {
+        self.partitions
+            .values()
+            .filter_map(|s| Some((s.next? - s.committed.or(s.start)?).max(0) as usize))
+            .sum()
     }
 
     /// Total records in flight.
@@ -208,9 +221,11 @@ mod tests {
         // finish 10: everything up to 13 (exclusive) is done
         assert!(t.finish(&tickets[0]));
         assert_eq!(t.position(&tp()), Some(13));
+        assert_eq!(t.uncommitted(), 5, "finished but not yet committed still counts");
         assert!(t.finish(&tickets[3]));
         assert_eq!(t.take_advanced(), vec![(tp(), 15)]);
         assert_eq!(t.in_flight(), 0);
+        assert_eq!(t.uncommitted(), 0);
     }
 
     #[test]

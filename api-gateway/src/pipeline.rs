@@ -237,6 +237,9 @@ fn client_config(config: &GatewayConfig, consumer: bool) -> ClientConfig {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
             .set("partition.assignment.strategy", "cooperative-sticky")
+            // With a small prefetch bound, librdkafka's default 1 s backoff once the queue is
+            // full leaves the gateway idle between refills.
+            .set("fetch.queue.backoff.ms", "20")
             .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
             // librdkafka's prefetch, bounded in bytes, not only in messages.
             .set("queued.max.messages.kbytes", kafka.queue_max_kbytes.max(1).to_string())
@@ -324,7 +327,11 @@ impl Fetch {
         let config = &self.config;
         let budget = &self.shared.budget;
         let used = budget.used();
-        let in_flight = self.shared.in_flight.load(Ordering::SeqCst);
+        // Records past the last commit, not only those unfinished: that is what bounds the
+        // duplicates after a crash, and what lets a record waiting to retry hold its partition
+        // back by at most this window.
+        let in_flight = self.shared.offsets.lock().uncommitted().max(self.shared.in_flight.load(Ordering::SeqCst));
+        self.shared.metrics.uncommitted.set(in_flight as i64);
         let rf = config.resume_fraction;
         let mut flow = lock(&self.flow);
         flow.global = match flow.global {

@@ -5,21 +5,25 @@
 //! Every test creates its own topics and consumer group (names with a random suffix), so tests
 //! can run side by side on one broker without seeing each other's records.
 
+pub mod images;
+pub mod metrics;
 pub mod oip_client;
 pub mod wav;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use base64::Engine as _;
+use futures::{StreamExt, TryStreamExt};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
@@ -114,8 +118,15 @@ pub fn producer() -> FutureProducer {
         .expect("creating a kafka producer")
 }
 
+/// Where the broker stored a record: partition and offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub partition: i32,
+    pub offset: i64,
+}
+
 /// Sends one record and waits for the broker's acknowledgement.
-pub async fn send(producer: &FutureProducer, topic: &str, key: &str, value: &[u8]) -> anyhow::Result<()> {
+pub async fn send(producer: &FutureProducer, topic: &str, key: &str, value: &[u8]) -> anyhow::Result<Position> {
     send_with_headers(producer, topic, key, value, &[]).await
 }
 
@@ -126,22 +137,54 @@ pub async fn send_with_headers(
     key: &str,
     value: &[u8],
     headers: &[(&str, &[u8])],
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Position> {
     let mut owned = OwnedHeaders::new();
     for (k, v) in headers {
         owned = owned.insert(Header { key: k, value: Some(*v) });
     }
-    producer
+    let delivery = producer
         .send(FutureRecord::to(topic).key(key).payload(value).headers(owned), Duration::from_secs(30))
         .await
         .map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
-    Ok(())
+    Ok(Position { partition: delivery.partition, offset: delivery.offset })
+}
+
+/// Sends `(key, value)` records with up to `concurrency` awaiting acknowledgement at once, and
+/// waits for all of them.
+pub async fn send_all(
+    producer: &FutureProducer,
+    topic: &str,
+    records: &[(String, Vec<u8>)],
+    concurrency: usize,
+) -> anyhow::Result<()> {
+    futures::stream::iter(records)
+        .map(|(key, value)| send(producer, topic, key, value))
+        .buffer_unordered(concurrency.max(1))
+        .try_for_each(|_| async { Ok(()) })
+        .await
+}
+
+/// A request event whose input is a file under the gateway's input root.
+pub fn request_file(id: &str, task: &str, path: &Path) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "id": id, "task": task, "input": {"uri": format!("file://{}", path.display())}
+    }))
+    .expect("json serialises")
+}
+
+/// A request event carrying its input inline (`data_b64`).
+pub fn request_inline(id: &str, task: &str, data: &[u8]) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(data);
+    serde_json::to_vec(&serde_json::json!({"id": id, "task": task, "input": {"data_b64": b64}}))
+        .expect("json serialises")
 }
 
 /// A record read back from a result or dead-letter topic.
 #[derive(Debug, Clone)]
 pub struct Received {
     pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
     pub value: serde_json::Value,
     pub headers: Vec<(String, Vec<u8>)>,
 }
@@ -151,6 +194,38 @@ impl Received {
     pub fn header(&self, key: &str) -> Option<&[u8]> {
         self.headers.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_slice())
     }
+
+    /// The record's `id` field, or the empty string (dead letters of unparsable requests).
+    pub fn id(&self) -> &str {
+        self.value.get("id").and_then(|v| v.as_str()).unwrap_or("")
+    }
+
+    fn from_message(message: &BorrowedMessage<'_>) -> anyhow::Result<Self> {
+        let value: serde_json::Value = serde_json::from_slice(message.payload().unwrap_or(b"null"))
+            .with_context(|| format!("a record of {} is not json", message.topic()))?;
+        let headers = message
+            .headers()
+            .map(|h| h.iter().map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec())).collect())
+            .unwrap_or_default();
+        Ok(Received {
+            topic: message.topic().to_string(),
+            partition: message.partition(),
+            offset: message.offset(),
+            value,
+            headers,
+        })
+    }
+}
+
+fn collector_consumer(topics: &[&str]) -> anyhow::Result<StreamConsumer> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("collector"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    consumer.subscribe(topics)?;
+    Ok(consumer)
 }
 
 /// Reads `topics` from the beginning until `done` says the collected records suffice, or the
@@ -161,13 +236,7 @@ pub async fn collect(
     timeout: Duration,
     done: impl Fn(&HashMap<String, Vec<Received>>) -> bool,
 ) -> anyhow::Result<HashMap<String, Vec<Received>>> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", unique("collector"))
-        .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest")
-        .create()?;
-    consumer.subscribe(topics)?;
+    let consumer = collector_consumer(topics)?;
     let deadline = Instant::now() + timeout;
     let mut by_id: HashMap<String, Vec<Received>> = HashMap::new();
     while !done(&by_id) {
@@ -176,17 +245,94 @@ pub async fn collect(
             break;
         }
         let Ok(message) = tokio::time::timeout(left, consumer.recv()).await else { break };
-        let message = message?;
-        let value: serde_json::Value = serde_json::from_slice(message.payload().unwrap_or(b"null"))
-            .context("result and dead-letter values are json")?;
-        let id = value.get("id").and_then(|v| v.as_str()).unwrap_or("").to_string();
-        let headers = message
-            .headers()
-            .map(|h| h.iter().map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec())).collect())
-            .unwrap_or_default();
-        by_id.entry(id).or_default().push(Received { topic: message.topic().to_string(), value, headers });
+        let received = Received::from_message(&message?)?;
+        by_id.entry(received.id().to_string()).or_default().push(received);
     }
     Ok(by_id)
+}
+
+/// Records by `id`, as [`collect`] returns them.
+pub type ById = HashMap<String, Vec<Received>>;
+
+/// Reads `topics` from the beginning in a background task for as long as it lives, so a test
+/// can watch progress (and act on it) while the services run.
+pub struct Collector {
+    state: Arc<Mutex<CollectorState>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct CollectorState {
+    by_id: ById,
+    records: usize,
+    error: Option<String>,
+}
+
+impl Collector {
+    /// Starts reading; must be called inside a tokio runtime.
+    pub fn start(topics: &[&str]) -> anyhow::Result<Self> {
+        let consumer = collector_consumer(topics)?;
+        let state = Arc::new(Mutex::new(CollectorState::default()));
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let received = match consumer.recv().await {
+                    Ok(message) => Received::from_message(&message),
+                    Err(e) => Err(anyhow::anyhow!("collector: {e}")),
+                };
+                let mut state = shared.lock().unwrap_or_else(|p| p.into_inner());
+                match received {
+                    Ok(r) => {
+                        state.records += 1;
+                        state.by_id.entry(r.id().to_string()).or_default().push(r);
+                    }
+                    Err(e) => state.error = Some(format!("{e:#}")),
+                }
+            }
+        });
+        Ok(Collector { state, task })
+    }
+
+    /// Runs `f` on the records read so far.
+    pub fn with<R>(&self, f: impl FnOnce(&ById) -> R) -> R {
+        f(&self.state.lock().unwrap_or_else(|p| p.into_inner()).by_id)
+    }
+
+    /// A copy of the records read so far.
+    pub fn snapshot(&self) -> ById {
+        self.with(Clone::clone)
+    }
+
+    /// How many records were read, and how many distinct ids they carry.
+    pub fn counts(&self) -> (usize, usize) {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        (state.records, state.by_id.len())
+    }
+
+    /// The last error met (a record that is not json, a consumer error), if any.
+    pub fn error(&self) -> Option<String> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).error.clone()
+    }
+
+    /// Waits until `done` holds for the records read, or `timeout` passes; returns whether it held.
+    pub async fn wait_until(&self, timeout: Duration, done: impl Fn(&ById) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.with(&done) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// A child process killed when dropped, with its stderr kept in a log file for diagnosis.
@@ -212,6 +358,12 @@ impl Service {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// SIGKILL, as a crash would, and waits for the process to be gone.
+    pub fn kill(&mut self) -> std::io::Result<ExitStatus> {
+        self.child.kill()?;
+        self.child.wait()
+    }
+
     /// Sends SIGTERM and waits up to `timeout` for the process to exit; returns its status.
     pub async fn terminate(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
         let sent = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status()?;
@@ -226,6 +378,91 @@ impl Service {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+/// The resident memory of process `pid` (`VmRSS` in `/proc/<pid>/status`), in bytes; 0 when the
+/// process is gone.
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Deletes topics (best effort: tests that write hundreds of megabytes clean up after
+/// themselves).
+pub async fn delete_topics(names: &[&str]) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", brokers()).create()?;
+    for result in admin.delete_topics(names, &AdminOptions::new()).await? {
+        if let Err((topic, code)) = result {
+            bail!("deleting topic {topic}: {code}");
+        }
+    }
+    Ok(())
+}
+
+/// A consumer group as the broker's coordinator sees it.
+#[derive(Debug, Clone)]
+pub struct GroupState {
+    /// `Stable`, `PreparingRebalance`, `CompletingRebalance`, `Empty`, `Dead`.
+    pub state: String,
+    /// Each member's client id and the number of partitions assigned to it.
+    pub members: Vec<(String, usize)>,
+}
+
+/// The state of consumer group `group` and its members' assignments.
+pub fn group_state(group: &str) -> anyhow::Result<GroupState> {
+    let consumer: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers()).create()?;
+    let list = consumer.fetch_group_list(Some(group), Duration::from_secs(10))?;
+    let Some(info) = list.groups().iter().find(|g| g.name() == group) else {
+        return Ok(GroupState { state: "Dead".into(), members: Vec::new() });
+    };
+    let members = info
+        .members()
+        .iter()
+        .map(|m| (m.client_id().to_string(), m.assignment().map_or(0, assigned_partitions)))
+        .collect();
+    Ok(GroupState { state: info.state().to_string(), members })
+}
+
+/// Partitions in a `ConsumerProtocolAssignment`: version (i16), then topics, each a name (i16
+/// length + bytes) and partitions (i32 count + i32 each); user data follows and is ignored.
+fn assigned_partitions(bytes: &[u8]) -> usize {
+    fn int(bytes: &[u8], at: &mut usize, width: usize) -> Option<i64> {
+        let slice = bytes.get(*at..*at + width)?;
+        *at += width;
+        Some(slice.iter().fold(0i64, |v, b| (v << 8) | i64::from(*b)))
+    }
+    fn count(bytes: &[u8]) -> Option<usize> {
+        let mut at = 2;
+        let mut partitions = 0;
+        for _ in 0..int(bytes, &mut at, 4)? {
+            at += usize::try_from(int(bytes, &mut at, 2)?).ok()?;
+            let n = usize::try_from(int(bytes, &mut at, 4)?).ok()?;
+            at += 4 * n;
+            partitions += n;
+        }
+        Some(partitions)
+    }
+    count(bytes).unwrap_or(0)
+}
+
+/// Waits until `group` is `Stable` with `members` members that each own a partition.
+pub async fn wait_group_balanced(group: &str, members: usize, timeout: Duration) -> anyhow::Result<GroupState> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let state = group_state(group)?;
+        if state.state == "Stable" && state.members.len() == members && state.members.iter().all(|(_, n)| *n > 0) {
+            return Ok(state);
+        }
+        if Instant::now() > deadline {
+            bail!("group {group} not balanced over {members} members after {timeout:?}: {state:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
@@ -278,29 +515,63 @@ pub struct Worker {
 
 /// Starts the ai-worker with `config` (TOML) on a free port and waits until it is ready.
 pub async fn start_worker(config: &str) -> anyhow::Result<Worker> {
+    start_worker_on(config, "127.0.0.1:0").await
+}
+
+/// Starts the ai-worker with `config` (TOML) listening on `listen` (e.g. the address of a
+/// worker that was killed, so that the gateway's URL reaches the new one) and waits until it
+/// is ready.
+pub async fn start_worker_on(config: &str, listen: &str) -> anyhow::Result<Worker> {
     let config_path = std::env::temp_dir().join(format!("{}.toml", unique("worker-config")));
     std::fs::write(&config_path, config)?;
     let log = log_path("worker");
     let mut child = Command::new(binary("ai-worker"))
         .arg("--config")
         .arg(&config_path)
-        .env("VRAMGATE_WORKER_LISTEN", "127.0.0.1:0")
+        .env("VRAMGATE_WORKER_LISTEN", listen)
         .current_dir(repo_root())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log)?)
         .spawn()
         .context("starting ai-worker")?;
     let stdout = child.stdout.take().expect("stdout is piped");
-    let mut first = String::new();
-    BufReader::new(stdout).read_line(&mut first)?;
     let service = Service { name: "ai-worker", child, log };
-    let Some(addr) = first.trim().strip_prefix("listening on ") else {
+    let first = first_line(stdout, Duration::from_secs(120)).await;
+    let Some(addr) = first.as_deref().and_then(|l| l.trim().strip_prefix("listening on ")) else {
         bail!("ai-worker did not report its address (got {first:?}); log:\n{}", service.log_tail());
     };
     let url = format!("http://{addr}");
     let mut worker = Worker { service, url };
     wait_ready(&mut worker, Duration::from_secs(120)).await?;
     Ok(worker)
+}
+
+impl Worker {
+    /// The `host:port` the worker listens on.
+    pub fn addr(&self) -> &str {
+        self.url.trim_start_matches("http://")
+    }
+}
+
+/// The first line a child writes to stdout, or `None` when it closes stdout (exits) first or
+/// `timeout` passes. The rest of its stdout is read and dropped on a thread, so the child never
+/// blocks on (or dies of) a full or closed pipe.
+async fn first_line(stdout: ChildStdout, timeout: Duration) -> Option<String> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        let first = match reader.read_line(&mut line) {
+            Ok(n) if n > 0 => Some(line.clone()),
+            _ => None,
+        };
+        let open = first.is_some();
+        let _ = tx.send(first);
+        if open {
+            let _ = std::io::copy(&mut reader, &mut std::io::sink());
+        }
+    });
+    tokio::time::timeout(timeout, rx).await.ok().and_then(Result::ok).flatten()
 }
 
 async fn wait_ready(worker: &mut Worker, timeout: Duration) -> anyhow::Result<()> {
@@ -346,21 +617,78 @@ pub fn worker_config(extra: &str, models: &[(&str, &str, &str, &str)]) -> String
     config
 }
 
+/// A running api-gateway and the URL of its Prometheus metrics.
+pub struct Gateway {
+    pub service: Service,
+    /// `http://ADDR/metrics`.
+    pub metrics_url: String,
+    http: reqwest::Client,
+}
+
+impl Gateway {
+    /// The gateway's metrics as Prometheus text.
+    pub async fn metrics(&self) -> anyhow::Result<metrics::Scrape> {
+        metrics::scrape(&self.http, &self.metrics_url).await
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.service.pid()
+    }
+
+    pub fn log_tail(&self) -> String {
+        self.service.log_tail()
+    }
+}
+
+/// The worker's Silero VAD model, as [`worker_config`] takes it; the name is the voice task's
+/// default model.
+pub const VAD_MODEL: (&str, &str, &str, &str) = ("silero_vad", "silero_vad.jit", "voice_activity", "");
+/// The worker's MTCNN P-Net model, as [`worker_config`] takes it; the name is the image task's
+/// default model.
+pub const PNET_MODEL: (&str, &str, &str, &str) = ("mtcnn_pnet", "mtcnn_pnet.jit", "face_detection", "");
+
+/// Gateway overrides that point the voice task at `topics`.
+pub fn voice_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
+    vec![
+        ("TASKS__VOICE__REQUESTS_TOPIC", topics.requests.clone()),
+        ("TASKS__VOICE__RESULTS_TOPIC", topics.results.clone()),
+        ("TASKS__VOICE__DLQ_TOPIC", topics.dlq.clone()),
+    ]
+}
+
+/// Gateway overrides that point the image task at `topics`.
+pub fn image_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
+    vec![
+        ("TASKS__IMAGE__REQUESTS_TOPIC", topics.requests.clone()),
+        ("TASKS__IMAGE__RESULTS_TOPIC", topics.results.clone()),
+        ("TASKS__IMAGE__DLQ_TOPIC", topics.dlq.clone()),
+    ]
+}
+
 /// Starts the api-gateway with environment overrides (`VRAMGATE_GATEWAY_*`) on top of the
-/// defaults, e.g. `[("KAFKA__GROUP_ID", "g1")]`.
-pub fn start_gateway(overrides: &[(&str, String)]) -> anyhow::Result<Service> {
+/// defaults, e.g. `[("KAFKA__GROUP_ID", "g1")]`, its metrics on a free port, and waits for the
+/// line that names that port.
+pub async fn start_gateway(overrides: &[(&str, String)]) -> anyhow::Result<Gateway> {
     let log = log_path("gateway");
     let mut command = Command::new(binary("api-gateway"));
     command
         .env("VRAMGATE_GATEWAY_KAFKA__BROKERS", brokers())
+        .env("VRAMGATE_GATEWAY_METRICS_LISTEN", "127.0.0.1:0")
         .current_dir(repo_root())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log)?);
     for (key, value) in overrides {
         command.env(format!("VRAMGATE_GATEWAY_{key}"), value);
     }
-    let child = command.spawn().context("starting api-gateway")?;
-    Ok(Service { name: "api-gateway", child, log })
+    let mut child = command.spawn().context("starting api-gateway")?;
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let service = Service { name: "api-gateway", child, log };
+    let first = first_line(stdout, Duration::from_secs(60)).await;
+    let Some(addr) = first.as_deref().and_then(|l| l.trim().strip_prefix("metrics on ")) else {
+        bail!("api-gateway did not report its metrics address (got {first:?}); log:\n{}", service.log_tail());
+    };
+    let metrics_url = format!("http://{addr}/metrics");
+    Ok(Gateway { service, metrics_url, http: reqwest::Client::new() })
 }
 
 /// A fresh scratch folder under `.local/`, for test inputs the gateway may read.

@@ -18,10 +18,11 @@ fn gateway_env(topics: &TaskTopics, group: &str, worker_url: &str, root: &std::p
         ("KAFKA__GROUP_ID", group.to_string()),
         ("WORKER__URL", worker_url.to_string()),
         ("INPUT__FILE_ROOT", root.display().to_string()),
-        ("VOICE__REQUESTS_TOPIC", topics.requests.clone()),
-        ("VOICE__RESULTS_TOPIC", topics.results.clone()),
-        ("VOICE__DLQ_TOPIC", topics.dlq.clone()),
-        ("VOICE__CPU_THREADS", "2".into()),
+        ("TASKS__VOICE__REQUESTS_TOPIC", topics.requests.clone()),
+        ("TASKS__VOICE__RESULTS_TOPIC", topics.results.clone()),
+        ("TASKS__VOICE__DLQ_TOPIC", topics.dlq.clone()),
+        ("TASKS__VOICE__CPU_THREADS", "2".into()),
+        ("TASKS__IMAGE__ENABLED", "false".into()),
     ]
 }
 
@@ -42,7 +43,7 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
     let root = scratch_dir("voice-e2e");
     let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
     let group = unique("gw");
-    let mut gateway = start_gateway(&gateway_env(&topics, &group, &worker.url, &root)).expect("gateway starts");
+    let mut gateway = start_gateway(&gateway_env(&topics, &group, &worker.url, &root)).await.expect("gateway starts");
 
     // 18 spoken clips across rates, channel counts and sample formats, plus 2 of pure noise.
     let phrases = [
@@ -151,12 +152,14 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
         assert!(got.value["source"]["value_b64"].is_string());
         // Spring Kafka's dead-letter headers, so tooling that reads those reads ours.
         assert_eq!(got.header("kafka_dlt-original-topic"), Some(topics.requests.as_bytes()));
+        let partition = got.value["source"]["partition"].as_i64().and_then(|p| i32::try_from(p).ok()).expect("partition");
+        assert_eq!(got.header("kafka_dlt-original-partition"), Some(&partition.to_be_bytes()[..]));
         let offset = got.value["source"]["offset"].as_i64().expect("offset");
         assert_eq!(got.header("kafka_dlt-original-offset"), Some(&offset.to_be_bytes()[..]));
         assert_eq!(got.header("vramgate-error-kind"), Some(kind.as_bytes()));
     };
-    check_dead(&only(&records, &poison_corrupt), "unsupported_input", "convert");
-    check_dead(&only(&records, &poison_missing), "fetch_failed", "fetch");
+    check_dead(&only(&records, &poison_corrupt), "invalid_audio", "convert");
+    check_dead(&only(&records, &poison_missing), "input_not_found", "fetch");
     let not_json = &records[""];
     assert_eq!(not_json.len(), 1, "{not_json:?}");
     check_dead(&not_json[0], "invalid_json", "parse");
@@ -165,7 +168,7 @@ async fn twenty_voice_events_get_segments_and_poison_records_get_dead_letters() 
     assert_eq!(after_result.header("traceparent"), Some(&traceparent[..]), "trace context not carried");
 
     // SIGTERM: the gateway finishes, commits and exits 0; every request offset is committed.
-    let status = gateway.terminate(Duration::from_secs(30)).await.expect("gateway stops");
+    let status = gateway.service.terminate(Duration::from_secs(30)).await.expect("gateway stops");
     assert!(status.success(), "gateway exited with {status}; log:\n{}", gateway.log_tail());
     let behind = uncommitted_records(&group, &topics.requests).expect("read committed offsets");
     assert_eq!(behind, 0, "{behind} request records not committed after a graceful shutdown");
