@@ -240,6 +240,8 @@ fn client_config(config: &GatewayConfig, consumer: bool) -> ClientConfig {
             // With a small prefetch bound, librdkafka's default 1 s backoff once the queue is
             // full leaves the gateway idle between refills.
             .set("fetch.queue.backoff.ms", "20")
+            .set("fetch.wait.max.ms", "100")
+            .set("fetch.error.backoff.ms", "50")
             .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
             // librdkafka's prefetch, bounded in bytes, not only in messages.
             .set("queued.max.messages.kbytes", kafka.queue_max_kbytes.max(1).to_string())
