@@ -656,6 +656,15 @@ pub fn voice_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// The overrides every gateway in a test starts from: its group, its worker and its input root.
+pub fn gateway_base_env(group: &str, worker_url: &str, root: &Path) -> Vec<(&'static str, String)> {
+    vec![
+        ("KAFKA__GROUP_ID", group.to_string()),
+        ("WORKER__URL", worker_url.to_string()),
+        ("INPUT__FILE_ROOT", root.display().to_string()),
+    ]
+}
+
 /// Gateway overrides that point the image task at `topics`.
 pub fn image_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
     vec![

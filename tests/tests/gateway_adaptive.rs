@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
+    gateway_base_env,
     producer, request_file, scratch_dir, send_all, start_gateway, start_worker, start_worker_on, unique,
     voice_task_env, wait_group_balanced, worker_config, Collector, Gateway, TaskTopics, VAD_MODEL,
 };
@@ -114,17 +115,15 @@ async fn permit_limits_fall_on_503s_and_grow_back_when_the_worker_has_room() {
     let mut worker = start_worker(&small).await.expect("worker starts");
     let addr = worker.addr().to_string();
     let group = unique("gw");
-    let mut env = vec![
-        ("KAFKA__GROUP_ID", group.clone()),
-        ("WORKER__URL", worker.url.clone()),
-        ("INPUT__FILE_ROOT", root.display().to_string()),
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend([
         ("TASKS__VOICE__GPU_PERMITS__INITIAL", "8".into()),
         ("TASKS__VOICE__GPU_PERMITS__MIN", "1".into()),
         ("TASKS__VOICE__GPU_PERMITS__MAX", "8".into()),
         ("TASKS__VOICE__PERMIT_WAIT_MS", "500".into()),
         ("TASKS__VOICE__CPU_THREADS", "1".into()),
         ("TASKS__IMAGE__ENABLED", "false".into()),
-    ];
+    ]);
     env.extend(voice_task_env(&topics));
     let a = start_gateway(&env).await.expect("gateway a starts");
     let b = start_gateway(&env).await.expect("gateway b starts");

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use vramgate_tests::wav::{noise, write_wav, SampleFormat};
 use vramgate_tests::{
+    gateway_base_env,
     delete_topics, producer, request_inline, rss_bytes, scratch_dir, send_all, start_gateway, start_worker, unique,
     voice_task_env, worker_config, TaskTopics, VAD_MODEL,
 };
@@ -57,10 +58,8 @@ async fn a_large_backlog_keeps_the_gateway_within_its_memory_bounds() {
     assert!(backlog_bytes > 200 * MIB, "the backlog is only {backlog_bytes} bytes");
 
     let group = unique("gw");
-    let mut env = vec![
-        ("KAFKA__GROUP_ID", group.clone()),
-        ("WORKER__URL", worker.url.clone()),
-        ("INPUT__FILE_ROOT", scratch_dir("backlog").display().to_string()),
+    let mut env = gateway_base_env(&group, &worker.url, &scratch_dir("backlog"));
+    env.extend([
         ("MAX_HELD_BYTES", MAX_HELD_BYTES.to_string()),
         ("MAX_IN_FLIGHT", "256".into()),
         ("KAFKA__QUEUE_MAX_KBYTES", QUEUE_MAX_KBYTES.to_string()),
@@ -70,7 +69,7 @@ async fn a_large_backlog_keeps_the_gateway_within_its_memory_bounds() {
         ("TASKS__VOICE__PERMIT_WAIT_MS", "200".into()),
         ("TASKS__VOICE__CPU_THREADS", "1".into()),
         ("TASKS__IMAGE__ENABLED", "false".into()),
-    ];
+    ]);
     env.extend(voice_task_env(&topics));
     let mut gateway = start_gateway(&env).await.expect("gateway starts");
     // Measured when the gateway reports its metrics address: before it has joined the group,

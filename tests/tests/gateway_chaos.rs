@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use vramgate_tests::images::{self, crowd, jpeg, picture, png};
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
+    gateway_base_env,
     image_task_env, producer, request_file, request_inline, scratch_dir, send_all, start_gateway, start_worker,
     start_worker_on, uncommitted_records, unique, voice_task_env, worker_config, ById, Collector, Gateway, TaskTopics,
     PNET_MODEL, VAD_MODEL,
@@ -95,17 +96,15 @@ async fn the_worker_killed_twice_mid_stream_loses_no_event() {
     let mut worker = start_worker(&config).await.expect("worker starts");
     let addr = worker.addr().to_string();
     let group = unique("gw");
-    let mut env = vec![
-        ("KAFKA__GROUP_ID", group.clone()),
-        ("WORKER__URL", worker.url.clone()),
-        ("INPUT__FILE_ROOT", root.display().to_string()),
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend([
         ("TASKS__VOICE__CPU_THREADS", "1".into()),
         ("TASKS__IMAGE__CPU_THREADS", "1".into()),
         ("TASKS__VOICE__RETRY__MAX_ATTEMPTS", "20".into()),
         ("TASKS__VOICE__RETRY__BACKOFF_MAX_MS", "2000".into()),
         ("TASKS__IMAGE__RETRY__MAX_ATTEMPTS", "20".into()),
         ("TASKS__IMAGE__RETRY__BACKOFF_MAX_MS", "2000".into()),
-    ];
+    ]);
     env.extend(voice_task_env(&voice));
     env.extend(image_task_env(&image));
     let mut gateway = start_gateway(&env).await.expect("gateway starts");
@@ -201,15 +200,13 @@ async fn the_gateway_killed_mid_stream_loses_no_event_and_repeats_at_most_what_i
     let root = scratch_dir("chaos-gateway");
     let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker starts");
     let group = unique("gw");
-    let mut env = vec![
-        ("KAFKA__GROUP_ID", group.clone()),
-        ("WORKER__URL", worker.url.clone()),
-        ("INPUT__FILE_ROOT", root.display().to_string()),
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend([
         ("MAX_IN_FLIGHT", MAX_IN_FLIGHT.to_string()),
         ("COMMIT_INTERVAL_MS", "100".into()),
         ("TASKS__VOICE__CPU_THREADS", "1".into()),
         ("TASKS__IMAGE__ENABLED", "false".into()),
-    ];
+    ]);
     env.extend(voice_task_env(&voice));
 
     let mut records = Vec::new();

@@ -11,6 +11,7 @@ use base64::Engine as _;
 use vramgate_tests::images::{self, crowd, jpeg, picture, png, with_exif_orientation};
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
+    gateway_base_env,
     collect, image_task_env, producer, request_file, request_inline, scratch_dir, send, start_gateway, start_worker,
     uncommitted_records, unique, voice_task_env, worker_config, Gateway, Position, Received, TaskTopics, PNET_MODEL,
     VAD_MODEL,
@@ -20,15 +21,14 @@ use vramgate_tests::{
 const THRESHOLD: f64 = 0.7;
 
 fn base_env(group: &str, worker_url: &str, root: &Path) -> Vec<(&'static str, String)> {
-    vec![
-        ("KAFKA__GROUP_ID", group.to_string()),
-        ("WORKER__URL", worker_url.to_string()),
-        ("INPUT__FILE_ROOT", root.display().to_string()),
+    let mut env = gateway_base_env(group, worker_url, root);
+    env.extend([
         ("COMMIT_INTERVAL_MS", "200".into()),
         ("TASKS__IMAGE__CPU_THREADS", "2".into()),
         ("TASKS__IMAGE__IMAGE__THRESHOLD", THRESHOLD.to_string()),
         ("TASKS__VOICE__CPU_THREADS", "2".into()),
-    ]
+    ]);
+    env
 }
 
 /// One image sent to the gateway and what its result must say.

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use vramgate_tests::wav::{compose, speak, write_wav, SampleFormat};
 use vramgate_tests::{
+    gateway_base_env, voice_task_env,
     collect, producer, scratch_dir, uncommitted_records, send, send_with_headers, silero_worker_config, start_gateway, start_worker, unique, Received,
     TaskTopics,
 };
@@ -14,16 +15,13 @@ use vramgate_tests::{
 const TOLERANCE_SECONDS: f64 = 0.3;
 
 fn gateway_env(topics: &TaskTopics, group: &str, worker_url: &str, root: &std::path::Path) -> Vec<(&'static str, String)> {
-    vec![
-        ("KAFKA__GROUP_ID", group.to_string()),
-        ("WORKER__URL", worker_url.to_string()),
-        ("INPUT__FILE_ROOT", root.display().to_string()),
-        ("TASKS__VOICE__REQUESTS_TOPIC", topics.requests.clone()),
-        ("TASKS__VOICE__RESULTS_TOPIC", topics.results.clone()),
-        ("TASKS__VOICE__DLQ_TOPIC", topics.dlq.clone()),
+    let mut env = gateway_base_env(group, worker_url, root);
+    env.extend(voice_task_env(topics));
+    env.extend([
         ("TASKS__VOICE__CPU_THREADS", "2".into()),
         ("TASKS__IMAGE__ENABLED", "false".into()),
-    ]
+    ]);
+    env
 }
 
 fn request(id: &str, uri: &str) -> Vec<u8> {
