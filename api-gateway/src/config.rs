@@ -46,7 +46,8 @@ pub struct GatewayConfig {
     /// exits anyway (their offsets are then not committed, so they are redelivered).
     pub shutdown_timeout_seconds: f64,
     /// Address of the Prometheus `/metrics` endpoint; port 0 picks a free one. The bound
-    /// address is printed on stdout as `metrics on <addr>`.
+    /// address is printed on stdout as `metrics on <addr>`. Loopback by default: exposing it
+    /// (`0.0.0.0:9464` in a container) is a choice made in configuration.
     pub metrics_listen: String,
 }
 
@@ -63,13 +64,13 @@ impl Default for GatewayConfig {
             worker: WorkerEndpoint::default(),
             input: InputConfig::default(),
             tasks,
-            max_in_flight: 256,
+            max_in_flight: 1024,
             max_held_bytes: 256 * 1024 * 1024,
             resume_fraction: 0.5,
             commit_interval_ms: 200,
             drain_timeout_seconds: 10.0,
             shutdown_timeout_seconds: 20.0,
-            metrics_listen: "0.0.0.0:9464".into(),
+            metrics_listen: "127.0.0.1:9464".into(),
         }
     }
 }
@@ -176,15 +177,27 @@ impl Default for WorkerEndpoint {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct InputConfig {
-    /// `file://` URIs must resolve (symlinks followed) to a path under this folder.
+    /// `file://` URIs must name a path under this folder (as configured or its canonical
+    /// form), and must stay under it when symlinks are followed (checked by the kernel while
+    /// opening: `openat2` with `RESOLVE_BENEATH`). Only regular files are read.
     pub file_root: PathBuf,
-    /// Largest input, in bytes, read from a file or decoded from base64.
+    /// Largest input, in bytes, read from a file or decoded from base64 (enforced while
+    /// reading, not only from the file's reported size).
     pub max_input_bytes: u64,
+    /// How long reading one input file may take before the record is dead-lettered
+    /// (`fetch_failed`): a file on a hung network mount must not hold a record for ever.
+    pub read_timeout_seconds: f64,
 }
 
 impl Default for InputConfig {
     fn default() -> Self {
-        InputConfig { file_root: PathBuf::from("."), max_input_bytes: 64 * 1024 * 1024 }
+        InputConfig { file_root: PathBuf::from("."), max_input_bytes: 64 * 1024 * 1024, read_timeout_seconds: 30.0 }
+    }
+}
+
+impl InputConfig {
+    pub fn read_timeout(&self) -> Duration {
+        seconds(self.read_timeout_seconds)
     }
 }
 

@@ -6,12 +6,13 @@
 pub mod audio;
 pub mod budget;
 pub mod config;
+pub mod consume;
 pub mod failure;
 pub mod input;
 pub mod metrics;
-pub mod offsets;
 pub mod permits;
 pub mod pipeline;
+pub mod produce;
 pub mod record;
 pub mod task;
 pub mod vision;

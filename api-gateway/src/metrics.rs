@@ -27,6 +27,10 @@ pub struct Metrics {
     pub stale: prometheus::IntCounter,
     pub uncommitted: IntGauge,
     pub commits: IntCounterVec,
+    pub log_suppressed: IntCounterVec,
+    pub produce_retries: prometheus::IntCounter,
+    pub produce_retry_seconds: prometheus::Counter,
+    pub outputs_rejected: IntCounterVec,
 }
 
 impl Metrics {
@@ -60,7 +64,26 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(uncommitted.clone())).expect("unique metric");
+        let produce_retries = prometheus::IntCounter::new(
+            "produce_retries_total",
+            "Output records whose produce failed transiently and was tried again",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(produce_retries.clone())).expect("unique metric");
+        let produce_retry_seconds = prometheus::Counter::new(
+            "produce_retry_wait_seconds_total",
+            "Time spent waiting between produce attempts (a broker away shows here)",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(produce_retry_seconds.clone())).expect("unique metric");
         Arc::new(Metrics {
+            produce_retries,
+            produce_retry_seconds,
+            outputs_rejected: counter(
+                "outputs_rejected_total",
+                "Outputs the broker refused for good: replaced by a trimmed dead letter (trimmed), or, if that was refused too, committed past (lost)",
+                &["task", "outcome"],
+            ),
             consumed: counter("records_consumed_total", "Records fetched from the request topics", &["task"]),
             produced: counter(
                 "records_produced_total",
@@ -94,6 +117,11 @@ impl Metrics {
             stale,
             uncommitted,
             commits: counter("offset_commits_total", "Offset commits, by result (ok or error)", &["result"]),
+            log_suppressed: counter(
+                "log_lines_suppressed_total",
+                "Log lines not written because their kind passed its rate limit (lines a second)",
+                &["kind"],
+            ),
             registry,
         })
     }

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::producer::FutureProducer;
 use serde::Deserialize;
 use tracing::{instrument, Instrument};
 use vramgate_shared::events::{
@@ -18,17 +18,24 @@ use vramgate_shared::events::{
     SCHEMA_VERSION,
 };
 use vramgate_shared::oip::{Tensor, TensorData};
+use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 
 use crate::budget::{ByteBudget, Held};
 use crate::config::{Converter, RetryConfig};
 use crate::failure::Failure;
 use crate::input::InputSource;
 use crate::metrics::Metrics;
-use crate::offsets::{SharedOffsets, Ticket};
+use crate::consume::offsets::{SharedOffsets, Ticket};
+use crate::produce::{self, Outgoing};
 use crate::task::Task;
 use crate::vision::{self, ImageOptions};
 use crate::voice::{self, VoiceOptions};
 use crate::worker_client::{CallError, InferCall, ModelOutput};
+
+/// Log lines a second, per kind of line; the rest are counted in `log_lines_suppressed_total`.
+static RESULT_LOG: LogLimit = LogLimit::new(20);
+static DEAD_LETTER_LOG: LogLimit = LogLimit::new(20);
+static WORKER_RETRY_LOG: LogLimit = LogLimit::new(20);
 
 /// Charged per record on top of its key and value: the message struct, its task and tracking.
 pub const RECORD_OVERHEAD_BYTES: u64 = 2048;
@@ -94,62 +101,69 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
         shared.metrics.stale.inc();
         return;
     }
-    let (topic, payload, extra_headers, outcome_label) = match outcome {
+    let (out, outcome_label, id, task_name) = match outcome {
         Ok(result) => {
-            tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
+            if RESULT_LOG.allow() {
+                tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
+            } else {
+                shared.metrics.log_suppressed.with_label_values(&["result"]).inc();
+            }
             let payload = serde_json::to_vec(&result).expect("result events always serialise");
-            (task.results_topic.as_str(), payload, Vec::new(), "result")
+            let out = Outgoing { topic: task.results_topic.as_str(), payload, headers: Vec::new() };
+            (out, "result", Some(result.id), Some(result.task))
         }
         Err(rejection) => {
             let kind = rejection.failure.kind;
-            tracing::warn!(kind = kind.as_str(), error = %rejection.failure.message, "dead-lettering record");
+            if DEAD_LETTER_LOG.allow() {
+                let error = bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES);
+                tracing::warn!(kind = kind.as_str(), error, "dead-lettering record");
+            } else {
+                shared.metrics.log_suppressed.with_label_values(&["dead_letter"]).inc();
+            }
             shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
             let headers = dead_letter_headers(&message, &rejection.failure);
+            let (id, task_name) = (rejection.id.clone(), rejection.task.clone());
             let letter = dead_letter(&message, rejection);
             let payload = serde_json::to_vec(&letter).expect("dead letters always serialise");
-            (task.dlq_topic.as_str(), payload, headers, "dead_letter")
+            (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, "dead_letter", id, task_name)
         }
     };
-    deliver(&shared.producer, topic, &message, &payload, extra_headers).await;
-    shared.metrics.produced.with_label_values(&[&task.name, outcome_label]).inc();
+    match produce::deliver(&shared.producer, &shared.metrics, &message, &out).await {
+        Ok(()) => shared.metrics.produced.with_label_values(&[&task.name, outcome_label]).inc(),
+        Err(error) => {
+            // Retrying cannot help (a record larger than the broker takes, a topic missing or
+            // not ours): a trimmed dead letter stands in for the output, so the partition
+            // goes on and the producer learns why.
+            let trimmed = produce::trimmed_dead_letter(
+                &task.dlq_topic,
+                &message,
+                id.as_deref(),
+                task_name.as_deref(),
+                out.topic,
+                out.payload.len(),
+                &error,
+            );
+            tracing::error!(error = %error, topic = out.topic, bytes = out.payload.len(), "output refused by the broker; writing a trimmed dead letter");
+            match produce::deliver(&shared.producer, &shared.metrics, &message, &trimmed).await {
+                Ok(()) => {
+                    shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
+                    shared.metrics.dead_letters.with_label_values(&[&task.name, "output_rejected"]).inc();
+                    shared.metrics.produced.with_label_values(&[&task.name, "dead_letter"]).inc();
+                }
+                Err(error) => {
+                    shared.metrics.outputs_rejected.with_label_values(&[&task.name, "lost"]).inc();
+                    tracing::error!(
+                        error = %error,
+                        topic = trimmed.topic,
+                        partition = message.partition(),
+                        offset = message.offset(),
+                        "the trimmed dead letter was refused too; committing past this record"
+                    );
+                }
+            }
+        }
+    }
     shared.offsets.finish(&ticket);
-}
-
-/// Produces until the broker acknowledges. Retrying forever is deliberate: giving up would
-/// mean either losing the record or committing past it.
-async fn deliver(
-    producer: &FutureProducer,
-    topic: &str,
-    source: &OwnedMessage,
-    payload: &[u8],
-    extra_headers: Vec<(String, Vec<u8>)>,
-) {
-    let mut headers = OwnedHeaders::new();
-    if let Some(h) = source.headers() {
-        for header in h.iter() {
-            if header.key == "traceparent" || header.key == "tracestate" {
-                headers = headers.insert(Header { key: header.key, value: header.value });
-            }
-        }
-    }
-    for (key, value) in &extra_headers {
-        headers = headers.insert(Header { key, value: Some(value) });
-    }
-    let mut delay = Duration::from_millis(200);
-    loop {
-        let mut record = FutureRecord::to(topic).payload(payload).headers(headers.clone());
-        if let Some(key) = source.key() {
-            record = record.key(key);
-        }
-        match producer.send(record, Duration::from_secs(30)).await {
-            Ok(_) => return,
-            Err((e, _)) => {
-                tracing::warn!(error = %e, topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(10));
-            }
-        }
-    }
 }
 
 /// A failure plus what was known about the request when it happened.
@@ -215,12 +229,13 @@ async fn process(
 ) -> Result<ResultEvent, Rejection> {
     let value = message.payload().ok_or_else(|| {
         Rejection::anonymous(Failure::new(
-            ErrorKind::InvalidJson,
+            ErrorKind::InvalidRequest,
             Stage::Parse,
-            "record has no value; expected a json request",
+            "record has no value (a tombstone); expected a json request",
         ))
     })?;
     let request = parse_request(value)?;
+    check_id(&request.id)?;
     tracing::Span::current().record("event_id", request.id.as_str());
     let reject = |failure: Failure| Rejection {
         failure,
@@ -255,9 +270,9 @@ async fn process(
     let convert_started = Instant::now();
     let record_bytes = held.bytes();
     let fetch_failed = |e: crate::input::FetchError| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string()));
-    let size = shared.input.size(&request.input).await.map_err(fetch_failed)?;
-    held.grow(size).await;
-    let bytes = shared.input.fetch(&request.input).await.map_err(fetch_failed)?;
+    let opened = shared.input.open(&request.input).await.map_err(fetch_failed)?;
+    held.grow(opened.size()).await;
+    let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
 
     // Check the header (limits, format) and reserve what decoding will hold, before decoding.
     let queue = shared.metrics.cpu_queue.with_label_values(&[&task.name]);
@@ -340,6 +355,25 @@ async fn process(
     })
 }
 
+/// Longest event id accepted. Ids travel into every output record, log line and span; a
+/// longer one is refused (`invalid_request`) and echoed cut to this length.
+pub const MAX_ID_BYTES: usize = 256;
+
+fn check_id(id: &str) -> Result<(), Rejection> {
+    let failure = |message: String| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, message);
+    if id.is_empty() {
+        return Err(Rejection::anonymous(failure("request id is empty; give each request a unique id".into())));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(Rejection {
+            failure: failure(format!("request id is {} bytes; the limit is {MAX_ID_BYTES} bytes", id.len())),
+            id: Some(bounded(id, MAX_ID_BYTES).to_string()),
+            task: None,
+        });
+    }
+    Ok(())
+}
+
 /// Reads a request in one pass. Only a record that fails is read again, as loose JSON, to
 /// tell "not JSON" from "not a request" and to recover its id and task for the dead letter.
 fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
@@ -348,11 +382,41 @@ fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
         Err(e) => e,
     };
     let json: serde_json::Value = serde_json::from_slice(value).map_err(|e| {
-        Rejection::anonymous(Failure::new(ErrorKind::InvalidJson, Stage::Parse, format!("record value is not json: {e}")))
+        Rejection::anonymous(Failure::new(
+            ErrorKind::InvalidJson,
+            Stage::Parse,
+            format!("record value is not json: {}", bounded(&e.to_string(), LOG_FIELD_MAX_BYTES)),
+        ))
     })?;
-    let hint = |key: &str| json.get(key).and_then(|v| v.as_str()).map(str::to_string);
+    if !json.is_object() {
+        let what = match json {
+            serde_json::Value::Array(_) => "an array",
+            serde_json::Value::String(_) => "a string",
+            serde_json::Value::Number(_) => "a number",
+            serde_json::Value::Bool(_) => "a boolean",
+            _ => "null",
+        };
+        return Err(Rejection::anonymous(Failure::new(
+            ErrorKind::InvalidRequest,
+            Stage::Parse,
+            format!("record value is {what}; expected a json object with id, task and input"),
+        )));
+    }
+    let hint = |key: &str| json.get(key).and_then(|v| v.as_str()).map(|v| bounded(v, MAX_ID_BYTES).to_string());
+    let message = match json.get("input") {
+        Some(input) if !input.is_object() || (input.get("uri").is_none() && input.get("data_b64").is_none()) => {
+            "record is not a valid request: input must be {\"uri\": \"file:///…\"} or {\"data_b64\": \"…\"}".to_string()
+        }
+        Some(input) if input.get("uri").is_some() && input.get("data_b64").is_some() => {
+            "record is not a valid request: input has both uri and data_b64; give one".to_string()
+        }
+        Some(input) if input.as_object().is_some_and(|o| o.len() > 1) => {
+            "record is not a valid request: input has fields other than uri or data_b64".to_string()
+        }
+        _ => format!("record is not a valid request: {}", bounded(&error.to_string(), LOG_FIELD_MAX_BYTES)),
+    };
     Err(Rejection {
-        failure: Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("record is not a valid request: {error}")),
+        failure: Failure::new(ErrorKind::InvalidRequest, Stage::Parse, message),
         id: hint("id"),
         task: hint("task"),
     })
@@ -459,7 +523,13 @@ async fn call_worker(shared: &Shared, task: &Task, infer_call: &InferCall) -> Re
                 backoff(retry, failures)
             }
         };
-        tracing::warn!(attempt = calls, error = %error, retry_in_ms = delay.as_millis() as u64, "worker call failed; retrying");
+        if WORKER_RETRY_LOG.allow() {
+            let error = error.to_string();
+            let error = bounded(&error, LOG_FIELD_MAX_BYTES);
+            tracing::warn!(attempt = calls, error, retry_in_ms = delay.as_millis() as u64, "worker call failed; retrying");
+        } else {
+            shared.metrics.log_suppressed.with_label_values(&["worker_retry"]).inc();
+        }
         tokio::time::sleep(delay).await;
     }
 }
@@ -537,6 +607,28 @@ fn dead_letter_headers(message: &OwnedMessage, failure: &Failure) -> Vec<(String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn odd_requests_get_precise_reasons() {
+        let check = |value: &[u8], kind: ErrorKind, needle: &str| {
+            let rejection = parse_request(value).and_then(|r| check_id(&r.id).map(|()| r)).err().expect("rejected");
+            assert_eq!(rejection.failure.kind, kind, "{}", String::from_utf8_lossy(value));
+            assert!(rejection.failure.message.contains(needle), "{}", rejection.failure.message);
+            rejection
+        };
+        check(b"not json", ErrorKind::InvalidJson, "not json");
+        check(b"[1, 2]", ErrorKind::InvalidRequest, "is an array");
+        check(b"\"x\"", ErrorKind::InvalidRequest, "is a string");
+        check(br#"{"id":"","task":"voice","input":{"uri":"file:///a"}}"#, ErrorKind::InvalidRequest, "id is empty");
+        check(br#"{"id":"a","task":"voice","input":{"url":"file:///a"}}"#, ErrorKind::InvalidRequest, "input must be");
+        check(br#"{"id":"a","task":"voice","input":{"uri":"x","data_b64":"y"}}"#, ErrorKind::InvalidRequest, "both");
+        let long = format!(r#"{{"id":"{}","task":"voice","input":{{"uri":"file:///a"}}}}"#, "x".repeat(5000));
+        let rejection = check(long.as_bytes(), ErrorKind::InvalidRequest, "limit is 256 bytes");
+        assert_eq!(rejection.id.map(|id| id.len()), Some(MAX_ID_BYTES), "echoed cut short");
+        let huge = format!(r#"{{"id":1,"task":"{}"}}"#, "t".repeat(100_000));
+        let rejection = check(huge.as_bytes(), ErrorKind::InvalidRequest, "not a valid request");
+        assert!(rejection.failure.message.len() < 1024, "{} bytes", rejection.failure.message.len());
+    }
 
     #[test]
     fn backoff_grows_is_capped_and_jittered_within_bounds() {

@@ -131,7 +131,8 @@ pub enum ErrorKind {
     InputTooLarge,
     /// The input file named by the request does not exist.
     InputNotFound,
-    /// The input file resolves (symlinks followed) to a path outside the allowed root.
+    /// No longer written: a file outside the root is reported as `input_not_found`, so dead
+    /// letters do not tell which paths exist. Kept so older dead letters still parse.
     InputOutsideRoot,
     /// The input could not be read for another reason (an IO error, bad base64).
     FetchFailed,
@@ -141,6 +142,10 @@ pub enum ErrorKind {
     WorkerUnavailable,
     /// The request did not finish within its deadline.
     Timeout,
+    /// The record's result or dead letter was refused by the broker for good (larger than
+    /// the topic takes, the topic missing or not writable); this trimmed dead letter stands
+    /// in for it.
+    OutputRejected,
     /// A bug in vramgate; the message says where.
     Internal,
 }
@@ -161,6 +166,7 @@ impl ErrorKind {
             ErrorKind::WorkerRejected => "worker_rejected",
             ErrorKind::WorkerUnavailable => "worker_unavailable",
             ErrorKind::Timeout => "timeout",
+            ErrorKind::OutputRejected => "output_rejected",
             ErrorKind::Internal => "internal",
         }
     }
@@ -175,6 +181,8 @@ pub enum Stage {
     Convert,
     Infer,
     Postprocess,
+    /// Writing the output record.
+    Produce,
 }
 
 impl Stage {
@@ -185,6 +193,7 @@ impl Stage {
             Stage::Convert => "convert",
             Stage::Infer => "infer",
             Stage::Postprocess => "postprocess",
+            Stage::Produce => "produce",
         }
     }
 }
@@ -381,6 +390,7 @@ mod tests {
             ErrorKind::WorkerRejected,
             ErrorKind::WorkerUnavailable,
             ErrorKind::Timeout,
+            ErrorKind::OutputRejected,
             ErrorKind::Internal,
         ] {
             assert_eq!(serde_json::to_value(kind).expect("serialises"), kind.as_str());

@@ -254,9 +254,28 @@ async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_movi
             let id = unique("outside");
             let value = request_file(&id, "voice", &outside_wav);
             Poison {
+                // The same answer as a missing file: dead letters must not tell which paths
+                // exist outside the root.
                 what: "a real file outside the input root",
                 id: Some(id.clone()),
-                kind: "input_outside_root",
+                kind: "input_not_found",
+                task: "voice",
+                key: id,
+                value,
+                at: None,
+            }
+        },
+        {
+            // A FIFO with no writer: opening or reading it the usual way blocks for ever.
+            let id = unique("fifo");
+            let fifo = root.join("input.fifo");
+            let status = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+            assert!(status.success(), "mkfifo failed");
+            let value = request_file(&id, "voice", &fifo);
+            Poison {
+                what: "a fifo under the input root",
+                id: Some(id.clone()),
+                kind: "unsupported_input",
                 task: "voice",
                 key: id,
                 value,
@@ -372,11 +391,11 @@ async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_movi
 
     let metrics = gateway.metrics().await.expect("metrics");
     let dead = |kind: &str| metrics.sum("vramgate_gateway_dead_letters_total", &[("kind", kind)]);
-    for kind in
-        ["invalid_json", "input_not_found", "input_outside_root", "invalid_audio", "invalid_image", "input_too_large"]
-    {
+    for kind in ["invalid_json", "unsupported_input", "invalid_audio", "invalid_image", "input_too_large"] {
         assert_eq!(dead(kind), 1.0, "dead_letters_total{{kind=\"{kind}\"}}:\n{}", metrics.text);
     }
+    assert_eq!(dead("input_not_found"), 2.0, "missing and outside the root:\n{}", metrics.text);
+    assert_eq!(dead("input_outside_root"), 0.0, "{}", metrics.text);
     assert_eq!(dead("unknown_task"), 2.0, "dead_letters_total{{kind=\"unknown_task\"}}:\n{}", metrics.text);
     let produced = |outcome: &str| metrics.sum("vramgate_gateway_records_produced_total", &[("outcome", outcome)]);
     assert_eq!(produced("dead_letter"), poisons.len() as f64, "{}", metrics.text);

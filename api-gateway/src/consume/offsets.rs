@@ -31,6 +31,9 @@ struct PartitionState {
     next: Option<i64>,
     /// The last position handed out for committing, to commit only advances.
     committed: Option<i64>,
+    /// The last position the broker acknowledged as committed: what a crash now would resume
+    /// from. The duplicate bound is counted from here, not from a commit still on its way.
+    confirmed: Option<i64>,
     /// The first offset started in this epoch: where the group's commit stood when it began.
     start: Option<i64>,
 }
@@ -128,6 +131,21 @@ impl OffsetTracker {
         }
     }
 
+    /// The broker acknowledged these positions (handed out by
+    /// [`take_advanced`](Self::take_advanced)) as committed. Positions of a partition that was
+    /// revoked or reassigned since are ignored.
+    pub fn confirm(&mut self, positions: &[(TopicPartition, i64)]) {
+        for (tp, position) in positions {
+            // Only a position this epoch handed out: a new epoch has not taken it.
+            match self.partitions.get_mut(tp) {
+                Some(state) if state.committed.is_some_and(|c| c >= *position) => {
+                    state.confirmed = Some(state.confirmed.map_or(*position, |c| c.max(*position)));
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Unfinished records of these partitions.
     pub fn unfinished_in(&self, partitions: &[TopicPartition]) -> usize {
         partitions.iter().filter_map(|tp| self.partitions.get(tp)).map(|s| s.unfinished.len()).sum()
@@ -138,13 +156,22 @@ impl OffsetTracker {
         self.partitions.iter().map(|(tp, s)| (tp, s.unfinished.len()))
     }
 
-    /// Records fetched past the last commit, all partitions: what a crash now would make the
-    /// group read again. Bounding it bounds the duplicates, finished-but-uncommitted records
-    /// (behind a slow one, or since the last commit) included.
+    /// Records fetched past the last *confirmed* commit, all partitions: what a crash now
+    /// would make the group read again. Bounding it bounds the duplicates, finished records
+    /// whose commit is not acknowledged yet (behind a slow one, or a commit in flight) included.
     pub fn uncommitted(&self) -> usize {
         self.partitions
             .values()
-            .filter_map(|s| Some((s.next? - s.committed.or(s.start)?).max(0) as usize))
+            .filter_map(|s| Some((s.next? - s.confirmed.or(s.start)?).max(0) as usize))
+            .sum()
+    }
+
+    /// Records finished past the last position handed out for committing: what the next
+    /// commit would cover beyond the last one.
+    pub fn committable(&self) -> usize {
+        self.partitions
+            .values()
+            .filter_map(|s| Some((s.position()? - s.committed.or(s.start)?).max(0) as usize))
             .sum()
     }
 
@@ -159,7 +186,10 @@ impl OffsetTracker {
 #[derive(Debug, Default)]
 pub struct SharedOffsets {
     tracker: Mutex<OffsetTracker>,
+    /// A record finished: what a revoke's drain waits for.
     changed: Condvar,
+    /// A commit was confirmed: what frees room in the in-flight window.
+    committed: Condvar,
 }
 
 impl SharedOffsets {
@@ -173,6 +203,20 @@ impl SharedOffsets {
         let finished = self.lock().finish(ticket);
         self.changed.notify_all();
         finished
+    }
+
+    /// Marks positions as acknowledged by the broker and wakes whoever waits for room.
+    pub fn confirm(&self, positions: &[(TopicPartition, i64)]) {
+        self.lock().confirm(positions);
+        self.committed.notify_all();
+    }
+
+    /// Waits until a commit is confirmed, or `timeout` passes. Records finishing do not wake
+    /// it: the in-flight window is counted from the last confirmed commit, so only a
+    /// confirmation frees room in it.
+    pub fn wait_committed(&self, timeout: Duration) {
+        let tracker = self.lock();
+        let _ = self.committed.wait_timeout(tracker, timeout);
     }
 
     pub fn is_current(&self, ticket: &Ticket) -> bool {
@@ -222,9 +266,14 @@ mod tests {
         assert!(t.finish(&tickets[0]));
         assert_eq!(t.position(&tp()), Some(13));
         assert_eq!(t.uncommitted(), 5, "finished but not yet committed still counts");
+        assert_eq!(t.committable(), 3);
         assert!(t.finish(&tickets[3]));
-        assert_eq!(t.take_advanced(), vec![(tp(), 15)]);
+        let taken = t.take_advanced();
+        assert_eq!(taken, vec![(tp(), 15)]);
         assert_eq!(t.in_flight(), 0);
+        assert_eq!(t.committable(), 0);
+        assert_eq!(t.uncommitted(), 5, "a commit on its way does not count until the broker confirms it");
+        t.confirm(&taken);
         assert_eq!(t.uncommitted(), 0);
     }
 
@@ -260,6 +309,19 @@ mod tests {
         assert_eq!(offsets.wait_drained(&[tp()], Duration::from_secs(5)), 0);
         finisher.join().expect("thread");
         assert_eq!(offsets.wait_drained(&[other], Duration::from_millis(20)), 1, "times out");
+    }
+
+    #[test]
+    fn a_confirmation_for_a_revoked_assignment_is_ignored() {
+        let mut t = OffsetTracker::new();
+        let a = t.begin(tp(), 0);
+        t.finish(&a);
+        let taken = t.take_advanced();
+        t.revoke([&tp()]);
+        t.assign([tp()]);
+        t.begin(tp(), 7);
+        t.confirm(&taken);
+        assert_eq!(t.uncommitted(), 1, "counted from where the new epoch started");
     }
 
     #[test]

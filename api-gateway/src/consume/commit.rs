@@ -1,0 +1,155 @@
+//! Offset commits. A thread of its own commits the finished watermark of every partition
+//! ([`OffsetTracker`](super::offsets::OffsetTracker)) synchronously, so each commit's real
+//! outcome is known: a position counts as committed only once the broker acknowledged it, a
+//! failed commit is counted and its positions are offered again to the next one.
+//!
+//! It commits every `commit_interval_ms`, and at once when the records waiting for a commit
+//! reach a quarter of `max_in_flight`: the in-flight window is counted from the last
+//! *confirmed* commit, so waiting for the timer with a full window would stall fetching. One
+//! commit at a time, each covering every partition that advanced; the fetch thread goes on
+//! fetching meanwhile.
+//!
+//! Commits and revokes exclude each other ([`Commits::gate`]): a commit taken before a revoke
+//! must not reach the broker after the partition's new owner committed.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
+use rdkafka::{Offset, TopicPartitionList};
+
+use super::offsets::{SharedOffsets, TopicPartition};
+use crate::metrics::Metrics;
+
+/// How often the commit thread looks at the watermarks.
+const TICK: Duration = Duration::from_millis(1);
+
+/// What commits share: the offsets, the gate against revokes, and the metrics.
+pub struct Commits {
+    pub offsets: Arc<SharedOffsets>,
+    gate: Mutex<()>,
+    metrics: Arc<Metrics>,
+}
+
+/// What one commit did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// No partition advanced since the last commit.
+    Nothing,
+    Committed,
+    Failed,
+}
+
+impl Commits {
+    pub fn new(offsets: Arc<SharedOffsets>, metrics: Arc<Metrics>) -> Self {
+        Commits { offsets, gate: Mutex::new(()), metrics }
+    }
+
+    /// Held by a revoke while it commits and forgets its partitions.
+    pub fn gate(&self) -> MutexGuard<'_, ()> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Commits, synchronously, every partition whose watermark advanced; confirms the positions
+    /// the broker acknowledged, offers the others again.
+    pub fn commit<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>) -> Outcome {
+        let _gate = self.gate();
+        let advanced = self.offsets.lock().take_advanced();
+        if advanced.is_empty() {
+            return Outcome::Nothing;
+        }
+        match self.send(consumer, &advanced) {
+            Ok(()) => {
+                self.offsets.confirm(&advanced);
+                Outcome::Committed
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "offset commit failed; the next commit covers these records");
+                self.offsets.lock().untake(&advanced);
+                Outcome::Failed
+            }
+        }
+    }
+
+    /// Commits `positions` synchronously and counts the outcome. For the revoke path, which
+    /// holds the gate itself.
+    pub fn send<C: ConsumerContext>(
+        &self,
+        consumer: &BaseConsumer<C>,
+        positions: &[(TopicPartition, i64)],
+    ) -> Result<(), KafkaError> {
+        let mut tpl = TopicPartitionList::new();
+        for (tp, position) in positions {
+            let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(*position));
+        }
+        let result = consumer.commit(&tpl, CommitMode::Sync);
+        let label = if result.is_ok() { "ok" } else { "error" };
+        self.metrics.commits.with_label_values(&[label]).inc();
+        result
+    }
+}
+
+/// When the commit thread commits.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    pub interval: Duration,
+    /// Records waiting for a commit that trigger one at once.
+    pub eager_after: usize,
+}
+
+impl Policy {
+    pub fn new(commit_interval_ms: u64, max_in_flight: usize) -> Self {
+        Policy { interval: Duration::from_millis(commit_interval_ms.max(1)), eager_after: (max_in_flight / 4).max(1) }
+    }
+
+    fn due(&self, committable: usize, since_last: Duration) -> bool {
+        committable > 0 && (committable >= self.eager_after || since_last >= self.interval)
+    }
+}
+
+/// Runs the commit loop until `stop` is set. The final commit is the caller's (after its
+/// records drained).
+pub fn run<C: ConsumerContext>(consumer: &BaseConsumer<C>, commits: &Commits, policy: Policy, stop: &AtomicBool) {
+    let mut last = Instant::now();
+    let mut failures = 0u32;
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::sleep(TICK);
+        let committable = commits.offsets.lock().committable();
+        if !policy.due(committable, last.elapsed()) {
+            continue;
+        }
+        match commits.commit(consumer) {
+            Outcome::Committed => failures = 0,
+            Outcome::Failed => {
+                // A broker that refuses commits (a rebalance in progress, the coordinator
+                // moving) is not asked again at once.
+                failures += 1;
+                std::thread::sleep(Duration::from_millis(50 * u64::from(failures.min(20))));
+            }
+            Outcome::Nothing => {}
+        }
+        last = Instant::now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commits_on_the_timer_or_at_once_under_pressure() {
+        let policy = Policy::new(200, 256);
+        assert_eq!(policy.eager_after, 64);
+        let check = |committable, ms, due| {
+            assert_eq!(policy.due(committable, Duration::from_millis(ms)), due, "{committable} after {ms} ms")
+        };
+        check(0, 10_000, false);
+        check(1, 199, false);
+        check(1, 200, true);
+        check(64, 0, true);
+        check(63, 0, false);
+        assert_eq!(Policy::new(200, 1).eager_after, 1);
+    }
+}

@@ -1,0 +1,81 @@
+//! Keeping offsets and flow state in step with partition assignment (cooperative-sticky): a
+//! revoked partition gets `drain_timeout` for its records to finish, its watermark is committed,
+//! and then it is forgotten, so work that finishes later never moves its commit (epochs).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
+use rdkafka::{ClientContext, TopicPartitionList};
+
+use super::commit::Commits;
+use super::offsets::TopicPartition;
+use super::lock;
+use crate::metrics::Metrics;
+
+/// Assignment and pause state; touched by the fetch loop and its rebalance callbacks, both on
+/// the fetch thread.
+#[derive(Debug, Default)]
+pub struct Flow {
+    pub assigned: HashSet<TopicPartition>,
+    pub paused: HashSet<TopicPartition>,
+    /// A gateway-wide pause (budget or record count), held until both fall below the resume
+    /// fraction of their bounds.
+    pub global: Option<super::fetch::PauseReason>,
+}
+
+pub struct RebalanceContext {
+    pub commits: Arc<Commits>,
+    pub flow: Arc<Mutex<Flow>>,
+    pub metrics: Arc<Metrics>,
+    pub drain_timeout: Duration,
+    /// Set when the gateway leaves for good after its own drain: no second wait on revoke.
+    pub closing: AtomicBool,
+}
+
+impl ClientContext for RebalanceContext {}
+
+impl ConsumerContext for RebalanceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let Rebalance::Revoke(tpl) = rebalance else { return };
+        let revoked = partitions(tpl);
+        let timeout = if self.closing.load(Ordering::SeqCst) { Duration::ZERO } else { self.drain_timeout };
+        let offsets = &self.commits.offsets;
+        let left = offsets.wait_drained(&revoked, timeout);
+        // Commit what finished, then forget the partitions: whatever is still running belongs
+        // to the next owner, which reads it again from here. The gate keeps the commit thread
+        // from sending a position of these partitions after this.
+        let _gate = self.commits.gate();
+        let positions: Vec<(TopicPartition, i64)> = {
+            let tracker = offsets.lock();
+            revoked.iter().filter_map(|tp| Some((tp.clone(), tracker.position(tp)?))).collect()
+        };
+        if !positions.is_empty() {
+            if let Err(e) = self.commits.send(consumer, &positions) {
+                tracing::warn!(error = %e, "commit of revoked partitions failed; their new owner may redo some records");
+            }
+        }
+        offsets.lock().revoke(revoked.iter());
+        let mut flow = lock(&self.flow);
+        for tp in &revoked {
+            flow.assigned.remove(tp);
+            flow.paused.remove(tp);
+            let _ = self.metrics.pending.remove_label_values(&[&tp.0, &tp.1.to_string()]);
+        }
+        tracing::info!(partitions = ?revoked, abandoned = left, "partitions revoked");
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let Rebalance::Assign(tpl) = rebalance else { return };
+        let assigned = partitions(tpl);
+        tracing::info!(partitions = ?assigned, "partitions assigned");
+        self.commits.offsets.lock().assign(assigned.iter().cloned());
+        lock(&self.flow).assigned.extend(assigned);
+    }
+}
+
+fn partitions(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
+    tpl.elements().iter().map(|e| (e.topic().to_string(), e.partition())).collect()
+}

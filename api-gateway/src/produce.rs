@@ -1,0 +1,249 @@
+//! Writing a record's one output, a result or a dead letter, until the broker acknowledges it.
+//!
+//! Transient produce errors (a broker away, a leader moving, a full queue) are retried with
+//! backoff for as long as it takes: giving up would mean losing the record or committing past
+//! it. Permanent ones (the record is larger than the broker takes, the topic is not there or
+//! not ours to write) cannot succeed by retrying, and retrying them would wedge the partition
+//! behind the record. [`deliver`] returns those, and the caller writes a trimmed dead letter
+//! instead ([`trimmed_dead_letter`]: the id cut short, the value left out, the sizes in
+//! headers); if even that is refused, the record is logged, counted and committed past.
+//!
+//! Only a valid W3C trace context is copied from the request to its output: a `traceparent`
+//! that is malformed, longer than [`MAX_TRACE_HEADER_BYTES`] or repeated is dropped, and its
+//! `tracestate` with it.
+
+use std::time::Duration;
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, SourceRecord, Stage, SCHEMA_VERSION};
+use vramgate_shared::telemetry::{bounded, LogLimit};
+
+use crate::metrics::Metrics;
+
+/// Longest `traceparent` or `tracestate` copied to an output.
+pub const MAX_TRACE_HEADER_BYTES: usize = 512;
+/// Longest event id a trimmed dead letter carries.
+pub const TRIMMED_ID_BYTES: usize = 256;
+/// Longest message a trimmed dead letter carries.
+const TRIMMED_MESSAGE_BYTES: usize = 1024;
+
+static RETRY_LOG: LogLimit = LogLimit::new(5);
+
+/// An output ready to produce.
+pub struct Outgoing<'a> {
+    pub topic: &'a str,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// Whether retrying cannot help: the record or the topic is wrong, not the moment.
+pub fn is_permanent(error: &KafkaError) -> bool {
+    let code = match error {
+        KafkaError::MessageProduction(code) => *code,
+        _ => return false,
+    };
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::MessageBatchTooLarge
+            | RDKafkaErrorCode::InvalidRecord
+            | RDKafkaErrorCode::InvalidTopic
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed
+            // Local: the broker's metadata says the topic does not exist (not a topic still
+            // being created, which the broker reports as UnknownTopicOrPartition and retries).
+            | RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::InvalidMessageSize
+            | RDKafkaErrorCode::InvalidArgument
+    )
+}
+
+/// Produces `out` keyed like `source`, with the source's valid trace context, retrying
+/// transient errors with backoff until the broker acknowledges. Returns a permanent error.
+pub async fn deliver(
+    producer: &FutureProducer,
+    metrics: &Metrics,
+    source: &OwnedMessage,
+    out: &Outgoing<'_>,
+) -> Result<(), KafkaError> {
+    let mut headers = OwnedHeaders::new();
+    for (key, value) in trace_context(source) {
+        headers = headers.insert(Header { key, value: Some(value) });
+    }
+    for (key, value) in &out.headers {
+        headers = headers.insert(Header { key, value: Some(value) });
+    }
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let mut record = FutureRecord::to(out.topic).payload(&out.payload).headers(headers.clone());
+        if let Some(key) = source.key() {
+            record = record.key(key);
+        }
+        let error = match producer.send(record, Duration::from_secs(30)).await {
+            Ok(_) => return Ok(()),
+            Err((e, _)) => e,
+        };
+        if is_permanent(&error) {
+            return Err(error);
+        }
+        metrics.produce_retries.inc();
+        metrics.produce_retry_seconds.inc_by(delay.as_secs_f64());
+        if RETRY_LOG.allow() {
+            tracing::warn!(error = %error, topic = out.topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// The `traceparent` and `tracestate` of `source` that may be copied: one valid `traceparent`
+/// (and then at most one bounded `tracestate`), or nothing.
+pub fn trace_context(source: &OwnedMessage) -> Vec<(&'static str, &[u8])> {
+    let Some(headers) = source.headers() else { return Vec::new() };
+    let mut parents = headers.iter().filter(|h| h.key == "traceparent");
+    let (Some(parent), None) = (parents.next(), parents.next()) else { return Vec::new() };
+    let Some(parent) = parent.value.filter(|v| valid_traceparent(v)) else { return Vec::new() };
+    let mut out = vec![("traceparent", parent)];
+    let mut states = headers.iter().filter(|h| h.key == "tracestate");
+    if let (Some(state), None) = (states.next(), states.next()) {
+        if let Some(state) = state.value.filter(|v| valid_tracestate(v)) {
+            out.push(("tracestate", state));
+        }
+    }
+    out
+}
+
+/// W3C Trace Context `traceparent`: `vv-<32 hex>-<16 hex>-ff`, lowercase hex, ids not all
+/// zero, version not `ff`; a later version may append `-…` fields.
+pub fn valid_traceparent(value: &[u8]) -> bool {
+    if value.len() < 55 || value.len() > MAX_TRACE_HEADER_BYTES {
+        return false;
+    }
+    let hex = |s: &[u8]| s.iter().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
+    let zero = |s: &[u8]| s.iter().all(|b| *b == b'0');
+    let (version, trace_id, parent_id, flags) = (&value[0..2], &value[3..35], &value[36..52], &value[53..55]);
+    let dashes = value[2] == b'-' && value[35] == b'-' && value[52] == b'-';
+    let shape = dashes && hex(version) && hex(trace_id) && hex(parent_id) && hex(flags);
+    let tail_ok = if version == b"00" { value.len() == 55 } else { value.len() == 55 || value[55] == b'-' };
+    shape && version != b"ff" && !zero(trace_id) && !zero(parent_id) && tail_ok
+}
+
+/// A `tracestate` short enough and of printable ASCII, at most 32 list members.
+pub fn valid_tracestate(value: &[u8]) -> bool {
+    value.len() <= MAX_TRACE_HEADER_BYTES
+        && value.iter().all(|b| (0x20..0x7f).contains(b))
+        && value.split(|b| *b == b',').count() <= 32
+}
+
+/// The dead letter written when a record's output was refused for good: enough to find the
+/// record again (topic, partition, offset, a trimmed id), never its value.
+pub fn trimmed_dead_letter<'a>(
+    dlq_topic: &'a str,
+    source: &OwnedMessage,
+    id: Option<&str>,
+    task: Option<&str>,
+    refused_topic: &str,
+    refused_bytes: usize,
+    error: &KafkaError,
+) -> Outgoing<'a> {
+    let message = format!(
+        "the output of this record ({refused_bytes} bytes) could not be written to {refused_topic}: {error}; \
+         its value is left out of this dead letter (read it at the source offset)"
+    );
+    let letter = DeadLetterEvent {
+        version: SCHEMA_VERSION,
+        id: id.map(|id| bounded(id, TRIMMED_ID_BYTES).to_string()),
+        task: task.map(|t| bounded(t, TRIMMED_ID_BYTES).to_string()),
+        error: ErrorInfo {
+            kind: ErrorKind::OutputRejected,
+            message: bounded(&message, TRIMMED_MESSAGE_BYTES).to_string(),
+            stage: Stage::Produce,
+        },
+        attempts: 0,
+        source: SourceRecord {
+            topic: source.topic().to_string(),
+            partition: source.partition(),
+            offset: source.offset(),
+            key_b64: None,
+            value_b64: None,
+        },
+    };
+    let value_bytes = source.payload().map_or(0, <[u8]>::len);
+    let headers = vec![
+        ("kafka_dlt-original-topic".into(), source.topic().as_bytes().to_vec()),
+        ("kafka_dlt-original-partition".into(), source.partition().to_be_bytes().to_vec()),
+        ("kafka_dlt-original-offset".into(), source.offset().to_be_bytes().to_vec()),
+        ("kafka_dlt-exception-fqcn".into(), b"output_rejected".to_vec()),
+        ("vramgate-error-kind".into(), b"output_rejected".to_vec()),
+        ("vramgate-original-value-bytes".into(), value_bytes.to_string().into_bytes()),
+        ("vramgate-refused-output-bytes".into(), refused_bytes.to_string().into_bytes()),
+    ];
+    Outgoing {
+        topic: dlq_topic,
+        payload: serde_json::to_vec(&letter).expect("dead letters always serialise"),
+        headers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_validation() {
+        let good = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(valid_traceparent(good));
+        let check = |v: &[u8]| assert!(!valid_traceparent(v), "{}", String::from_utf8_lossy(v));
+        check(b"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"); // upper case
+        check(b"00-00000000000000000000000000000000-00f067aa0ba902b7-01"); // zero trace id
+        check(b"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"); // zero parent id
+        check(b"ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"); // forbidden version
+        check(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x"); // v00 has no tail
+        check(b"00-4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7-01");
+        check(b"garbage");
+        check(&[b'a'; 10_000]);
+        assert!(valid_traceparent(b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later"));
+        assert!(valid_tracestate(b"rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"));
+        assert!(!valid_tracestate(&[b'a'; 600]));
+        assert!(!valid_tracestate(b"a=\x01"));
+    }
+
+    #[test]
+    fn permanent_errors_are_told_from_transient_ones() {
+        let produce = |code| KafkaError::MessageProduction(code);
+        assert!(is_permanent(&produce(RDKafkaErrorCode::MessageSizeTooLarge)));
+        assert!(is_permanent(&produce(RDKafkaErrorCode::TopicAuthorizationFailed)));
+        assert!(is_permanent(&produce(RDKafkaErrorCode::UnknownTopic)));
+        assert!(!is_permanent(&produce(RDKafkaErrorCode::UnknownTopicOrPartition)), "may be a topic being created");
+        assert!(!is_permanent(&produce(RDKafkaErrorCode::NotLeaderForPartition)));
+        assert!(!is_permanent(&produce(RDKafkaErrorCode::QueueFull)));
+        assert!(!is_permanent(&produce(RDKafkaErrorCode::MessageTimedOut)));
+    }
+
+    #[test]
+    fn a_trimmed_dead_letter_is_small_whatever_the_record() {
+        let value = vec![b'x'; 2_000_000];
+        let id = "i".repeat(1_000_000);
+        let source = OwnedMessage::new(
+            Some(value),
+            Some(vec![b'k'; 100_000]),
+            "t.requests".into(),
+            rdkafka::Timestamp::NotAvailable,
+            3,
+            42,
+            None,
+        );
+        let error = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        let out = trimmed_dead_letter("t.dlq", &source, Some(&id), Some("voice"), "t.dlq", 2_700_000, &error);
+        assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());
+        let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
+        assert_eq!(letter.error.kind, ErrorKind::OutputRejected);
+        assert_eq!(letter.id.as_deref().map(str::len), Some(TRIMMED_ID_BYTES));
+        assert_eq!((letter.source.partition, letter.source.offset), (3, 42));
+        assert!(letter.source.value_b64.is_none());
+        let header = |k: &str| out.headers.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+        assert_eq!(header("vramgate-original-value-bytes"), Some(b"2000000".to_vec()));
+    }
+}

@@ -1,0 +1,233 @@
+//! Throughput benchmark: each stage of vramgate beside its ceiling, measured side by side in
+//! one run on the same broker and records. Prints figures and ratios; asserts nothing about
+//! speed (shared machines are too noisy for timed asserts).
+//!
+//! **P4, gateway vs raw consume.** `VRAMGATE_BENCH_EVENTS` (default 100,000) tiny voice
+//! requests whose input file does not exist, in a topic of 3 partitions. Each takes the
+//! gateway's whole record path except the worker call: consume → parse → input check → dead
+//! letter produced and acknowledged → offset committed. The ceiling is a plain librdkafka
+//! consumer (rdkafka `BaseConsumer`, no group) reading the same records. The gateway runs with
+//! `config/gateway.toml` unchanged (only the broker, group, topics and input root are set). Its
+//! rate is timed from its first consumed record to the moment every offset is committed, so
+//! process start-up and the group join are outside both figures. Also printed: the gateway's
+//! CPU seconds per 1,000 records, its peak RSS under the whole backlog against its byte bounds
+//! (`max_held_bytes` + librdkafka's `queued.max.messages.kbytes`), and how many records ended
+//! in the dead-letter topic (must be all of them: lost = 0).
+//!
+//! Run with `scripts/bench throughput` (or `cargo bench -p vramgate-tests --bench throughput`).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use vramgate_tests::{
+    brokers, delete_topics, gateway_base_env, scratch_dir, start_gateway, uncommitted_records, unique,
+    voice_task_env, TaskTopics,
+};
+
+const PARTITIONS: i32 = 3;
+const MIB: f64 = (1u64 << 20) as f64;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// A process's `utime + stime` in seconds, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of stat; 12 and 13 after "pid (comm)".
+    (ticks(11) + ticks(12)) / clock_ticks()
+}
+
+/// `sysconf(_SC_CLK_TCK)`, read once through `getconf` (100 on every Linux this runs on).
+fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+fn proc_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Writes `count` tiny voice requests whose input is missing under `root`, as fast as the
+/// producer goes.
+fn produce_backlog(topic: &str, root: &Path, count: usize) -> anyhow::Result<()> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("linger.ms", "20")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()?;
+    for i in 0..count {
+        let id = format!("e{i}");
+        let value = format!(
+            r#"{{"id":"{id}","task":"voice","input":{{"uri":"file://{}/missing-{i}.wav"}}}}"#,
+            root.display()
+        );
+        let mut record = BaseRecord::to(topic).key(&id).payload(&value);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(10));
+                }
+                Err((e, _)) => anyhow::bail!("producing the backlog: {e}"),
+            }
+        }
+        producer.poll(Duration::ZERO);
+    }
+    producer.flush(Duration::from_secs(60))?;
+    Ok(())
+}
+
+fn topic_records(topic: &str) -> anyhow::Result<i64> {
+    let consumer: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers()).create()?;
+    let mut total = 0;
+    for p in 0..PARTITIONS {
+        let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        total += high - low;
+    }
+    Ok(total)
+}
+
+/// A plain librdkafka consumer reading `count` records of `topic` from the beginning. Returns
+/// records per second timed from `assign` to the last record (as `kcat -C` would be timed,
+/// without its process start) and from the first record to the last (librdkafka's in-memory
+/// delivery rate once its prefetch is full), and its CPU seconds.
+fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("raw"))
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    let assigned = Instant::now();
+    consumer.assign(&tpl)?;
+    let cpu_before = cpu_seconds(std::process::id());
+    let mut first = None;
+    let mut seen = 0usize;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while seen < count && Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(_)) => {
+                first.get_or_insert_with(Instant::now);
+                seen += 1;
+            }
+            Some(Err(e)) => anyhow::bail!("raw consumer: {e}"),
+            None => {}
+        }
+    }
+    let from_first = first.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
+    let from_assign = assigned.elapsed().as_secs_f64();
+    anyhow::ensure!(seen == count, "raw consumer read {seen} of {count} records");
+    let cpu = cpu_seconds(std::process::id()) - cpu_before;
+    Ok((seen as f64 / from_assign, seen as f64 / from_first, cpu))
+}
+
+struct GatewayRun {
+    rate: f64,
+    cpu_per_1000: f64,
+    peak_rss: u64,
+    base_rss: u64,
+    bound: u64,
+    dead_letters: i64,
+    commits: f64,
+}
+
+async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyhow::Result<GatewayRun> {
+    let group = unique("bench-gw");
+    let mut env = gateway_base_env(&group, "http://127.0.0.1:9", root);
+    env.extend(voice_task_env(topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    let gateway = start_gateway(&env).await?;
+    let pid = gateway.pid();
+    let base_rss = proc_kib(pid, "VmRSS:") * 1024;
+    // The defaults of config/gateway.toml, which this run does not change.
+    let defaults = vramgate_gateway::config::GatewayConfig::default();
+    let bound = defaults.max_held_bytes + defaults.kafka.queue_max_kbytes * 1024;
+
+    // Wait for the first consumed record, then for every offset to be committed.
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let consumed = |s: &vramgate_tests::metrics::Scrape| s.sum("vramgate_gateway_records_consumed_total", &[]);
+    let (started, cpu_start) = loop {
+        let scrape = gateway.metrics().await?;
+        if consumed(&scrape) > 0.0 {
+            break (Instant::now(), cpu_seconds(pid));
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway consumed nothing; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    loop {
+        if uncommitted_records(&group, &topics.requests)? == 0 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway did not finish; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(pid) - cpu_start;
+    let peak_rss = proc_kib(pid, "VmHWM:") * 1024;
+    let commits = gateway.metrics().await?.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]);
+    Ok(GatewayRun {
+        rate: count as f64 / elapsed,
+        cpu_per_1000: cpu / count as f64 * 1000.0,
+        peak_rss,
+        base_rss,
+        bound,
+        dead_letters: topic_records(&topics.dlq)?,
+        commits,
+    })
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let count: usize = env_or("VRAMGATE_BENCH_EVENTS", 100_000);
+    let topics = TaskTopics::create("bench-p4", PARTITIONS).await?;
+    let root = scratch_dir("bench-p4");
+    let started = Instant::now();
+    produce_backlog(&topics.requests, &root, count)?;
+    eprintln!("P4: {count} tiny events produced in {:.1} s", started.elapsed().as_secs_f64());
+
+    let (raw, raw_streaming, raw_cpu) = raw_consume(&topics.requests, count)?;
+    let gw = gateway_consume(&topics, &root, count).await?;
+    let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
+
+    println!();
+    println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
+    println!("    {count} tiny records, {PARTITIONS} partitions, one local broker, config/gateway.toml defaults");
+    println!("    raw consumer              {:>10.0} records/s   {:>6.3} CPU s / 1000 records", raw, raw_cpu / count as f64 * 1000.0);
+    println!("      (first record to last: {raw_streaming:.0} records/s, librdkafka's prefetch already full)");
+    println!("    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records", gw.rate, gw.cpu_per_1000);
+    println!("    ratio gateway / raw       {:>10.3}   (goal ≥ 0.5)", gw.rate / raw);
+    println!(
+        "    gateway RSS               start {:.0} MiB, peak {:.0} MiB under the backlog; byte bounds {:.0} MiB",
+        gw.base_rss as f64 / MIB,
+        gw.peak_rss as f64 / MIB,
+        gw.bound as f64 / MIB
+    );
+    println!("    commits                   {:.0}", gw.commits);
+    println!("    dead letters              {} of {count}   lost {}", gw.dead_letters, count as i64 - gw.dead_letters);
+    Ok(())
+}
