@@ -137,30 +137,43 @@ pub fn valid_tracestate(value: &[u8]) -> bool {
         && value.split(|b| *b == b',').count() <= 32
 }
 
+/// What the refused output was: a result, or a dead letter with its own reason (which the
+/// trimmed one keeps).
+pub enum Refused<'a> {
+    Result,
+    DeadLetter { kind: ErrorKind, stage: Stage, message: &'a str },
+}
+
 /// The dead letter written when a record's output was refused for good: enough to find the
-/// record again (topic, partition, offset, a trimmed id), never its value.
+/// record again (topic, partition, offset, a trimmed id) and why it failed, never its value.
+/// A refused dead letter keeps its kind and message; a refused result becomes
+/// `output_rejected`.
+#[allow(clippy::too_many_arguments)]
 pub fn trimmed_dead_letter<'a>(
     dlq_topic: &'a str,
     source: &OwnedMessage,
     id: Option<&str>,
     task: Option<&str>,
+    refused: Refused<'_>,
     refused_topic: &str,
     refused_bytes: usize,
     error: &KafkaError,
 ) -> Outgoing<'a> {
-    let message = format!(
-        "the output of this record ({refused_bytes} bytes) could not be written to {refused_topic}: {error}; \
-         its value is left out of this dead letter (read it at the source offset)"
+    let trimmed = format!(
+        "its {refused_bytes}-byte output could not be written to {refused_topic} ({error}), so this dead letter \
+         leaves the record's value out (read it at the source offset)"
     );
+    let (kind, stage, message) = match refused {
+        Refused::Result => (ErrorKind::OutputRejected, Stage::Produce, format!("the result is ready but {trimmed}")),
+        Refused::DeadLetter { kind, stage, message } => {
+            (kind, stage, format!("{}; {trimmed}", bounded(message, TRIMMED_MESSAGE_BYTES / 2)))
+        }
+    };
     let letter = DeadLetterEvent {
         version: SCHEMA_VERSION,
         id: id.map(|id| bounded(id, TRIMMED_ID_BYTES).to_string()),
         task: task.map(|t| bounded(t, TRIMMED_ID_BYTES).to_string()),
-        error: ErrorInfo {
-            kind: ErrorKind::OutputRejected,
-            message: bounded(&message, TRIMMED_MESSAGE_BYTES).to_string(),
-            stage: Stage::Produce,
-        },
+        error: ErrorInfo { kind, message: bounded(&message, TRIMMED_MESSAGE_BYTES).to_string(), stage },
         attempts: 0,
         source: SourceRecord {
             topic: source.topic().to_string(),
@@ -175,8 +188,9 @@ pub fn trimmed_dead_letter<'a>(
         ("kafka_dlt-original-topic".into(), source.topic().as_bytes().to_vec()),
         ("kafka_dlt-original-partition".into(), source.partition().to_be_bytes().to_vec()),
         ("kafka_dlt-original-offset".into(), source.offset().to_be_bytes().to_vec()),
-        ("kafka_dlt-exception-fqcn".into(), b"output_rejected".to_vec()),
-        ("vramgate-error-kind".into(), b"output_rejected".to_vec()),
+        ("kafka_dlt-exception-fqcn".into(), kind.as_str().as_bytes().to_vec()),
+        ("vramgate-error-kind".into(), kind.as_str().as_bytes().to_vec()),
+        ("vramgate-output-trimmed".into(), b"true".to_vec()),
         ("vramgate-original-value-bytes".into(), value_bytes.to_string().into_bytes()),
         ("vramgate-refused-output-bytes".into(), refused_bytes.to_string().into_bytes()),
     ];
@@ -236,7 +250,7 @@ mod tests {
             None,
         );
         let error = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
-        let out = trimmed_dead_letter("t.dlq", &source, Some(&id), Some("voice"), "t.dlq", 2_700_000, &error);
+        let out = trimmed_dead_letter("t.dlq", &source, Some(&id), Some("voice"), Refused::Result, "t.dlq", 2_700_000, &error);
         assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());
         let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
         assert_eq!(letter.error.kind, ErrorKind::OutputRejected);
@@ -245,5 +259,11 @@ mod tests {
         assert!(letter.source.value_b64.is_none());
         let header = |k: &str| out.headers.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
         assert_eq!(header("vramgate-original-value-bytes"), Some(b"2000000".to_vec()));
+        let reason = "x".repeat(100_000);
+        let refused = Refused::DeadLetter { kind: ErrorKind::InvalidRequest, stage: Stage::Parse, message: &reason };
+        let out = trimmed_dead_letter("t.dlq", &source, None, None, refused, "t.dlq", 2_700_000, &error);
+        let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
+        assert_eq!((letter.error.kind, letter.error.stage), (ErrorKind::InvalidRequest, Stage::Parse), "keeps its reason");
+        assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());
     }
 }

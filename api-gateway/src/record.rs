@@ -101,7 +101,7 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
         shared.metrics.stale.inc();
         return;
     }
-    let (out, outcome_label, id, task_name) = match outcome {
+    let (out, outcome_label, id, task_name, reason) = match outcome {
         Ok(result) => {
             if RESULT_LOG.allow() {
                 tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
@@ -110,7 +110,7 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             }
             let payload = serde_json::to_vec(&result).expect("result events always serialise");
             let out = Outgoing { topic: task.results_topic.as_str(), payload, headers: Vec::new() };
-            (out, "result", Some(result.id), Some(result.task))
+            (out, "result", Some(result.id), Some(result.task), None)
         }
         Err(rejection) => {
             let kind = rejection.failure.kind;
@@ -123,9 +123,10 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
             let headers = dead_letter_headers(&message, &rejection.failure);
             let (id, task_name) = (rejection.id.clone(), rejection.task.clone());
+            let reason = (kind, rejection.failure.stage, rejection.failure.message.clone());
             let letter = dead_letter(&message, rejection);
             let payload = serde_json::to_vec(&letter).expect("dead letters always serialise");
-            (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, "dead_letter", id, task_name)
+            (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, "dead_letter", id, task_name, Some(reason))
         }
     };
     match produce::deliver(&shared.producer, &shared.metrics, &message, &out).await {
@@ -134,11 +135,16 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
             // not ours): a trimmed dead letter stands in for the output, so the partition
             // goes on and the producer learns why.
+            let refused = match &reason {
+                None => produce::Refused::Result,
+                Some((kind, stage, message)) => produce::Refused::DeadLetter { kind: *kind, stage: *stage, message },
+            };
             let trimmed = produce::trimmed_dead_letter(
                 &task.dlq_topic,
                 &message,
                 id.as_deref(),
                 task_name.as_deref(),
+                refused,
                 out.topic,
                 out.payload.len(),
                 &error,
@@ -147,7 +153,9 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             match produce::deliver(&shared.producer, &shared.metrics, &message, &trimmed).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
-                    shared.metrics.dead_letters.with_label_values(&[&task.name, "output_rejected"]).inc();
+                    if reason.is_none() {
+                        shared.metrics.dead_letters.with_label_values(&[&task.name, "output_rejected"]).inc();
+                    }
                     shared.metrics.produced.with_label_values(&[&task.name, "dead_letter"]).inc();
                 }
                 Err(error) => {

@@ -1,0 +1,184 @@
+//! Hostile input against the real gateway, broker and worker: records whose output the broker
+//! refuses, odd records (a tombstone, an empty or huge id, a top-level array) and forged trace
+//! headers. Each record ends in exactly one output, the partition never stalls, the log stays
+//! small, and a trace context is copied only when it is valid.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::producer::FutureRecord;
+use rdkafka::ClientConfig;
+use vramgate_tests::wav::{noise, write_wav, SampleFormat};
+use vramgate_tests::{
+    brokers, collect, gateway_base_env, producer, request_file, scratch_dir, send, send_with_headers, start_gateway,
+    start_worker, uncommitted_records, unique, voice_task_env, worker_config, Gateway, TaskTopics, VAD_MODEL,
+};
+
+/// Creates `<base>.requests` (1 partition) and `.results` / `.dlq` taking records of at most
+/// `max_message_bytes`.
+async fn topics_with_limit(prefix: &str, max_message_bytes: usize) -> TaskTopics {
+    let base = unique(prefix);
+    let topics = TaskTopics {
+        requests: format!("{base}.requests"),
+        results: format!("{base}.results"),
+        dlq: format!("{base}.dlq"),
+    };
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", brokers()).create().expect("admin client");
+    let limit = max_message_bytes.to_string();
+    let new = [
+        NewTopic::new(&topics.requests, 1, TopicReplication::Fixed(1)),
+        NewTopic::new(&topics.results, 1, TopicReplication::Fixed(1)).set("max.message.bytes", &limit),
+        NewTopic::new(&topics.dlq, 1, TopicReplication::Fixed(1)).set("max.message.bytes", &limit),
+    ];
+    for result in admin.create_topics(&new, &AdminOptions::new()).await.expect("create topics") {
+        result.expect("topic created");
+    }
+    topics
+}
+
+async fn wait_committed(gateway: &Gateway, group: &str, topic: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while uncommitted_records(group, topic).expect("offsets") > 0 {
+        assert!(std::time::Instant::now() < deadline, "records still uncommitted; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_the_broker_refuses_become_trimmed_dead_letters_and_the_partition_moves_on() {
+    let topics = topics_with_limit("refused", 4096).await;
+    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
+    let root = scratch_dir("refused");
+    let wav = root.join("speech.wav");
+    write_wav(&wav, &noise(16_000, 0.05, 1), 16_000, 1, SampleFormat::I16).expect("write wav");
+
+    let group = unique("gw");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend(voice_task_env(&topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    let gateway = start_gateway(&env).await.expect("gateway");
+
+    let producer = producer();
+    // A dead letter echoes the request's value (as base64): 10 KB of options makes it larger
+    // than the dead-letter topic takes.
+    let big_id = unique("big-options");
+    let big = serde_json::to_vec(&serde_json::json!({
+        "id": big_id, "task": "voice", "input": {"uri": format!("file://{}", wav.display())},
+        "options": {"padding": "p".repeat(10_000)}
+    }))
+    .expect("json");
+    let at = send(&producer, &topics.requests, &big_id, &big).await.expect("send");
+    // A 200-byte id is allowed; it is echoed in the result, which still fits.
+    let after = unique(&"a".repeat(180));
+    send(&producer, &topics.requests, &after, &request_file(&after, "voice", &wav)).await.expect("send");
+
+    let records = collect(&[&topics.results, &topics.dlq], Duration::from_secs(120), |got| {
+        got.contains_key(&big_id) && got.contains_key(&after)
+    })
+    .await
+    .expect("collect");
+    let letter = &records.get(&big_id).unwrap_or_else(|| panic!("no output for the big record; log:\n{}", gateway.log_tail()))[0];
+    assert_eq!(letter.topic, topics.dlq);
+    // The trimmed dead letter keeps the original reason, and says why its value is missing.
+    assert_eq!(letter.value["error"]["kind"], "invalid_request", "{}", letter.value);
+    let message = letter.value["error"]["message"].as_str().expect("message");
+    assert!(message.contains("could not be written") && message.contains("value out"), "{message}");
+    assert!(letter.value["source"]["value_b64"].is_null(), "{}", letter.value);
+    assert_eq!(letter.value["source"]["offset"].as_i64(), Some(at.offset));
+    assert_eq!(letter.header("vramgate-output-trimmed"), Some(&b"true"[..]));
+    assert_eq!(letter.header("vramgate-original-value-bytes"), Some(big.len().to_string().as_bytes()));
+    let result = &records[&after][0];
+    assert_eq!(result.topic, topics.results, "the record behind it was served: {}", result.value);
+
+    wait_committed(&gateway, &group, &topics.requests).await;
+    let metrics = gateway.metrics().await.expect("metrics");
+    assert_eq!(metrics.sum("vramgate_gateway_outputs_rejected_total", &[("outcome", "trimmed")]), 1.0, "{}", metrics.text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
+    let topics = TaskTopics::create("odd", 1).await.expect("topics");
+    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
+    let root = scratch_dir("odd");
+    let wav = root.join("speech.wav");
+    write_wav(&wav, &noise(8_000, 0.05, 2), 16_000, 1, SampleFormat::I16).expect("write wav");
+    let group = unique("gw");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend(voice_task_env(&topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    let gateway = start_gateway(&env).await.expect("gateway");
+    let producer = producer();
+
+    // A tombstone: a record with no value.
+    producer
+        .send(FutureRecord::<str, [u8]>::to(&topics.requests).key("tombstone"), Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)
+        .expect("send tombstone");
+    let odd: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty-id", br#"{"id":"","task":"voice","input":{"uri":"file:///x.wav"}}"#.to_vec(), "id is empty"),
+        ("array", b"[1,2,3]".to_vec(), "is an array"),
+        (
+            "huge-id",
+            format!(r#"{{"id":"{}","task":"voice","input":{{"uri":"file:///x.wav"}}}}"#, "h".repeat(900_000)).into_bytes(),
+            "limit is 256 bytes",
+        ),
+    ];
+    for (key, value, _) in &odd {
+        send(&producer, &topics.requests, key, value).await.expect("send");
+    }
+    let valid = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let huge = vec![b'0'; 10 * 1024];
+    let forged: Vec<(String, Vec<(&str, &[u8])>, bool)> = vec![
+        (unique("tp-valid"), vec![("traceparent", valid), ("tracestate", b"rojo=00f067aa0ba902b7")], true),
+        (unique("tp-malformed"), vec![("traceparent", b"00-zz-yy-01\n\x1b[31m")], false),
+        (unique("tp-huge"), vec![("traceparent", &huge), ("tracestate", &huge)], false),
+        (unique("tp-repeated"), vec![("traceparent", valid), ("traceparent", valid)], false),
+    ];
+    for (id, headers, _) in &forged {
+        let value = request_file(id, "voice", &wav);
+        send_with_headers(&producer, &topics.requests, id, &value, headers).await.expect("send");
+    }
+
+    let ids: Vec<&String> = forged.iter().map(|(id, ..)| id).collect();
+    let cut_id = "h".repeat(256);
+    let records = collect(&[&topics.results, &topics.dlq], Duration::from_secs(120), |got| {
+        ids.iter().all(|id| got.contains_key(*id)) && got.get("").map_or(0, Vec::len) >= 3 && got.contains_key(&cut_id)
+    })
+    .await
+    .expect("collect");
+    for (id, _, copied) in &forged {
+        let got = &records.get(id).unwrap_or_else(|| panic!("no output for {id}; log:\n{}", gateway.log_tail()))[0];
+        assert_eq!(got.topic, topics.results, "{id} was processed normally: {}", got.value);
+        match copied {
+            true => {
+                assert_eq!(got.header("traceparent"), Some(&valid[..]), "{id}");
+                assert_eq!(got.header("tracestate"), Some(&b"rojo=00f067aa0ba902b7"[..]), "{id}");
+            }
+            false => {
+                assert!(got.header("traceparent").is_none() && got.header("tracestate").is_none(), "{id}: {:?}", got.headers)
+            }
+        }
+    }
+    // The records with no usable id: their dead letters carry none, or the id cut to 256 bytes
+    // (and, being larger than the broker takes with the value echoed, trimmed), each with the
+    // reason in words.
+    let cut = &records[&cut_id][0];
+    assert_eq!(cut.value["error"]["kind"], "invalid_request", "{}", cut.value);
+    let letters: Vec<String> = records
+        .values()
+        .flatten()
+        .filter(|r| r.topic == topics.dlq)
+        .map(|r| r.value["error"]["message"].as_str().unwrap_or_default().to_string())
+        .collect();
+    for needle in ["tombstone"].into_iter().chain(odd.iter().map(|(.., n)| *n)) {
+        assert!(letters.iter().any(|m| m.contains(needle)), "no dead letter says '{needle}': {letters:#?}");
+    }
+    wait_committed(&gateway, &group, &topics.requests).await;
+    // Nothing huge reached the log: the 900 KB id and the 10 KB headers are not in it.
+    let log_bytes = std::fs::metadata(&gateway.service.log).map(|m| m.len()).unwrap_or(0);
+    assert!(log_bytes < 64 * 1024, "gateway log is {log_bytes} bytes:\n{}", gateway.log_tail());
+    assert!(gateway.service.log.exists());
+}
