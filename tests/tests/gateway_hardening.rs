@@ -12,7 +12,7 @@ use rdkafka::ClientConfig;
 use vramgate_tests::wav::{noise, write_wav, SampleFormat};
 use vramgate_tests::{
     brokers, collect, gateway_base_env, producer, request_file, scratch_dir, send, send_with_headers, start_gateway,
-    start_worker, uncommitted_records, unique, voice_task_env, worker_config, Gateway, TaskTopics, VAD_MODEL,
+    start_worker, uncommitted_records, unique, voice_task_env, worker_config, Gateway, TaskTopics, Worker, VAD_MODEL,
 };
 
 /// Creates `<base>.requests` (1 partition) and `.results` / `.dlq` taking records of at most
@@ -38,6 +38,28 @@ async fn topics_with_limit(prefix: &str, max_message_bytes: usize) -> TaskTopics
     topics
 }
 
+/// A worker serving the VAD model, a WAV file under a fresh input root, and a gateway whose
+/// voice task reads `topics`.
+struct Setup {
+    _worker: Worker,
+    gateway: Gateway,
+    group: String,
+    wav: std::path::PathBuf,
+}
+
+async fn setup(topics: &TaskTopics, name: &str) -> Setup {
+    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
+    let root = scratch_dir(name);
+    let wav = root.join("noise.wav");
+    write_wav(&wav, &noise(8_000, 0.05, 2), 16_000, 1, SampleFormat::I16).expect("write wav");
+    let group = unique("gw");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend(voice_task_env(topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    let gateway = start_gateway(&env).await.expect("gateway");
+    Setup { _worker: worker, gateway, group, wav }
+}
+
 async fn wait_committed(gateway: &Gateway, group: &str, topic: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while uncommitted_records(group, topic).expect("offsets") > 0 {
@@ -49,16 +71,7 @@ async fn wait_committed(gateway: &Gateway, group: &str, topic: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outputs_the_broker_refuses_become_trimmed_dead_letters_and_the_partition_moves_on() {
     let topics = topics_with_limit("refused", 4096).await;
-    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
-    let root = scratch_dir("refused");
-    let wav = root.join("speech.wav");
-    write_wav(&wav, &noise(16_000, 0.05, 1), 16_000, 1, SampleFormat::I16).expect("write wav");
-
-    let group = unique("gw");
-    let mut env = gateway_base_env(&group, &worker.url, &root);
-    env.extend(voice_task_env(&topics));
-    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
-    let gateway = start_gateway(&env).await.expect("gateway");
+    let Setup { _worker, gateway, group, wav } = setup(&topics, "refused").await;
 
     let producer = producer();
     // A dead letter echoes the request's value (as base64): 10 KB of options makes it larger
@@ -100,15 +113,7 @@ async fn outputs_the_broker_refuses_become_trimmed_dead_letters_and_the_partitio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
     let topics = TaskTopics::create("odd", 1).await.expect("topics");
-    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
-    let root = scratch_dir("odd");
-    let wav = root.join("speech.wav");
-    write_wav(&wav, &noise(8_000, 0.05, 2), 16_000, 1, SampleFormat::I16).expect("write wav");
-    let group = unique("gw");
-    let mut env = gateway_base_env(&group, &worker.url, &root);
-    env.extend(voice_task_env(&topics));
-    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
-    let gateway = start_gateway(&env).await.expect("gateway");
+    let Setup { _worker, gateway, group, wav } = setup(&topics, "odd").await;
     let producer = producer();
 
     // A tombstone: a record with no value.
