@@ -121,6 +121,31 @@ impl GatewayConfig {
     }
 }
 
+/// A map whose values may be strings, numbers or booleans, all kept as text.
+fn scalar_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Text(String),
+        Int(i64),
+        Float(f64),
+        Bool(bool),
+    }
+    let raw = BTreeMap::<String, Scalar>::deserialize(d)?;
+    Ok(raw
+        .into_iter()
+        .map(|(k, v)| {
+            let text = match v {
+                Scalar::Text(s) => s,
+                Scalar::Int(i) => i.to_string(),
+                Scalar::Float(f) => f.to_string(),
+                Scalar::Bool(b) => b.to_string(),
+            };
+            (k, text)
+        })
+        .collect())
+}
+
 fn seconds(s: f64) -> Duration {
     Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 })
 }
@@ -142,6 +167,8 @@ pub struct KafkaConfig {
     pub session_timeout_ms: u64,
     /// Extra librdkafka properties, by their librdkafka names, applied to the consumer and the
     /// producer (e.g. `"security.protocol" = "SASL_SSL"`). They override vramgate's defaults.
+    /// Numbers and booleans are taken as their text (a numeric `sasl.password` is a password).
+    #[serde(deserialize_with = "scalar_map")]
     pub properties: BTreeMap<String, String>,
 }
 
@@ -383,6 +410,24 @@ mod tests {
             serde_json::to_value(&defaults).expect("serialises"),
             "config/gateway.toml documents the defaults; keep them in step"
         );
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn librdkafka_properties_take_numbers_as_text_and_never_echo_secrets() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("g.toml", "[kafka.properties]\n\"sasl.password\" = 123456789\n\"linger.ms\" = 7\n")?;
+            let config: GatewayConfig = vramgate_shared::config::load(Some(std::path::Path::new("g.toml")), "VGGW_T_")
+                .expect("numbers are text");
+            assert_eq!(config.kafka.properties["sasl.password"], "123456789");
+            assert_eq!(config.kafka.properties["linger.ms"], "7");
+            jail.create_file("h.toml", "[kafka.properties]\n\"sasl.password\" = [123456789]\n")?;
+            let err = vramgate_shared::config::load::<GatewayConfig>(Some(std::path::Path::new("h.toml")), "VGGW_T_")
+                .expect_err("a list is no password")
+                .to_string();
+            assert!(!err.contains("123456789"), "{err}");
+            Ok(())
+        });
     }
 
     #[test]

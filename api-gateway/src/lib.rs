@@ -8,6 +8,7 @@ pub mod budget;
 pub mod config;
 pub mod consume;
 pub mod failure;
+pub mod health;
 pub mod input;
 pub mod metrics;
 pub mod permits;

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::http::StatusCode;
 use axum::routing::get;
 use axum::Router;
 use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
@@ -28,6 +29,7 @@ pub struct Metrics {
     pub uncommitted: IntGauge,
     pub commits: IntCounterVec,
     pub log_suppressed: IntCounterVec,
+    pub kafka_errors: IntCounterVec,
     pub produce_retries: prometheus::IntCounter,
     pub produce_retry_seconds: prometheus::Counter,
     pub outputs_rejected: IntCounterVec,
@@ -117,6 +119,11 @@ impl Metrics {
             stale,
             uncommitted,
             commits: counter("offset_commits_total", "Offset commits, by result (ok or error)", &["result"]),
+            kafka_errors: counter(
+                "kafka_client_errors_total",
+                "Errors librdkafka reported (broker down, authentication failed), by kind",
+                &["kind"],
+            ),
             log_suppressed: counter(
                 "log_lines_suppressed_total",
                 "Log lines not written because their kind passed its rate limit (lines a second)",
@@ -133,8 +140,14 @@ impl Metrics {
     }
 }
 
-/// Binds the metrics endpoint and serves it in the background. Returns the bound address.
-pub async fn serve(listen: &str, metrics: Arc<Metrics>, refresh: impl Fn() + Send + Sync + 'static) -> anyhow::Result<SocketAddr> {
+/// Binds the metrics endpoint (with `/healthz` and `/readyz`) and serves it in the background.
+/// Returns the bound address.
+pub async fn serve(
+    listen: &str,
+    metrics: Arc<Metrics>,
+    health: Arc<crate::health::Health>,
+    refresh: impl Fn() + Send + Sync + 'static,
+) -> anyhow::Result<SocketAddr> {
     use anyhow::Context;
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding metrics on {listen}"))?;
     let addr = listener.local_addr()?;
@@ -151,7 +164,18 @@ pub async fn serve(listen: &str, metrics: Arc<Metrics>, refresh: impl Fn() + Sen
                 }
             }),
         )
-        .route("/healthz", get(|| async { "ok" }));
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let health = health.clone();
+                async move {
+                    let (ready, report) = health.report();
+                    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                    (status, axum::Json(report))
+                }
+            }),
+        );
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "metrics endpoint stopped");

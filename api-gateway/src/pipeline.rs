@@ -12,6 +12,9 @@ use std::sync::{Arc, Mutex};
 use anyhow::Context;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::FutureProducer;
+
+use crate::consume::client::KafkaEvents;
+use crate::health::{self, Health};
 use rdkafka::ClientConfig;
 
 use crate::budget::ByteBudget;
@@ -42,11 +45,13 @@ pub async fn run(
     let by_topic: HashMap<String, Arc<Task>> =
         tasks.iter().map(|t| (t.requests_topic.clone(), t.clone())).collect();
 
+    let health = Arc::new(Health::default());
     let offsets = Arc::new(SharedOffsets::default());
     let commits = Arc::new(Commits::new(offsets.clone(), metrics.clone()));
     let flow = Arc::new(Mutex::new(Flow::default()));
     let consumer: BaseConsumer<RebalanceContext> = client_config(&config, true)
         .create_with_context(RebalanceContext {
+            events: KafkaEvents::new(health.clone(), metrics.clone()),
             commits: commits.clone(),
             flow: flow.clone(),
             metrics: metrics.clone(),
@@ -54,7 +59,9 @@ pub async fn run(
             closing: AtomicBool::new(false),
         })
         .context("creating the kafka consumer")?;
-    let producer: FutureProducer = client_config(&config, false).create().context("creating the kafka producer")?;
+    let producer: FutureProducer<KafkaEvents> = client_config(&config, false)
+        .create_with_context(KafkaEvents::new(health.clone(), metrics.clone()))
+        .context("creating the kafka producer")?;
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
         .with_context(|| format!("input root {}", config.input.file_root.display()))?;
     let shared = Arc::new(Shared {
@@ -72,7 +79,9 @@ pub async fn run(
     let addr = {
         let shared = shared.clone();
         let tasks = tasks.clone();
-        crate::metrics::serve(&config.metrics_listen, metrics.clone(), move || refresh_gauges(&shared, &tasks)).await?
+        let health = health.clone();
+        crate::metrics::serve(&config.metrics_listen, metrics.clone(), health, move || refresh_gauges(&shared, &tasks))
+            .await?
     };
     // The one line on stdout: how a supervisor or test finds the metrics port when it was 0.
     println!("metrics on {addr}");
@@ -86,6 +95,17 @@ pub async fn run(
     );
 
     let consumer = Arc::new(consumer);
+    let checks = {
+        let mut topics: Vec<String> = Vec::new();
+        let mut workers: Vec<String> = Vec::new();
+        for task in &tasks {
+            topics.extend([task.requests_topic.clone(), task.results_topic.clone(), task.dlq_topic.clone()]);
+            if !workers.iter().any(|w| w == task.worker.url()) {
+                workers.push(task.worker.url().to_string());
+            }
+        }
+        tokio::spawn(health::run_checks(health.clone(), consumer.clone(), topics, workers))
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let stop_commits = Arc::new(AtomicBool::new(false));
     let committer = {
@@ -115,6 +135,7 @@ pub async fn run(
         .await
         .context("joining the fetch thread")?
         .map_err(|_| anyhow::anyhow!("the fetch thread panicked"))?;
+    checks.abort();
     stop_commits.store(true, Ordering::SeqCst);
     tokio::task::spawn_blocking(move || committer.join())
         .await

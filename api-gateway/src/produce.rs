@@ -20,6 +20,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, SourceRecord, Stage, SCHEMA_VERSION};
 use vramgate_shared::telemetry::{bounded, LogLimit};
 
+use crate::consume::client::KafkaEvents;
 use crate::metrics::Metrics;
 
 /// Longest `traceparent` or `tracestate` copied to an output.
@@ -63,7 +64,7 @@ pub fn is_permanent(error: &KafkaError) -> bool {
 /// Produces `out` keyed like `source`, with the source's valid trace context, retrying
 /// transient errors with backoff until the broker acknowledges. Returns a permanent error.
 pub async fn deliver(
-    producer: &FutureProducer,
+    producer: &FutureProducer<KafkaEvents>,
     metrics: &Metrics,
     source: &OwnedMessage,
     out: &Outgoing<'_>,

@@ -26,6 +26,7 @@ use crate::failure::Failure;
 use crate::input::InputSource;
 use crate::metrics::Metrics;
 use crate::consume::offsets::{SharedOffsets, Ticket};
+use crate::consume::client::KafkaEvents;
 use crate::produce::{self, Outgoing};
 use crate::task::Task;
 use crate::vision::{self, ImageOptions};
@@ -42,7 +43,7 @@ pub const RECORD_OVERHEAD_BYTES: u64 = 2048;
 
 /// What every record task shares.
 pub struct Shared {
-    pub producer: FutureProducer,
+    pub producer: FutureProducer<KafkaEvents>,
     pub offsets: Arc<SharedOffsets>,
     pub input: InputSource,
     pub budget: Arc<ByteBudget>,
@@ -619,7 +620,7 @@ mod tests {
     #[test]
     fn odd_requests_get_precise_reasons() {
         let check = |value: &[u8], kind: ErrorKind, needle: &str| {
-            let rejection = parse_request(value).and_then(|r| check_id(&r.id).map(|()| r)).err().expect("rejected");
+            let Err(rejection) = parse_request(value).and_then(|r| check_id(&r.id)) else { panic!("accepted") };
             assert_eq!(rejection.failure.kind, kind, "{}", String::from_utf8_lossy(value));
             assert!(rejection.failure.message.contains(needle), "{}", rejection.failure.message);
             rejection

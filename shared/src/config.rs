@@ -11,9 +11,48 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{de::DeserializeOwned, Serialize};
 
-#[derive(Debug, thiserror::Error)]
-#[error("invalid configuration: {0}")]
-pub struct ConfigError(#[from] Box<figment::Error>);
+/// A configuration error. Its message never shows the value of a key that names a secret
+/// (`*password*`, `*secret*`, `*token*`, `*key*` in any case, at any depth), whatever its type:
+/// a wrong type or value there is reported by key and expectation only.
+#[derive(Debug)]
+pub struct ConfigError(Box<figment::Error>);
+
+impl From<Box<figment::Error>> for ConfigError {
+    fn from(e: Box<figment::Error>) -> Self {
+        ConfigError(e)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "invalid configuration: ")?;
+        for (i, error) in (*self.0).clone().into_iter().enumerate() {
+            if i > 0 {
+                write!(f, "; ")?;
+            }
+            if error.path.iter().any(|k| is_secret_key(k)) {
+                let expected = match &error.kind {
+                    figment::error::Kind::InvalidType(_, expected) | figment::error::Kind::InvalidValue(_, expected) => {
+                        format!("expected {expected}")
+                    }
+                    _ => "not accepted".to_string(),
+                };
+                write!(f, "invalid value for `{}`: {expected} (the value is not shown: the key names a secret)", error.path.join("."))?;
+            } else {
+                write!(f, "{error}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a config key names a secret whose value must never be printed.
+pub fn is_secret_key(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    ["password", "secret", "token", "sasl.oauthbearer.config", "ssl.key", "private"].iter().any(|s| key.contains(s))
+}
 
 /// Reads `T` from its defaults, then `file` (if given), then environment variables starting
 /// with `env_prefix`.
@@ -79,6 +118,29 @@ mod tests {
             assert_eq!(with_env.inner.limit_bytes, 11);
             Ok(())
         });
+    }
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq, Default)]
+    #[serde(deny_unknown_fields, default)]
+    struct WithSecret {
+        sasl_password: String,
+        limit_bytes: u64,
+    }
+
+    #[test]
+    fn secrets_are_never_echoed_in_errors() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("c.toml", "sasl_password = 987654321\n")?;
+            let err = load::<WithSecret>(Some(Path::new("c.toml")), "VGTEST_").expect_err("wrong type").to_string();
+            assert!(!err.contains("987654321"), "{err}");
+            assert!(err.contains("sasl_password") && err.contains("not shown"), "{err}");
+            jail.create_file("d.toml", "limit_bytes = \"many\"\n")?;
+            let err = load::<WithSecret>(Some(Path::new("d.toml")), "VGTEST_").expect_err("wrong type").to_string();
+            assert!(err.contains("many"), "other keys keep their value in the message: {err}");
+            Ok(())
+        });
+        assert!(is_secret_key("sasl.password") && is_secret_key("AUTH_TOKEN") && is_secret_key("ssl.key.password"));
+        assert!(!is_secret_key("brokers"));
     }
 
     #[test]

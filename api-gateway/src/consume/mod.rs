@@ -15,6 +15,7 @@
 //!   takes no more records; past [`fetch::HOLD_BEFORE_PAUSE`] it pauses the partitions (with
 //!   hysteresis) and keeps polling, so the consumer stays in its group.
 
+pub mod client;
 pub mod commit;
 pub mod fetch;
 pub mod offsets;

@@ -7,9 +7,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaError;
 use rdkafka::{ClientContext, TopicPartitionList};
 
+use super::client::KafkaEvents;
 use super::commit::Commits;
 use super::offsets::TopicPartition;
 use super::lock;
@@ -27,6 +30,7 @@ pub struct Flow {
 }
 
 pub struct RebalanceContext {
+    pub events: KafkaEvents,
     pub commits: Arc<Commits>,
     pub flow: Arc<Mutex<Flow>>,
     pub metrics: Arc<Metrics>,
@@ -35,7 +39,15 @@ pub struct RebalanceContext {
     pub closing: AtomicBool,
 }
 
-impl ClientContext for RebalanceContext {}
+impl ClientContext for RebalanceContext {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        self.events.log(level, facility, message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.events.error(error, reason);
+    }
+}
 
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

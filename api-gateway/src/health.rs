@@ -1,0 +1,152 @@
+//! Readiness: whether this gateway can do its job now. `GET /healthz` says the process is alive;
+//! `GET /readyz` answers 200 only when the broker is reachable with the configured credentials,
+//! every topic of every enabled task exists, and every worker says it is ready, and 503 with
+//! the failing checks otherwise (JSON: `{"ready": false, "checks": {"kafka": "…", …}}`).
+//!
+//! The checks run in the background every [`CHECK_INTERVAL`] (a metadata request and one
+//! `GET /v2/health/ready` per worker), so a probe never waits on the broker. An authentication
+//! failure reported by librdkafka ([`crate::consume::client`]) makes the gateway not ready at
+//! once, with the broker's reason, until a later metadata request succeeds.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+
+/// How often readiness is re-checked.
+pub const CHECK_INTERVAL: Duration = Duration::from_secs(5);
+/// How long one broker or worker check may take.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[derive(Debug, Default)]
+pub struct Health {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// `None` until the first check ran; then `Ok(())` or the reason.
+    kafka: Option<Result<(), String>>,
+    kafka_auth: Option<String>,
+    workers: BTreeMap<String, Result<(), String>>,
+}
+
+impl Health {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// librdkafka reported an authentication failure.
+    pub fn set_kafka_auth_error(&self, reason: String) {
+        self.state().kafka_auth = Some(reason);
+    }
+
+    /// Whether the gateway is ready, and each check's outcome.
+    pub fn report(&self) -> (bool, serde_json::Value) {
+        let state = self.state();
+        let mut checks = serde_json::Map::new();
+        let mut ready = true;
+        let kafka = match (&state.kafka_auth, &state.kafka) {
+            (Some(auth), _) => Err(format!("authentication failed: {auth}")),
+            (None, None) => Err("not checked yet".to_string()),
+            (None, Some(result)) => result.clone(),
+        };
+        let mut put = |name: String, result: &Result<(), String>| {
+            ready &= result.is_ok();
+            let text = match result {
+                Ok(()) => "ok".to_string(),
+                Err(reason) => reason.clone(),
+            };
+            checks.insert(name, serde_json::Value::String(text));
+        };
+        put("kafka".into(), &kafka);
+        for (url, result) in &state.workers {
+            put(format!("worker {url}"), result);
+        }
+        (ready, serde_json::json!({"ready": ready, "checks": checks}))
+    }
+}
+
+/// Checks the broker, the topics and the workers every [`CHECK_INTERVAL`] for as long as the
+/// gateway runs.
+pub async fn run_checks<C: ConsumerContext + 'static>(
+    health: Arc<Health>,
+    consumer: Arc<BaseConsumer<C>>,
+    topics: Vec<String>,
+    workers: Vec<String>,
+) {
+    let http = match reqwest::Client::builder().timeout(CHECK_TIMEOUT).build() {
+        Ok(http) => http,
+        Err(e) => {
+            tracing::error!(error = %e, "readiness checks cannot start");
+            return;
+        }
+    };
+    loop {
+        let consumer = consumer.clone();
+        let metadata = tokio::task::spawn_blocking(move || consumer.fetch_metadata(None, CHECK_TIMEOUT)).await;
+        let kafka = match metadata {
+            Ok(Ok(metadata)) => {
+                let missing: Vec<&str> = topics
+                    .iter()
+                    .filter(|name| {
+                        !metadata
+                            .topics()
+                            .iter()
+                            .any(|t| t.name() == name.as_str() && t.error().is_none() && !t.partitions().is_empty())
+                    })
+                    .map(String::as_str)
+                    .collect();
+                if missing.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("topics missing on the broker: {}", missing.join(", ")))
+                }
+            }
+            Ok(Err(e)) => Err(format!("broker unreachable: {e}")),
+            Err(e) => Err(format!("metadata request failed: {e}")),
+        };
+        let mut results = BTreeMap::new();
+        for url in &workers {
+            let probe = format!("{url}/v2/health/ready");
+            let result = match http.get(&probe).send().await {
+                Ok(r) if r.status().is_success() => Ok(()),
+                Ok(r) => Err(format!("{probe} answered {}", r.status())),
+                Err(e) => Err(format!("{probe} unreachable: {e}")),
+            };
+            results.insert(url.clone(), result);
+        }
+        {
+            let mut state = health.state();
+            if kafka.is_ok() {
+                state.kafka_auth = None;
+            }
+            state.kafka = Some(kafka);
+            state.workers = results;
+        }
+        tokio::time::sleep(CHECK_INTERVAL).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_when_every_check_passed() {
+        let health = Health::default();
+        let (ready, report) = health.report();
+        assert!(!ready, "not ready before the first check: {report}");
+        health.state().kafka = Some(Ok(()));
+        health.state().workers.insert("http://w".into(), Ok(()));
+        assert!(health.report().0);
+        health.set_kafka_auth_error("SASL authentication error".into());
+        let (ready, report) = health.report();
+        assert!(!ready);
+        assert!(report["checks"]["kafka"].as_str().is_some_and(|s| s.contains("authentication failed")), "{report}");
+        health.state().kafka_auth = None;
+        health.state().workers.insert("http://w".into(), Err("down".into()));
+        assert!(!health.report().0);
+    }
+}
