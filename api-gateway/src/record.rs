@@ -678,4 +678,55 @@ mod tests {
             assert_eq!(image_options(&base, Some(&bad)).expect_err("invalid").kind, ErrorKind::InvalidRequest);
         }
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        const VALID: &str = r#"{"version":1,"id":"abc","task":"voice","input":{"uri":"file:///a/b.wav"},"options":{"threshold":0.5}}"#;
+
+        fn check(value: &[u8]) -> Result<(), TestCaseError> {
+            match parse_request(value).map(|r| (check_id(&r.id), r)) {
+                Ok((Ok(()), request)) => prop_assert!(!request.id.is_empty() && request.id.len() <= MAX_ID_BYTES),
+                Ok((Err(rejection), _)) | Err(rejection) => {
+                    prop_assert!(rejection.failure.message.len() <= 2 * LOG_FIELD_MAX_BYTES + 128);
+                    prop_assert!(rejection.id.is_none_or(|id| id.len() <= MAX_ID_BYTES));
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            /// Whatever a producer writes, parsing it never panics, and what it yields is bounded.
+            #[test]
+            fn arbitrary_values_never_panic(value in proptest::collection::vec(any::<u8>(), 0..512)) {
+                check(&value)?;
+            }
+
+            #[test]
+            fn mutated_requests_never_panic(
+                edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let mut value = VALID.as_bytes().to_vec();
+                for (at, b) in edits {
+                    let at = at.index(value.len());
+                    value[at] = b;
+                }
+                value.truncate(cut.index(value.len() + 1));
+                check(&value)?;
+            }
+
+            #[test]
+            fn any_json_shape_never_panics(id in ".{0,400}", task in ".{0,40}", extra in proptest::option::of(".{0,40}")) {
+                let mut json = serde_json::json!({"id": id, "task": task, "input": {"data_b64": "AAAA"}});
+                if let Some(extra) = extra {
+                    json["input"]["uri"] = serde_json::Value::String(extra);
+                }
+                check(&serde_json::to_vec(&json).expect("json"))?;
+            }
+        }
+    }
 }

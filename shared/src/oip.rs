@@ -2091,4 +2091,55 @@ mod tests {
             Err(OipError::Json(_))
         ));
     }
+
+    /// Fuzzing the decoder the worker runs on every untrusted body: arbitrary bytes, and a
+    /// valid binary request with bytes changed, cut or with a lying header length, never panic
+    /// and never yield a tensor whose data disagrees with its shape.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn valid_body() -> (Vec<u8>, Option<usize>) {
+            let outputs = [RequestOutputSpec { name: "probs".into(), binary: true }];
+            encode_request(Some("id-1"), &samples(), true, &outputs)
+        }
+
+        fn check(body: &[u8], header_len: Option<usize>) -> Result<(), TestCaseError> {
+            if let Ok((_, tensors)) = decode_request(body, header_len) {
+                for t in tensors {
+                    let elements: usize = t.shape.iter().product();
+                    prop_assert_eq!(elements, t.data.len(), "tensor {} disagrees with its shape", t.name);
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            #[test]
+            fn arbitrary_bodies_never_panic(
+                body in proptest::collection::vec(any::<u8>(), 0..512),
+                header_len in proptest::option::of(0usize..600),
+            ) {
+                check(&body, header_len)?;
+            }
+
+            #[test]
+            fn mutated_valid_requests_never_panic(
+                edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+                cut in any::<prop::sample::Index>(),
+                shift in -8i64..8,
+            ) {
+                let (mut body, header_len) = valid_body();
+                for (at, value) in edits {
+                    let at = at.index(body.len());
+                    body[at] = value;
+                }
+                body.truncate(cut.index(body.len() + 1));
+                let header_len = header_len.map(|h| (h as i64 + shift).max(0) as usize);
+                check(&body, header_len)?;
+            }
+        }
+    }
 }

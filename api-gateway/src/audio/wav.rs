@@ -29,6 +29,14 @@ const FMT_MIN_LEN: usize = 16;
 const FMT_EXTENSIBLE_LEN: usize = 40;
 
 /// Decoded audio: interleaved samples normalised to `[-1, 1]`.
+/// Lowest sample rate taken: below it a header is garbage, not audio (telephony is 8 kHz).
+pub const MIN_SAMPLE_RATE_HZ: u32 = 1_000;
+/// Highest sample rate taken (studio recordings go to 384 kHz).
+pub const MAX_SAMPLE_RATE_HZ: u32 = 384_000;
+/// Most channels taken (WAVE_FORMAT_EXTENSIBLE names 18 speaker positions; ambisonic files
+/// use more, but not thousands).
+pub const MAX_CHANNELS: u16 = 64;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Audio {
     pub sample_rate: u32,
@@ -112,6 +120,12 @@ pub enum WavError {
 
     #[error("invalid wav fmt chunk: sample rate is 0")]
     ZeroSampleRate,
+
+    #[error("wav sample rate {rate} Hz is outside the supported {MIN_SAMPLE_RATE_HZ}–{MAX_SAMPLE_RATE_HZ} Hz")]
+    SampleRateOutOfRange { rate: u32 },
+
+    #[error("wav has {channels} channels; at most {MAX_CHANNELS} are supported")]
+    TooManyChannels { channels: u16 },
 
     #[error("wav block align mismatch: header says {block_align} bytes per frame, {channels} channels of {bits}-bit samples need {expected}")]
     BlockAlignMismatch {
@@ -374,6 +388,12 @@ fn parse_fmt(body: &[u8]) -> Result<Format, WavError> {
     if sample_rate == 0 {
         return Err(WavError::ZeroSampleRate);
     }
+    if !(MIN_SAMPLE_RATE_HZ..=MAX_SAMPLE_RATE_HZ).contains(&sample_rate) {
+        return Err(WavError::SampleRateOutOfRange { rate: sample_rate });
+    }
+    if channels > MAX_CHANNELS {
+        return Err(WavError::TooManyChannels { channels });
+    }
 
     let sample = match (encoding, container_bits) {
         (FORMAT_PCM, 8) => SampleFormat::U8,
@@ -626,7 +646,7 @@ mod tests {
     #[test]
     fn every_plain_format_round_trips_within_quantisation_tolerance() {
         for enc in ALL_ENCODINGS {
-            for (channels, rate) in [(1u16, 16_000u32), (2, 44_100), (6, 48_000), (1, 1)] {
+            for (channels, rate) in [(1u16, 16_000u32), (2, 44_100), (6, 48_000), (1, 1_000)] {
                 let samples = signal(channels, 50);
                 let bytes = plain_wav(enc, channels, rate, &samples);
                 check_decode(&bytes, rate, channels, &samples, enc.tolerance());
@@ -839,6 +859,12 @@ mod tests {
                 with_fmt(fmt_body(FORMAT_PCM, 1, 0, 16)),
                 WavError::ZeroSampleRate,
             ),
+            (with_fmt(fmt_body(FORMAT_PCM, 1, 1, 16)), WavError::SampleRateOutOfRange { rate: 1 }),
+            (
+                with_fmt(fmt_body(FORMAT_PCM, 1, 4_294_967_295, 16)),
+                WavError::SampleRateOutOfRange { rate: 4_294_967_295 },
+            ),
+            (with_fmt(fmt_body(FORMAT_PCM, 32_767, 16_000, 8)), WavError::TooManyChannels { channels: 32_767 }),
             (
                 with_fmt(bad_align),
                 WavError::BlockAlignMismatch {
