@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use vramgate_shared::config::Secret;
+
 use crate::vision::ImageOptions;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,11 +195,14 @@ pub struct WorkerEndpoint {
     pub url: String,
     /// Limit for one worker call, connection included; also sent to the worker as its deadline.
     pub request_timeout_seconds: f64,
+    /// Bearer token sent to workers that require one (`Authorization: Bearer …`; the worker's
+    /// `auth_token`). Never printed. Env: `VRAMGATE_GATEWAY_WORKER__AUTH_TOKEN`.
+    pub auth_token: Option<Secret>,
 }
 
 impl Default for WorkerEndpoint {
     fn default() -> Self {
-        WorkerEndpoint { url: "http://127.0.0.1:8081".into(), request_timeout_seconds: 60.0 }
+        WorkerEndpoint { url: "http://127.0.0.1:8081".into(), request_timeout_seconds: 60.0, auth_token: None }
     }
 }
 
@@ -252,6 +257,8 @@ pub struct TaskConfig {
     pub model: String,
     /// The worker for this task; default `worker.url`.
     pub worker_url: Option<String>,
+    /// The bearer token for this task's worker; default `worker.auth_token`.
+    pub worker_auth_token: Option<Secret>,
     /// Threads of this task's CPU pool (decode, resample, resize); 0 = one per core. Each task
     /// has its own pool, so a burst of one type never queues behind the other.
     pub cpu_threads: usize,
@@ -278,6 +285,7 @@ impl Default for TaskConfig {
             converter: Converter::Wav,
             model: "silero_vad".into(),
             worker_url: None,
+            worker_auth_token: None,
             cpu_threads: 0,
             gpu_permits: PermitConfig::default(),
             permit_wait_ms: 1000,

@@ -46,7 +46,7 @@ impl Task {
             pool,
             permits: AdaptivePermits::new(p.initial, p.min, p.max),
             congested: AtomicBool::new(false),
-            worker: WorkerClient::new(url, timeout)?,
+            worker: WorkerClient::new(url, timeout, config.worker_auth_token.as_ref().or(worker.auth_token.as_ref()))?,
         })
     }
 

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use reqwest::StatusCode;
+use vramgate_shared::config::Secret;
 use vramgate_shared::oip::{self, Tensor, TensorData};
 
 #[derive(Debug, thiserror::Error)]
@@ -93,10 +94,19 @@ pub struct WorkerClient {
 }
 
 impl WorkerClient {
-    /// A client of the worker at `url` whose calls time out after `timeout_seconds`.
-    pub fn new(url: &str, timeout_seconds: f64) -> anyhow::Result<Self> {
+    /// A client of the worker at `url` whose calls time out after `timeout_seconds`, sending
+    /// `token` as a bearer token when given.
+    pub fn new(url: &str, timeout_seconds: f64, token: Option<&Secret>) -> anyhow::Result<Self> {
         let timeout_seconds = if timeout_seconds.is_finite() { timeout_seconds.max(0.001) } else { 60.0 };
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(token) = token {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", token.expose()))
+                .map_err(|_| anyhow::anyhow!("worker auth_token holds characters an HTTP header cannot carry"))?;
+            value.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
         let http = reqwest::Client::builder()
+            .default_headers(headers)
             .timeout(Duration::from_secs_f64(timeout_seconds))
             .connect_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(64)

@@ -48,6 +48,53 @@ impl std::fmt::Display for ConfigError {
     }
 }
 
+/// A secret from the configuration (a token, a password): its `Debug` and `Display` never show
+/// it, so logging a config struct cannot leak it. [`Secret::expose`] is the one way to read it.
+#[derive(Clone, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+/// A secret given as a number (an environment variable of digits reads as one) is its text.
+impl<'de> serde::Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Int(i64),
+            Unsigned(u64),
+        }
+        Ok(Secret(match Raw::deserialize(d)? {
+            Raw::Text(s) => s,
+            Raw::Int(i) => i.to_string(),
+            Raw::Unsigned(u) => u.to_string(),
+        }))
+    }
+}
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secret(<{} bytes, hidden>)", self.0.len())
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<hidden>")
+    }
+}
+
 /// Whether a config key names a secret whose value must never be printed.
 pub fn is_secret_key(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
@@ -141,6 +188,9 @@ mod tests {
         });
         assert!(is_secret_key("sasl.password") && is_secret_key("AUTH_TOKEN") && is_secret_key("ssl.key.password"));
         assert!(!is_secret_key("brokers"));
+        let secret = Secret::new("hunter2");
+        assert!(!format!("{secret:?} {secret}").contains("hunter2"));
+        assert_eq!(secret.expose(), "hunter2");
     }
 
     #[test]
