@@ -23,8 +23,10 @@ use rdkafka::{Offset, TopicPartitionList};
 use super::offsets::{SharedOffsets, TopicPartition};
 use crate::metrics::Metrics;
 
-/// How often the commit thread looks at the watermarks.
+/// How often the commit thread looks at the watermarks while records are finishing, and while
+/// nothing is waiting for a commit (an idle gateway should not spin).
 const TICK: Duration = Duration::from_millis(1);
+const IDLE_TICK: Duration = Duration::from_millis(10);
 
 /// What commits share: the offsets, the gate against revokes, and the metrics.
 pub struct Commits {
@@ -114,9 +116,11 @@ impl Policy {
 pub fn run<C: ConsumerContext>(consumer: &BaseConsumer<C>, commits: &Commits, policy: Policy, stop: &AtomicBool) {
     let mut last = Instant::now();
     let mut failures = 0u32;
+    let mut tick = TICK;
     while !stop.load(Ordering::SeqCst) {
-        std::thread::sleep(TICK);
+        std::thread::sleep(tick);
         let committable = commits.offsets.lock().committable();
+        tick = if committable > 0 { TICK } else { IDLE_TICK };
         if !policy.due(committable, last.elapsed()) {
             continue;
         }
