@@ -59,6 +59,21 @@ fn clock_ticks() -> f64 {
     })
 }
 
+/// Pids of local Kafka brokers (`kafka.Kafka` in their command line), to count their CPU.
+fn broker_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(b"kafka.Kafka".len()).any(|w| w == b"kafka.Kafka"))
+        })
+        .collect()
+}
+
+fn broker_cpu() -> f64 {
+    broker_pids().into_iter().map(cpu_seconds).sum()
+}
+
 fn proc_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
@@ -112,8 +127,8 @@ fn topic_records(topic: &str) -> anyhow::Result<i64> {
 /// A plain librdkafka consumer reading `count` records of `topic` from the beginning. Returns
 /// records per second timed from `assign` to the last record (as `kcat -C` would be timed,
 /// without its process start) and from the first record to the last (librdkafka's in-memory
-/// delivery rate once its prefetch is full), and its CPU seconds.
-fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64)> {
+/// delivery rate once its prefetch is full), its CPU seconds and the broker's meanwhile.
+fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64, f64)> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", unique("raw"))
@@ -126,6 +141,7 @@ fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64)> {
     let assigned = Instant::now();
     consumer.assign(&tpl)?;
     let cpu_before = cpu_seconds(std::process::id());
+    let broker_before = broker_cpu();
     let mut first = None;
     let mut seen = 0usize;
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -143,12 +159,14 @@ fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64)> {
     let from_assign = assigned.elapsed().as_secs_f64();
     anyhow::ensure!(seen == count, "raw consumer read {seen} of {count} records");
     let cpu = cpu_seconds(std::process::id()) - cpu_before;
-    Ok((seen as f64 / from_assign, seen as f64 / from_first, cpu))
+    let broker = broker_cpu() - broker_before;
+    Ok((seen as f64 / from_assign, seen as f64 / from_first, cpu, broker))
 }
 
 struct GatewayRun {
     rate: f64,
     cpu_per_1000: f64,
+    broker_cpu_per_1000: f64,
     peak_rss: u64,
     base_rss: u64,
     bound: u64,
@@ -171,10 +189,10 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     // Wait for the first consumed record, then for every offset to be committed.
     let deadline = Instant::now() + Duration::from_secs(900);
     let consumed = |s: &vramgate_tests::metrics::Scrape| s.sum("vramgate_gateway_records_consumed_total", &[]);
-    let (started, cpu_start) = loop {
+    let (started, cpu_start, broker_start) = loop {
         let scrape = gateway.metrics().await?;
         if consumed(&scrape) > 0.0 {
-            break (Instant::now(), cpu_seconds(pid));
+            break (Instant::now(), cpu_seconds(pid), broker_cpu());
         }
         anyhow::ensure!(Instant::now() < deadline, "the gateway consumed nothing; log:\n{}", gateway.log_tail());
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -188,11 +206,13 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pid) - cpu_start;
+    let broker = broker_cpu() - broker_start;
     let peak_rss = proc_kib(pid, "VmHWM:") * 1024;
     let commits = gateway.metrics().await?.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]);
     Ok(GatewayRun {
         rate: count as f64 / elapsed,
         cpu_per_1000: cpu / count as f64 * 1000.0,
+        broker_cpu_per_1000: broker / count as f64 * 1000.0,
         peak_rss,
         base_rss,
         bound,
@@ -210,16 +230,31 @@ async fn main() -> anyhow::Result<()> {
     produce_backlog(&topics.requests, &root, count)?;
     eprintln!("P4: {count} tiny events produced in {:.1} s", started.elapsed().as_secs_f64());
 
-    let (raw, raw_streaming, raw_cpu) = raw_consume(&topics.requests, count)?;
+    let (raw, raw_streaming, raw_cpu, raw_broker) = raw_consume(&topics.requests, count)?;
     let gw = gateway_consume(&topics, &root, count).await?;
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
 
     println!();
     println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
     println!("    {count} tiny records, {PARTITIONS} partitions, one local broker, config/gateway.toml defaults");
-    println!("    raw consumer              {:>10.0} records/s   {:>6.3} CPU s / 1000 records", raw, raw_cpu / count as f64 * 1000.0);
+    let per_1000 = |cpu: f64| cpu / count as f64 * 1000.0;
+    println!(
+        "    raw consumer              {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+        raw,
+        per_1000(raw_cpu),
+        per_1000(raw_broker)
+    );
     println!("      (first record to last: {raw_streaming:.0} records/s, librdkafka's prefetch already full)");
-    println!("    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records", gw.rate, gw.cpu_per_1000);
+    println!(
+        "    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+        gw.rate, gw.cpu_per_1000, gw.broker_cpu_per_1000
+    );
+    println!(
+        "    CPU at that rate          gateway {:.2} cores + broker {:.2} cores, of {} on this machine",
+        gw.rate * gw.cpu_per_1000 / 1000.0,
+        gw.rate * gw.broker_cpu_per_1000 / 1000.0,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
     println!("    ratio gateway / raw       {:>10.3}   (goal ≥ 0.5)", gw.rate / raw);
     println!(
         "    gateway RSS               start {:.0} MiB, peak {:.0} MiB under the backlog; byte bounds {:.0} MiB",
