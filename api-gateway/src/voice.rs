@@ -104,7 +104,8 @@ pub fn convert(bytes: &[u8], max_audio_seconds: f64) -> Result<Converted, Failur
     let info = probe(bytes, max_audio_seconds)?;
     let decoded = wav::decode_wav_limited(bytes, info.frames).map_err(invalid_wav)?;
     let duration_seconds = decoded.duration_seconds();
-    let mut samples = audio::to_16k_mono(&decoded);
+    let mut samples = audio::to_16k_mono(&decoded)
+        .map_err(|e| Failure::new(ErrorKind::Internal, Stage::Convert, format!("audio::resample: {e}")))?;
     drop(decoded);
     let real_samples = samples.len();
     if samples.len() < MODEL_WINDOW as usize {

@@ -4,6 +4,9 @@
 //! back: [`wav`] decodes untrusted RIFF/WAVE bytes, [`resample`] converts to
 //! the model's 16 kHz, and [`segments`] turns the model's per-window speech
 //! probabilities into time ranges.
+//!
+//! The WAV parser is our own and the resampler is `rubato`'s; each module's doc
+//! gives the measurements that decided it (`docs/gateway.md` sums them up).
 
 pub mod resample;
 pub mod segments;
@@ -16,7 +19,7 @@ pub const VAD_SAMPLE_RATE: u32 = 16_000;
 ///
 /// The output length scales with `duration_seconds()`, not with the input
 /// size, so callers should bound the decoded duration before calling this.
-pub fn to_16k_mono(audio: &wav::Audio) -> Vec<f32> {
+pub fn to_16k_mono(audio: &wav::Audio) -> Result<Vec<f32>, resample::ResampleError> {
     resample::resample(&audio.to_mono(), audio.sample_rate, VAD_SAMPLE_RATE)
 }
 
@@ -34,7 +37,7 @@ mod tests {
             channels: 2,
             samples,
         };
-        let mono = to_16k_mono(&audio);
+        let mono = to_16k_mono(&audio).expect("resamples");
         assert_eq!(mono.len(), 1_600);
         // Away from the edges, where the filter sees zero padding.
         assert!(mono[100..1_500].iter().all(|v| (v - 0.4).abs() < 1e-4));
@@ -47,6 +50,6 @@ mod tests {
             channels: 1,
             samples: vec![0.1, -0.2, 0.3],
         };
-        assert_eq!(to_16k_mono(&audio), audio.samples);
+        assert_eq!(to_16k_mono(&audio).expect("copies"), audio.samples);
     }
 }
