@@ -1,10 +1,37 @@
 //! The worker's configuration tree: where it listens, which device it uses, which models it
-//! serves. Read from a TOML file and `VRAMGATE_WORKER_*` environment variables.
+//! serves. Read from a TOML file and `VRAMGATE_WORKER_*` environment variables
+//! ([`WorkerConfig::load`]).
+//!
+//! Secrets (`auth_token`, and any key [`vramgate_shared::config::is_secret_key`] names one)
+//! never reach a log line or an error message: [`Secret`]'s `Debug` is redacted, and a config
+//! error about such a key names the key but not its value, whatever the value's type (the
+//! shared [`vramgate_shared::config::ConfigError`] does the redaction).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
 use serde::{Deserialize, Serialize};
+pub use vramgate_shared::config::Secret;
+
+/// Prefix of the environment variables that override the config (`__` between levels).
+pub const ENV_PREFIX: &str = "VRAMGATE_WORKER_";
+
+/// Environment variable carrying the bearer token, read verbatim (not parsed as a number, so
+/// `0123` stays `0123`).
+pub const AUTH_TOKEN_ENV: &str = "VRAMGATE_WORKER_AUTH_TOKEN";
+
+/// Why the worker's configuration was refused. Never carries a secret's value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file or an environment variable could not be read into the config tree.
+    #[error(transparent)]
+    Invalid(#[from] vramgate_shared::config::ConfigError),
+    /// Each value is valid on its own, but together they cannot work.
+    #[error("inconsistent configuration: {0}")]
+    Inconsistent(String),
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -18,8 +45,36 @@ pub struct WorkerConfig {
     /// intra-op pool only spins (measured on 2 cores, 10 s clip: median 78 ms with 1 thread,
     /// 463 ms with 2).
     pub torch_threads: usize,
-    /// Largest request body accepted, in bytes; larger bodies get 413 before they are read.
+    /// Largest request body accepted, in bytes; larger bodies get 413 before they are read
+    /// (from `Content-Length`; chunked bodies as soon as they pass it).
     pub max_request_bytes: usize,
+    /// Bytes of request bodies being read and decoded at once, all connections together.
+    /// A body is charged before it is read: its `Content-Length`, or, for a chunked body, as
+    /// its chunks arrive (up to `max_request_bytes`); the charge is held until the body is
+    /// decoded into tensors and dropped. A body that does not fit gets 503 + `Retry-After`
+    /// at once instead of being read. Must be at least `max_request_bytes`. Host memory
+    /// for the bodies is about twice this (a body and its decoded tensors); see
+    /// `memory_host_allowance_bytes`.
+    pub max_body_bytes_in_flight: u64,
+    /// Longest a connection may take to send a request's headers, counted from its first
+    /// byte (or from the connection's opening); past it the connection is closed.
+    pub header_read_timeout_ms: u64,
+    /// Longest a request's body may take to arrive, counted from when the worker starts
+    /// reading it; past it the request gets 408 and the connection is closed. At the default
+    /// (60 s) a 256 MiB body needs about 4.5 MB/s.
+    pub body_read_timeout_ms: u64,
+    /// Longest a keep-alive connection may stay idle (no request in progress and no byte of
+    /// the next one) before the worker closes it. Also bounds writing a response to a
+    /// client that stopped reading.
+    pub idle_timeout_ms: u64,
+    /// Bearer token the inference endpoints require (`Authorization: Bearer <token>`):
+    /// `POST /v2/models/{name}[/versions/{v}]/infer` and `GET /v2/models/{name}[/versions/{v}]`.
+    /// Health (`/v2/health/*`, `/v2/models/{name}/ready`), `/v2` and `/metrics` stay open.
+    /// Compared in constant time. Unset: no authentication. Best set through the environment
+    /// variable `VRAMGATE_WORKER_AUTH_TOKEN`, read verbatim (a token such as `0123` or `12e4`
+    /// is not taken for a number); in the TOML file a string (or a bare integer). Never logged
+    /// or echoed.
+    pub auth_token: Option<Secret>,
     /// A hard cap on the memory this worker may take beyond its start-up footprint (models
     /// loaded and warmed). CUDA: the caching allocator's per-process memory fraction, so an
     /// allocation past it fails with a CUDA OOM as on a smaller card. CPU: the process's
@@ -33,7 +88,10 @@ pub struct WorkerConfig {
     /// large request bodies would meet the cap in Rust code, where a failed allocation
     /// aborts the process instead of raising an OOM libtorch can recover from. A request
     /// holds up to about 3× its body at once while it is read and decoded, so size it as
-    /// 3 × (requests in flight) × (largest body).
+    /// 3 × (requests in flight) × (largest body). Bodies being read are bounded by
+    /// `max_body_bytes_in_flight`, so at least 2 × `max_body_bytes_in_flight` (the defaults:
+    /// 2 × 256 MiB = 512 MiB) plus room for decoded inputs waiting for admission; start-up
+    /// warns when it is less.
     pub memory_host_allowance_bytes: u64,
     /// CPU only: the memory admission may hand out. Unset: what the kernel reports available
     /// (`MemAvailable`) after start-up. Either way capped by `memory_limit_bytes`.
@@ -47,6 +105,12 @@ pub struct WorkerConfig {
     /// How often free memory is re-sampled: when another process takes memory the budget
     /// shrinks, and it grows back when that memory is freed.
     pub memory_resample_ms: u64,
+    /// Besides the batches whose memory peak says something new (a new size class, a batch
+    /// larger than any measured, the batches after an OOM), measure the peak of one batch in
+    /// this many, to catch a slow drift of the estimate (0: only the new ones; 1: every batch).
+    /// A measurement costs a CPU batch its page faults again (about twice its time), so
+    /// measuring every batch costs most of the throughput (see `estimate.rs`).
+    pub memory_measure_every_batches: u64,
     /// How requests are admitted.
     pub admission: AdmissionConfig,
     /// How requests for one model are merged into batches.
@@ -92,18 +156,31 @@ pub enum AdmissionMode {
     Count,
 }
 
+/// How batches are formed. Their size is not configured: the worker measures, per model and
+/// input size, which batch size gives the most throughput (`batching.rs`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BatchingConfig {
-    /// After the first request of a batch arrives, wait this long for more.
+    /// Longest a batch waits for more requests to join. What is already queued joins at once;
+    /// the batch waits only when batching pays for its input size and requests for the model
+    /// are on their way or have lately overlapped, so a lone client never pays the window.
     pub window_ms: f64,
-    /// Most requests merged into one batch (a model's own `max_batch_size` wins).
-    pub max_batch_size: usize,
+    /// An upper bound on the items (rows) of one batch, for latency; a model's own
+    /// `max_batch_size` wins. Unset: only measured throughput and memory bound it. Never a
+    /// target: below it the worker uses the batch size that measured fastest.
+    pub max_batch_size: Option<usize>,
+    /// Time batch sizes at start-up (a few seconds per model on CPU), so that the first
+    /// requests already batch where it pays. Off: every size class starts at
+    /// `initial_batch_size` and is measured online only.
+    pub calibrate: bool,
+    /// The batch size of a size class with no figures of its own nor a measured neighbour: a
+    /// prior that online measurement replaces (`batching.rs`).
+    pub initial_batch_size: usize,
 }
 
 impl Default for BatchingConfig {
     fn default() -> Self {
-        BatchingConfig { window_ms: 2.0, max_batch_size: 8 }
+        BatchingConfig { window_ms: 2.0, max_batch_size: None, calibrate: true, initial_batch_size: 1 }
     }
 }
 
@@ -114,12 +191,18 @@ impl Default for WorkerConfig {
             device: DeviceChoice::Auto,
             torch_threads: 1,
             max_request_bytes: 256 * 1024 * 1024,
+            max_body_bytes_in_flight: 256 * 1024 * 1024,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 60_000,
+            idle_timeout_ms: 60_000,
+            auth_token: None,
             memory_limit_bytes: None,
             memory_host_allowance_bytes: 512 * 1024 * 1024,
             memory_budget_bytes: None,
             memory_reserve_fraction: 0.05,
             memory_reserve_bytes: 32 * 1024 * 1024,
             memory_resample_ms: 1000,
+            memory_measure_every_batches: 100,
             admission: AdmissionConfig::default(),
             batching: BatchingConfig::default(),
             default_timeout_ms: 60_000,
@@ -128,6 +211,74 @@ impl Default for WorkerConfig {
             models: Vec::new(),
         }
     }
+}
+
+impl WorkerConfig {
+    /// Reads the config: defaults, then `file` (if given; a named file that is missing is an
+    /// error), then `VRAMGATE_WORKER_*` variables (`__` between levels), then checks that the
+    /// values work together ([`WorkerConfig::validate`]). Errors never carry a secret.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(WorkerConfig::default()));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(invalid(format!("config file {} does not exist", path.display())));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        // `config` is the CLI's own variable (VRAMGATE_WORKER_CONFIG), not a key; the token
+        // is read verbatim below instead of being parsed as a TOML value.
+        figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__").ignore(&["config", "auth_token"]));
+        match std::env::var(AUTH_TOKEN_ENV) {
+            Ok(token) => figment = figment.merge(Serialized::default("auth_token", token)),
+            Err(std::env::VarError::NotPresent) => {}
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(invalid(format!("{AUTH_TOKEN_ENV} is not valid UTF-8")));
+            }
+        }
+        Self::extract(figment)
+    }
+
+    /// The config a layered figment holds, redacted on error and validated.
+    fn extract(figment: Figment) -> Result<Self, ConfigError> {
+        let config: WorkerConfig = figment.extract().map_err(|e| ConfigError::from(vramgate_shared::config::ConfigError::from(Box::new(e))))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what serde cannot: values that are each valid but do not work together.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let fail = |message: String| Err(ConfigError::Inconsistent(message));
+        if (self.max_request_bytes as u64) > self.max_body_bytes_in_flight {
+            return fail(format!(
+                "max_request_bytes ({}) is larger than max_body_bytes_in_flight ({}): such a body could never be read",
+                self.max_request_bytes, self.max_body_bytes_in_flight
+            ));
+        }
+        for (key, ms) in [
+            ("header_read_timeout_ms", self.header_read_timeout_ms),
+            ("body_read_timeout_ms", self.body_read_timeout_ms),
+            ("idle_timeout_ms", self.idle_timeout_ms),
+        ] {
+            if ms == 0 {
+                return fail(format!("{key} must be at least 1 ms"));
+            }
+        }
+        if let Some(token) = &self.auth_token {
+            if token.expose().is_empty() {
+                return fail("auth_token is empty: unset it to turn authentication off".into());
+            }
+            // It travels in an HTTP header: visible ASCII only (RFC 6750's b64token and more).
+            if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
+                return fail("auth_token must be visible ASCII characters without spaces (value not shown)".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A config error of the reading kind, from a message (a missing file, an unreadable variable).
+fn invalid(message: String) -> ConfigError {
+    ConfigError::Invalid(Box::new(figment::Error::from(message)).into())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -163,7 +314,7 @@ pub struct ModelConfig {
     /// they fit; this only bounds the parallelism.
     #[serde(default = "default_instances")]
     pub instances: usize,
-    /// Overrides `batching.max_batch_size` for this model.
+    /// Overrides `batching.max_batch_size` (an upper bound, never a target) for this model.
     #[serde(default)]
     pub max_batch_size: Option<usize>,
     /// Overrides the memory estimate measured at start-up (it is still corrected upwards
@@ -207,4 +358,45 @@ fn default_sample_rate() -> u32 {
 
 fn default_window() -> u32 {
     512
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn from_toml(text: &str) -> Result<WorkerConfig, ConfigError> {
+        WorkerConfig::extract(Figment::from(Serialized::defaults(WorkerConfig::default())).merge(Toml::string(text)))
+    }
+
+    #[test]
+    fn a_secret_is_never_printed_whatever_its_type() {
+        let config = from_toml("auth_token = \"s3cr3t-value\"\n").expect("a string token");
+        assert_eq!(config.auth_token.as_ref().map(Secret::expose), Some("s3cr3t-value"));
+        assert!(!format!("{config:?}").contains("s3cr3t-value"));
+        // figment takes an integer for a string: a token of digits may be written bare.
+        let config = from_toml("auth_token = 918273645\n").expect("a token of digits");
+        assert_eq!(config.auth_token.as_ref().map(Secret::expose), Some("918273645"));
+        for bad in [
+            "auth_token = 918273.645\n",
+            "auth_token = [918273645]\n",
+            "auth_token = { v = \"918273645\" }\n",
+            "auth_token = \"has space 918273\"\n",
+        ] {
+            let err = from_toml(bad).expect_err("not a usable token").to_string();
+            assert!(err.contains("auth_token") && !err.contains("918273"), "{err}");
+        }
+        let err = from_toml("[admission]\nmax_queued_requests = \"pw\"\n").expect_err("a string count").to_string();
+        assert!(err.contains("\"pw\""), "values of other keys are shown: {err}");
+    }
+
+    #[test]
+    fn limits_that_cannot_work_together_are_refused() {
+        let err = from_toml("max_request_bytes = 1000\nmax_body_bytes_in_flight = 999\n").expect_err("too small");
+        assert!(err.to_string().contains("max_body_bytes_in_flight"), "{err}");
+        assert!(from_toml("idle_timeout_ms = 0\n").is_err());
+        assert!(from_toml("auth_token = \"\"\n").is_err());
+        let config = from_toml("").expect("defaults are valid");
+        assert!(config.max_body_bytes_in_flight >= config.max_request_bytes as u64);
+        assert!(config.memory_host_allowance_bytes >= 2 * config.max_body_bytes_in_flight);
+    }
 }

@@ -10,16 +10,27 @@
 //!   In `count` mode every request costs 1 and the pool's capacity is `max_concurrent`.
 //! * **Admission.** The handler holds the [`ByteGuard`] until its response is built, so the
 //!   bytes come back on every path: success, error, client gone, deadline.
-//! * **Batching.** One OS thread per model takes admitted jobs, waits `window_ms` after the
-//!   first for more, and merges them while the padded batch stays within what its members
-//!   were granted (`estimate(padded elements) ≤ Σ granted`) and within the model's learned
-//!   capacity. Audio of different lengths is padded with silence to the longest member,
-//!   which costs `(longest − own) × bytes_per_element` per member; a member that would make
-//!   the padded batch cost more than the members' grants waits for the next batch instead,
-//!   so padding never spends memory nobody was granted. Images are bucketed instead: only
+//! * **Batching.** One OS thread per model instance takes admitted jobs and merges them up to
+//!   the batch size the model's [`BatchSizer`] chose for their input size from measured
+//!   throughput (`batching.rs`: batching happens only where it pays), while the padded batch
+//!   stays within what its members were granted (`estimate(padded elements) ≤ Σ granted`)
+//!   and within the model's learned capacity. It takes what is already queued at once; it
+//!   waits up to `window_ms` for more only while other requests for the model are on their
+//!   way (in the HTTP handler or waiting for admission), requests have overlapped within the
+//!   last [`OVERLAP_MEMORY`], or its first request came after a pause that long (it may lead a
+//!   burst); a lone client's requests never overlap, so only its first pays the window. Audio of
+//!   different lengths is padded with silence to the longest member, which costs
+//!   `(longest − own) × bytes_per_element` per member; a member that would make the padded
+//!   batch cost more than the members' grants, or make padding more than half of the batch's
+//!   work ([`MAX_PADDING_WORK`]), waits for the next batch instead, so padding never spends
+//!   memory nobody was granted nor most of a batch's time. Images are bucketed instead: only
 //!   images of the same size share a batch, because P-Net's ceil-mode pooling lets padding
 //!   change the last row and column of a smaller image's map (the gateway resizes images to
 //!   the model's input size, so equal sizes are the common case).
+//! * **Measuring.** Each batch's duration feeds its model's [`BatchSizer`]. Its memory peak is
+//!   measured only when the estimate asks for it (`estimate.rs`: new size classes, a batch
+//!   larger than any measured, after an OOM, one batch in `memory_measure_every_batches`),
+//!   because on CPU a measurement costs the batch its page faults again (`memory.rs`).
 //! * **OOM.** A batch that fails to allocate: empty the cache, lower the learned capacity,
 //!   halve the batch and run the halves. A single request that fails runs again in the serial
 //!   lane (an exclusive lock every other model's batch also takes, shared), alone on the
@@ -33,13 +44,15 @@
 //!   work into memory that is not yet free; if that allocation fails, OOM recovery catches it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use vramgate_shared::admission::{AdmitError, ByteGuard, BytePool};
 
+use crate::batching::BatchSizer;
 use crate::config::{AdmissionMode, WorkerConfig};
 use crate::estimate::MemoryEstimate;
 use crate::memory::MemoryMonitor;
@@ -64,6 +77,8 @@ pub enum InferError {
 
 struct Job {
     input: InputTensor,
+    /// Its request came after a pause ([`Arrival`]): a batch it leads waits its window.
+    after_pause: bool,
     /// Bytes (or, in count mode, permits) this job's guard holds.
     granted: u64,
     deadline: Instant,
@@ -84,11 +99,108 @@ impl Job {
     }
 }
 
-/// One served model: the model, its estimate, and the way into its batch thread.
+/// A padded batch's work (its padded elements) may be at most this many times the work its
+/// members brought (their own elements): padding is never most of a batch's time.
+pub const MAX_PADDING_WORK: f64 = 2.0;
+
+/// One served model: the model, its estimate, its batch sizes, and the way into its batch
+/// thread.
 pub struct Served {
     pub model: Arc<Model>,
     pub estimate: Arc<MemoryEstimate>,
+    pub sizer: Arc<BatchSizer>,
     jobs: Sender<Job>,
+    traffic: Arc<Traffic>,
+}
+
+impl Served {
+    /// Marks a request for this model as in the worker until the returned guard is dropped
+    /// (hold it until the answer is built), and as on its way to the batch queue until
+    /// [`Engine::infer`] queues its job: a batch waits its window only for requests that are
+    /// coming, or when requests have lately overlapped.
+    pub fn arrive(&self) -> Arrival {
+        let t = &self.traffic;
+        let now = (t.epoch.elapsed().as_millis() as u64).max(1);
+        t.arriving.fetch_add(1, Ordering::SeqCst);
+        if t.in_worker.fetch_add(1, Ordering::SeqCst) > 0 {
+            t.overlapped_ms.store(now, Ordering::Relaxed);
+        }
+        let last = t.last_arrival_ms.swap(now, Ordering::Relaxed);
+        let after_pause = last == 0 || now.saturating_sub(last) >= OVERLAP_MEMORY.as_millis() as u64;
+        Arrival { traffic: self.traffic.clone(), queued: false, after_pause }
+    }
+}
+
+/// A batch waits for more only while a request overlapped another this recently, or when its
+/// first request came after a pause this long (it may lead a burst).
+pub const OVERLAP_MEMORY: Duration = Duration::from_secs(1);
+
+/// What a model's batch threads know of the requests not yet in their queue.
+struct Traffic {
+    /// Requests between the HTTP handler and the batch queue.
+    arriving: AtomicUsize,
+    /// Requests between the HTTP handler and their answer.
+    in_worker: AtomicUsize,
+    /// When a request last arrived while another was in the worker, in ms after `epoch`
+    /// (0: never).
+    overlapped_ms: AtomicU64,
+    /// When the last request arrived, in ms after `epoch` (0: none yet).
+    last_arrival_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl Traffic {
+    fn new() -> Self {
+        Traffic {
+            arriving: AtomicUsize::new(0),
+            in_worker: AtomicUsize::new(0),
+            overlapped_ms: AtomicU64::new(0),
+            last_arrival_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Whether more requests are likely within a window: some are on their way, or requests
+    /// have overlapped within [`OVERLAP_MEMORY`] (a lone client's never do).
+    fn expecting_more(&self) -> bool {
+        if self.arriving.load(Ordering::SeqCst) > 0 {
+            return true;
+        }
+        let at = self.overlapped_ms.load(Ordering::Relaxed);
+        at > 0 && (self.epoch.elapsed().as_millis() as u64).saturating_sub(at) < OVERLAP_MEMORY.as_millis() as u64
+    }
+}
+
+/// A request in the worker; see [`Served::arrive`].
+pub struct Arrival {
+    traffic: Arc<Traffic>,
+    queued: bool,
+    /// It came after a pause of [`OVERLAP_MEMORY`]: a batch it leads waits its window.
+    after_pause: bool,
+}
+
+impl Arrival {
+    /// The request's job is in the batch queue: it is no longer on its way.
+    fn queued(&mut self) {
+        if !self.queued {
+            self.queued = true;
+            self.traffic.arriving.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        self.queued();
+        self.traffic.in_worker.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A model as [`Engine::start`] takes it: loaded, its memory estimate and batch sizes measured.
+pub struct Calibrated {
+    pub model: Arc<Model>,
+    pub estimate: Arc<MemoryEstimate>,
+    pub sizer: Arc<BatchSizer>,
 }
 
 pub struct Engine {
@@ -119,7 +231,7 @@ impl Engine {
     /// Starts one batch thread per model. `capacity`: bytes (or permits) admission starts with.
     pub fn start(
         config: &WorkerConfig,
-        models: Vec<(Arc<Model>, Arc<MemoryEstimate>)>,
+        models: Vec<Calibrated>,
         monitor: Arc<MemoryMonitor>,
         metrics: Arc<Metrics>,
         capacity: u64,
@@ -134,23 +246,26 @@ impl Engine {
             mode: config.admission.mode,
         });
         let mut served = HashMap::new();
-        for (model, estimate) in models {
+        for Calibrated { model, estimate, sizer } in models {
+            estimate.set_measure_every(config.memory_measure_every_batches);
             let (tx, rx) = std::sync::mpsc::channel();
             let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
+            let traffic = Arc::new(Traffic::new());
             for instance in 0..model.instances() {
                 let batcher = Batcher {
                     model: model.clone(),
                     estimate: estimate.clone(),
+                    sizer: sizer.clone(),
+                    traffic: traffic.clone(),
                     shared: shared.clone(),
                     window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
-                    max_batch: model.config().max_batch_size.unwrap_or(config.batching.max_batch_size).max(1),
                 };
                 let intake = intake.clone();
                 std::thread::Builder::new()
                     .name(format!("batch-{}-{instance}", model.name()))
                     .spawn(move || batcher.run(&intake))?;
             }
-            served.insert(model.name().to_string(), Arc::new(Served { model, estimate, jobs: tx }));
+            served.insert(model.name().to_string(), Arc::new(Served { model, estimate, sizer, jobs: tx, traffic }));
         }
         Ok(Engine {
             served,
@@ -177,10 +292,23 @@ impl Engine {
         m.memory_admitted.set(self.pool.in_use() as i64);
         m.memory_admitted_peak.set(self.pool.high_water_mark() as i64);
         m.queued_requests.set(self.pool.queued() as i64);
+        for served in self.served.values() {
+            for (class, limit) in served.sizer.limits() {
+                let from = (1u64 << class).to_string();
+                m.batch_size_limit.with_label_values(&[served.model.name(), from.as_str()]).set(limit as i64);
+            }
+        }
     }
 
-    /// Admits `input` for `served`, runs it in a batch, and returns its outputs.
-    pub async fn infer(&self, served: &Served, input: InputTensor, timeout: Duration) -> Result<Vec<OutputTensor>, InferError> {
+    /// Admits `input` for `served`, runs it in a batch, and returns its outputs. `arrival` (from
+    /// [`Served::arrive`]) is marked queued once the job is.
+    pub async fn infer(
+        &self,
+        served: &Served,
+        input: InputTensor,
+        timeout: Duration,
+        arrival: &mut Arrival,
+    ) -> Result<Vec<OutputTensor>, InferError> {
         let deadline = Instant::now() + timeout;
         let elements = input.elements();
         let price = match self.mode {
@@ -197,8 +325,10 @@ impl Engine {
         self.metrics.admission_wait.observe(waited.elapsed().as_secs_f64());
 
         let (tx, rx) = oneshot::channel();
-        let job = Job { input, granted: price, deadline, reply: tx };
-        if served.jobs.send(job).is_err() {
+        let job = Job { input, after_pause: arrival.after_pause, granted: price, deadline, reply: tx };
+        let sent = served.jobs.send(job);
+        arrival.queued();
+        if sent.is_err() {
             return Err(InferError::Model(ModelError::Runtime {
                 name: served.model.name().into(),
                 message: "the model's batch thread has stopped".into(),
@@ -306,9 +436,11 @@ struct Intake {
 struct Batcher {
     model: Arc<Model>,
     estimate: Arc<MemoryEstimate>,
+    sizer: Arc<BatchSizer>,
+    /// See [`Served::arrive`].
+    traffic: Arc<Traffic>,
     shared: Arc<Shared>,
     window: Duration,
-    max_batch: usize,
 }
 
 impl Batcher {
@@ -337,10 +469,13 @@ impl Batcher {
             None => jobs.recv().ok()?,
         };
         let Some(first) = first.still_wanted() else { return Some(Vec::new()) };
+        // The most rows this batch may hold: measured per input size (`batching.rs`).
+        let cap = self.sizer.allowed(item_elements(&[&first.input]));
+        let after_pause = first.after_pause;
         let mut batch = vec![first];
         let mut skipped = VecDeque::new();
         while let Some(job) = pending.pop_front() {
-            if batch.len() < self.max_batch && self.fits(&batch, &job) {
+            if self.fits(&batch, &job, cap) {
                 batch.push(job);
             } else {
                 skipped.push_back(job);
@@ -348,14 +483,25 @@ impl Batcher {
         }
         *pending = skipped;
         let window_end = Instant::now() + self.window;
-        while batch.len() < self.max_batch {
-            let wait = window_end.saturating_duration_since(Instant::now());
-            let next = match jobs.recv_timeout(wait) {
+        while rows(&batch) < cap {
+            let next = match jobs.try_recv() {
                 Ok(job) => job,
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    // Wait only when more requests are likely: a lone client's request runs
+                    // at once instead of after the window.
+                    let wait = window_end.saturating_duration_since(Instant::now());
+                    if wait.is_zero() || !(after_pause || self.traffic.expecting_more()) {
+                        break;
+                    }
+                    match jobs.recv_timeout(wait) {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    }
+                }
             };
             let Some(next) = next.still_wanted() else { continue };
-            if self.fits(&batch, &next) {
+            if self.fits(&batch, &next, cap) {
                 batch.push(next);
             } else {
                 pending.push_back(next);
@@ -364,15 +510,23 @@ impl Batcher {
         Some(batch)
     }
 
-    /// Whether `next` may join `batch`: the padded batch stays within the learned capacity
-    /// and, when admitting by bytes, within what its members were granted.
-    fn fits(&self, batch: &[Job], next: &Job) -> bool {
+    /// Whether `next` may join `batch`: the batch stays within `cap` rows, its padding within
+    /// [`MAX_PADDING_WORK`], the padded batch within the learned capacity and, when admitting
+    /// by bytes, within what its members were granted.
+    fn fits(&self, batch: &[Job], next: &Job, cap: usize) -> bool {
+        if rows(batch) + next.input.shape[0] > cap {
+            return false;
+        }
         if !self.model.can_pad() && next.input.shape[1..] != batch[0].input.shape[1..] {
             return false;
         }
         let mut inputs: Vec<&InputTensor> = batch.iter().map(|j| &j.input).collect();
         inputs.push(&next.input);
         let elements = padded_elements(&inputs);
+        let own: u64 = inputs.iter().map(|i| i.elements()).sum();
+        if elements as f64 > MAX_PADDING_WORK * own as f64 {
+            return false;
+        }
         if self.estimate.max_batch_elements().is_some_and(|cap| elements > cap) {
             return false;
         }
@@ -465,13 +619,20 @@ impl Batcher {
         let metrics = &self.shared.metrics;
         metrics.concurrent_tasks.inc();
         let started = Instant::now();
-        let scope = self.shared.monitor.peak_scope();
+        let scope = self.shared.monitor.peak_scope(self.estimate.wants_peak(elements));
+        let measuring = scope.measuring();
         let result = self.model.infer_batch(&inputs);
+        let seconds = started.elapsed().as_secs_f64();
         let peak = scope.finish();
         metrics.concurrent_tasks.dec();
         if result.is_ok() {
-            metrics.inference_duration.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
+            metrics.inference_duration.with_label_values(&[name]).observe(seconds);
             metrics.batch_size.with_label_values(&[name]).observe(group.len() as f64);
+            // A measured batch paid for its measurement (page faults on CPU): its time says
+            // nothing about its batch size.
+            if !measuring {
+                self.sizer.record(item_elements(&inputs), rows(group), seconds);
+            }
             if let Some(peak) = peak {
                 let ratio = self.estimate.observe(elements, peak);
                 metrics.estimate_ratio.with_label_values(&[name]).set(ratio);
@@ -499,6 +660,16 @@ impl Batcher {
 
 fn padded_elements(inputs: &[&InputTensor]) -> u64 {
     Model::padded_shape(inputs).iter().map(|&d| d as u64).product()
+}
+
+/// Elements of one item (row) of the padded batch of `inputs`: what its size class is of.
+fn item_elements(inputs: &[&InputTensor]) -> u64 {
+    Model::padded_shape(inputs).iter().skip(1).map(|&d| d as u64).product()
+}
+
+/// Items (rows) in a batch.
+fn rows(batch: &[Job]) -> usize {
+    batch.iter().map(|j| j.input.shape[0]).sum()
 }
 
 fn reply_all(group: Vec<Job>, outputs: Vec<Vec<OutputTensor>>) {

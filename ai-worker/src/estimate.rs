@@ -9,6 +9,23 @@
 //! per-element cost is raised to match (never lowered: one batch that used less says little).
 //! An OOM also leaves its mark: the model's learned capacity, the most elements it will put
 //! in one batch, drops to half of what failed.
+//!
+//! **Which batches are measured.** A measurement is not free on CPU (`memory.rs`: the batch
+//! pays its page faults afresh), so [`MemoryEstimate::wants_peak`] picks the batches whose
+//! peak says something new, and a sample of the rest:
+//!
+//! * the first batch of each size class (padded input elements, by power of two);
+//! * any batch larger than every batch measured so far (the estimate's extrapolation is
+//!   where it is least sure);
+//! * every batch after an OOM of this model, until one has been measured;
+//! * otherwise one batch in `memory_measure_every_batches` (default 100), so that a slow drift
+//!   (a libtorch path that allocates more for some inputs) is still caught.
+//!
+//! Accuracy is kept because an unmeasured batch can only be of a size class already measured
+//! and no larger than the largest batch measured, where the line has been checked (and raised
+//! if it was low); the start-up fit covers every probe, the reserve absorbs what is left, and
+//! an OOM is recovered from and then measured. Only a batch that ran alone can be measured; one
+//! that wanted a measurement but overlapped another batch leaves the wish standing for the next.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -44,6 +61,8 @@ pub struct EstimateView {
     pub probes: Vec<Probe>,
     /// Corrections made online (the estimate was raised after a batch used more).
     pub corrections: u64,
+    /// Batches whose peak was measured online (a sample: see the module doc).
+    pub measured_batches: u64,
     /// The most input elements one batch may hold after an OOM; absent until one happens.
     pub learned_max_batch_elements: Option<u64>,
     /// The last batch's measured peak over its estimate.
@@ -55,6 +74,24 @@ struct Line {
     per_element: f64,
     corrections: u64,
     last_ratio: Option<f64>,
+    sampling: Sampling,
+}
+
+/// What [`MemoryEstimate::wants_peak`] decides from.
+#[derive(Default)]
+struct Sampling {
+    /// Measure one batch in this many (0: only the batches that say something new).
+    every: u64,
+    /// Batches since the last measured one.
+    since_measured: u64,
+    /// Size classes (bit `k`: padded elements in `[2^k, 2^(k+1))`) measured online.
+    classes: u64,
+    /// The most elements of a measured batch.
+    largest: u64,
+    /// An OOM happened and no batch has been measured since.
+    after_oom: bool,
+    /// Batches measured online.
+    measured: u64,
 }
 
 /// A model's memory estimate, shared by the request handlers (which price requests with it)
@@ -83,7 +120,13 @@ impl MemoryEstimate {
         MemoryEstimate {
             source,
             probes,
-            line: Mutex::new(Line { base: base.max(0.0), per_element: per_element.max(0.0), corrections: 0, last_ratio: None }),
+            line: Mutex::new(Line {
+                base: base.max(0.0),
+                per_element: per_element.max(0.0),
+                corrections: 0,
+                last_ratio: None,
+                sampling: Sampling { every: 100, ..Sampling::default() },
+            }),
             learned_max_elements: AtomicU64::new(u64::MAX),
         }
     }
@@ -100,10 +143,33 @@ impl MemoryEstimate {
         (estimate.ceil() as u64).max(1)
     }
 
+    /// Measure one batch in `every` besides those that say something new (0: only those).
+    pub fn set_measure_every(&self, every: u64) {
+        self.line().sampling.every = every;
+    }
+
+    /// Whether the peak of the batch about to run, of `elements` padded input elements, should
+    /// be measured (see the module doc). Called once per batch; counts it.
+    pub fn wants_peak(&self, elements: u64) -> bool {
+        let mut line = self.line();
+        let s = &mut line.sampling;
+        s.since_measured += 1;
+        s.after_oom
+            || s.classes & (1 << size_class(elements)) == 0
+            || elements > s.largest
+            || (s.every > 0 && s.since_measured >= s.every)
+    }
+
     /// Compares a batch's measured peak with its estimate and raises the per-element cost
     /// when the batch used more. Returns measured / estimated.
     pub fn observe(&self, elements: u64, measured: u64) -> f64 {
         let mut line = self.line();
+        let s = &mut line.sampling;
+        s.since_measured = 0;
+        s.classes |= 1 << size_class(elements);
+        s.largest = s.largest.max(elements);
+        s.after_oom = false;
+        s.measured += 1;
         let estimate = (line.base + line.per_element * elements as f64).max(1.0);
         let ratio = measured as f64 / estimate;
         line.last_ratio = Some(ratio);
@@ -130,6 +196,7 @@ impl MemoryEstimate {
     pub fn learn_from_oom(&self, elements: u64) -> u64 {
         let limit = (elements / 2).max(1);
         self.learned_max_elements.fetch_min(limit, Ordering::Relaxed);
+        self.line().sampling.after_oom = true;
         self.learned_max_elements.load(Ordering::Relaxed)
     }
 
@@ -141,10 +208,16 @@ impl MemoryEstimate {
             bytes_per_element: line.per_element,
             probes: self.probes.clone(),
             corrections: line.corrections,
+            measured_batches: line.sampling.measured,
             learned_max_batch_elements: self.max_batch_elements(),
             last_ratio: line.last_ratio,
         }
     }
+}
+
+/// `floor(log2(elements))`: the size class of a batch (0 for an empty one).
+fn size_class(elements: u64) -> u32 {
+    63 - elements.max(1).leading_zeros()
 }
 
 /// Least squares through the probes, clamped to non-negative terms, then shifted up so that
@@ -228,5 +301,30 @@ mod tests {
         assert_eq!(est.learn_from_oom(20000), 4000);
         assert_eq!(est.learn_from_oom(4000), 2000);
         assert_eq!(est.max_batch_elements(), Some(2000));
+    }
+
+    #[test]
+    fn peaks_are_measured_for_new_sizes_after_an_oom_and_one_batch_in_n() {
+        let est = MemoryEstimate::configured(EstimateConfig { base_bytes: 0.0, bytes_per_element: 1.0 });
+        est.set_measure_every(4);
+        assert!(est.wants_peak(1000), "the first batch of a size class is measured");
+        est.observe(1000, 900);
+        assert!(!est.wants_peak(1000));
+        assert!(!est.wants_peak(600), "same class, smaller: already covered");
+        assert!(est.wants_peak(1020), "larger than every measured batch");
+        est.observe(1020, 900);
+        assert!(est.wants_peak(5000), "a new size class");
+        est.observe(5000, 4000);
+        assert!(!est.wants_peak(800));
+        assert!(!est.wants_peak(800));
+        assert!(!est.wants_peak(800));
+        assert!(est.wants_peak(800), "one batch in 4");
+        est.observe(800, 700);
+        est.learn_from_oom(4000);
+        assert!(est.wants_peak(800), "measured after an OOM");
+        assert!(est.wants_peak(800), "until a measurement arrives");
+        est.observe(800, 700);
+        assert!(!est.wants_peak(800));
+        assert_eq!(est.view().measured_batches, 5);
     }
 }

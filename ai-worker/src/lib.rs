@@ -4,10 +4,12 @@
 //! `main.rs` only parses arguments and calls [`server::run`]; tests start the same function on
 //! port 0.
 
+pub mod batching;
 pub mod config;
 pub mod cuda_memory;
 pub mod engine;
 pub mod estimate;
+pub mod limits;
 pub mod memory;
 pub mod metrics;
 pub mod model;

@@ -22,8 +22,9 @@ fn main() -> anyhow::Result<()> {
 async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
     vramgate_shared::telemetry::init("ai-worker");
-    let config: WorkerConfig = vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_WORKER_")
-        .context("reading ai-worker config")?;
+    // The worker's own loader: the same layering, plus redaction of secrets and the checks
+    // between keys (see `config`).
+    let config = WorkerConfig::load(args.config.as_deref()).context("reading ai-worker config")?;
     anyhow::ensure!(!config.models.is_empty(), "no models configured: add [[models]] to the config file");
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

@@ -5,12 +5,24 @@
 //! |---|---|---|
 //! | free / total | NVML (`nvml-wrapper`) for the device | `/proc/meminfo` `MemAvailable` / `MemTotal` |
 //! | ours, now | caching allocator's reserved bytes (the C++ shim) | resident set (`VmRSS`) |
-//! | peak of a batch | allocator's peak allocated, after a reset | `VmHWM`, after writing `5` to `/proc/self/clear_refs` |
+//! | peak of a batch | allocator's peak allocated, after a reset | `VmHWM`, after `malloc_trim(0)` and writing `5` to `/proc/self/clear_refs` |
 //! | cap (`memory_limit_bytes`) | allocator's per-process memory fraction | `RLIMIT_AS` |
-//! | give cache back | `emptyCache()` | nothing to do: large tensors are `mmap`ed and unmapped on free |
+//! | give cache back | `emptyCache()` | `malloc_trim(0)` (also before each measured batch) |
 //!
 //! A peak is a process-wide quantity, so a batch's peak is attributable to it only when no
 //! other batch ran at any moment during it; [`PeakScope`] knows whether that was so.
+//!
+//! **Measuring costs, so only some batches are measured** (`MemoryEstimate::wants_peak`
+//! decides which). On CPU glibc keeps freed tensors in its heap and hands them to the next
+//! batch, already paged in; that reuse is most of what makes a plain libtorch loop fast
+//! ([`tune_allocator`]). A measured batch runs as every batch once did: the mmap threshold
+//! drops to 256 KiB for it (every tensor its own mapping, so the peak is exact and does not
+//! depend on what the heap held before: measured in the heap instead, P-Net's start-up fit
+//! moved between 33 and 54 B per element from run to run), the free heap is given back
+//! (`malloc_trim(0)`), and the batch pays the page faults of touching its memory afresh (on
+//! P-Net 320² about 2–3× the batch's time); the serving threshold comes back when it ends.
+//! On CUDA a measurement is a reset of the allocator's peak counter and a read of its
+//! statistics.
 //!
 //! The budget admission hands out is recomputed every `memory_resample_ms`:
 //! `min(cap, free now + what we hold above our start-up footprint) − reserve`. Memory another
@@ -18,9 +30,8 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use tch::Device;
-
 use crate::cuda_memory;
+use crate::model::ComputeDevice;
 
 /// A reading of the device's memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,9 +55,9 @@ enum Backend {
 }
 
 impl MemoryMonitor {
-    pub fn new(device: Device) -> Self {
+    pub fn new(device: ComputeDevice) -> Self {
         let backend = match device {
-            Device::Cuda(index) => {
+            ComputeDevice::Cuda(index) => {
                 let nvml = match nvml_wrapper::Nvml::init() {
                     Ok(nvml) => Some(Box::new(nvml)),
                     Err(e) => {
@@ -59,7 +70,7 @@ impl MemoryMonitor {
                 }
                 Backend::Cuda { index: index as i32, nvml }
             }
-            _ => {
+            ComputeDevice::Cpu => {
                 let clear_refs_works = std::fs::write("/proc/self/clear_refs", "5").is_ok();
                 if !clear_refs_works {
                     tracing::warn!("cannot write /proc/self/clear_refs: batch peaks cannot be measured");
@@ -106,12 +117,13 @@ impl MemoryMonitor {
         }
     }
 
-    /// Starts measuring a batch's peak. Hold the scope across the batch, then
-    /// [`PeakScope::finish`].
-    pub fn peak_scope(&self) -> PeakScope<'_> {
+    /// Starts a batch. Hold the scope across the batch, then [`PeakScope::finish`]. Every batch
+    /// takes a scope (two atomic operations), so that a measured batch knows whether another ran
+    /// beside it; only when `measure` is set, and the batch starts alone, is its peak measured.
+    pub fn peak_scope(&self, measure: bool) -> PeakScope<'_> {
         let was_running = self.running.fetch_add(1, Ordering::SeqCst);
         let starts = self.starts.fetch_add(1, Ordering::SeqCst) + 1;
-        let alone = was_running == 0 && self.can_measure_peaks();
+        let alone = was_running == 0 && measure && self.can_measure_peaks();
         // Resetting the peak while another batch runs would spoil that batch's measurement, so
         // only a batch that starts alone resets it (and only such a batch can be measured).
         let base = if alone { self.reset_peak() } else { None };
@@ -122,6 +134,17 @@ impl MemoryMonitor {
     fn reset_peak(&self) -> Option<u64> {
         match &self.backend {
             Backend::Cpu { .. } => {
+                // Free heap memory stays resident for reuse; a batch reusing it would add
+                // nothing to VmHWM, and what it reuses depends on the heap's history. For the
+                // measured batch every allocation over 256 KiB is its own mmap again (exact
+                // and repeatable, as every batch was before), and the free heap goes back
+                // first; `finish` restores the serving threshold.
+                // SAFETY: mallopt and malloc_trim only set allocator parameters and release
+                // free memory of the allocator's own arenas.
+                unsafe {
+                    libc::mallopt(libc::M_MMAP_THRESHOLD, MEASURE_MMAP_THRESHOLD);
+                    libc::malloc_trim(0);
+                }
                 std::fs::write("/proc/self/clear_refs", "5").ok()?;
                 proc_status("VmRSS:")
             }
@@ -139,12 +162,19 @@ impl MemoryMonitor {
         }
     }
 
-    /// Gives cached, unused memory back to the device.
+    /// Gives cached, unused memory back to the device (CUDA: the caching allocator's; CPU:
+    /// glibc's free heap pages).
     pub fn empty_cache(&self) {
-        if self.is_cuda() {
-            if let Err(e) = cuda_memory::empty_cache() {
-                tracing::debug!(error = %e, "empty_cache unavailable");
+        match &self.backend {
+            Backend::Cuda { .. } => {
+                if let Err(e) = cuda_memory::empty_cache() {
+                    tracing::debug!(error = %e, "empty_cache unavailable");
+                }
             }
+            // SAFETY: malloc_trim only releases free memory of the allocator's own arenas.
+            Backend::Cpu { .. } => unsafe {
+                libc::malloc_trim(0);
+            },
         }
     }
 
@@ -199,24 +229,39 @@ pub struct PeakScope<'a> {
 }
 
 impl PeakScope<'_> {
-    /// The batch's peak above the usage when it started, when the batch ran alone from start
-    /// to end (else `None`: the peak would include someone else's memory).
+    /// Whether this batch's peak is being measured (it asked, and started alone).
+    pub fn measuring(&self) -> bool {
+        self.base.is_some()
+    }
+
+    /// The batch's peak above the usage when it started, when it was measured and ran alone
+    /// from start to end (else `None`: unmeasured, or the peak would include someone else's
+    /// memory).
     pub fn finish(mut self) -> Option<u64> {
         self.finished = true;
         let alone = self.monitor.starts.load(Ordering::SeqCst) == self.starts;
-        let peak = self.monitor.peak();
-        self.monitor.running.fetch_sub(1, Ordering::SeqCst);
-        match (alone, self.base, peak) {
-            (true, Some(base), Some(peak)) => Some(peak.saturating_sub(base)),
+        // An unmeasured batch reads nothing: no /proc read, no allocator call.
+        let peak = match self.base {
+            Some(base) if alone => self.monitor.peak().map(|peak| peak.saturating_sub(base)),
             _ => None,
+        };
+        self.end();
+        peak
+    }
+
+    /// Restores the serving allocator mode after a measured batch, and counts the batch out.
+    fn end(&self) {
+        if self.base.is_some() && !self.monitor.is_cuda() {
+            serving_mmap_threshold();
         }
+        self.monitor.running.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 impl Drop for PeakScope<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            self.monitor.running.fetch_sub(1, Ordering::SeqCst);
+            self.end();
         }
     }
 }
@@ -267,20 +312,38 @@ fn kib_field(text: &str, field: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Makes the C allocator's behaviour measurable and bounded. Call first thing in `main`,
-/// before any other thread starts.
+/// Makes the C allocator fast and bounded. Call first thing in `main`, before any other
+/// thread starts.
 ///
-/// * A fixed mmap threshold: every allocation over 256 KiB (every tensor worth counting) is
-///   its own `mmap` and goes back to the OS on free. glibc otherwise raises the threshold
-///   after frees and serves big tensors from the heap, which keeps freed memory resident, so
-///   peaks would not show and memory would not return.
+/// * A fixed mmap threshold of 32 MiB (glibc's largest) and trim threshold of 64 MiB: what
+///   glibc's own adaptive thresholds settle at in a long-running libtorch loop, fixed from the
+///   first call. Tensors under 32 MiB come from the heap and their memory is reused, already
+///   paged in, by the next batch. An earlier version fixed the threshold at 256 KiB so that
+///   every freed tensor went back to the OS and every batch's peak showed in `VmHWM`; each
+///   batch then spent more than half its time in page faults and `munmap` (P-Net 320² on CPU:
+///   0.24× a plain libtorch loop; see docs/performance.md). Peaks are now measured on the
+///   batches that are sampled, after a `malloc_trim` ([`MemoryMonitor::peak_scope`]).
 /// * Two malloc arenas: each arena reserves 64 MiB of address space, which under the CPU
 ///   memory cap (`RLIMIT_AS`) would be charged to nobody's estimate.
 pub fn tune_allocator() {
+    serving_mmap_threshold();
     // SAFETY: mallopt only sets allocator parameters; called before other threads exist.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 * 1024 * 1024);
         libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
+/// The mmap threshold while serving: glibc's largest (see [`tune_allocator`]).
+const SERVE_MMAP_THRESHOLD: i32 = 32 * 1024 * 1024;
+/// The mmap threshold during a measured batch: every tensor its own mapping, so the batch's
+/// peak is exact and does not depend on the heap's history.
+const MEASURE_MMAP_THRESHOLD: i32 = 256 * 1024;
+
+fn serving_mmap_threshold() {
+    // SAFETY: mallopt only sets an allocator parameter (under glibc's own lock).
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD);
     }
 }
 
@@ -321,11 +384,11 @@ mod tests {
 
     #[test]
     fn cpu_peak_scope_sees_an_allocation() {
-        let monitor = MemoryMonitor::new(Device::Cpu);
+        let monitor = MemoryMonitor::new(ComputeDevice::Cpu);
         if !monitor.can_measure_peaks() {
             return; // a sandbox without clear_refs: nothing to measure here
         }
-        let scope = monitor.peak_scope();
+        let scope = monitor.peak_scope(true);
         let block = vec![1u8; 64 << 20];
         std::hint::black_box(&block);
         drop(block);

@@ -1,7 +1,7 @@
 //! The worker's Prometheus metrics, served as text at `GET /metrics`.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -22,6 +22,8 @@ pub struct Metrics {
     pub batch_size: HistogramVec,
     pub estimate_ratio: prometheus::GaugeVec,
     pub queued_requests: IntGauge,
+    /// The batch size the worker chose by measurement, by model and size class.
+    pub batch_size_limit: IntGaugeVec,
 }
 
 impl Metrics {
@@ -55,6 +57,16 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(admission_wait.clone())).expect("unique metric");
+        let batch_size_limit = IntGaugeVec::new(
+            Opts::new(
+                "vramgate_worker_batch_size_limit",
+                "Most items one batch may hold, chosen from measured throughput, by model and size class \
+                 (item_elements: the class's lowest elements per item; the class spans up to twice that)",
+            ),
+            &["model", "item_elements"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(batch_size_limit.clone())).expect("unique metric");
         Metrics {
             memory_used: gauge("gpu_memory_used_bytes", "Device memory held by this worker (CUDA: allocator reserved; CPU: resident set)"),
             memory_available: gauge("gpu_memory_available_bytes", "Device memory free (CUDA: NVML; CPU: MemAvailable)"),
@@ -91,6 +103,7 @@ impl Metrics {
             ),
             estimate_ratio,
             queued_requests: gauge("admission_queued_requests", "Requests waiting for memory now"),
+            batch_size_limit,
             registry,
         }
     }
@@ -121,6 +134,7 @@ mod tests {
         m.admission_rejections.with_label_values(&["queue_full"]).inc();
         m.retry_attempts.with_label_values(&["m"]).inc();
         m.estimate_ratio.with_label_values(&["m"]).set(0.9);
+        m.batch_size_limit.with_label_values(&["m", "16384"]).set(8);
         let text = m.render();
         for name in [
             "gpu_memory_used_bytes",
@@ -135,6 +149,7 @@ mod tests {
             "admission_rejections_total{reason=\"queue_full\"} 1",
             "inference_batch_size_bucket",
             "memory_estimate_ratio{model=\"m\"} 0.9",
+            "vramgate_worker_batch_size_limit{item_elements=\"16384\",model=\"m\"} 8",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");
         }

@@ -32,10 +32,38 @@ pub enum ModelError {
     Panic { name: String, message: String },
 }
 
+/// The device the models run on, as the rest of the worker sees it (tch's `Device` stays in
+/// this module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputeDevice {
+    Cpu,
+    /// A CUDA device, by index.
+    Cuda(usize),
+}
+
+impl ComputeDevice {
+    fn tch(self) -> Device {
+        match self {
+            ComputeDevice::Cpu => Device::Cpu,
+            ComputeDevice::Cuda(index) => Device::Cuda(index),
+        }
+    }
+}
+
+impl std::fmt::Display for ComputeDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ComputeDevice::Cpu => write!(f, "cpu"),
+            ComputeDevice::Cuda(index) => write!(f, "cuda:{index}"),
+        }
+    }
+}
+
 /// Picks the device once per process and applies process-wide libtorch settings.
-pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<Device, ModelError> {
+pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice, ModelError> {
     // The profiling executor re-specialises graphs over the first calls, which costs seconds
     // per new input shape on CPU; audio lengths vary per request, so it would never settle.
+    // At a fixed shape both executors run equally fast (docs/performance.md).
     tch::jit::set_profiling_mode(false);
     if threads > 0 {
         tch::set_num_threads(threads as i32);
@@ -43,17 +71,8 @@ pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<Device, ModelE
     let cuda = tch::Cuda::is_available();
     match (choice, cuda) {
         (DeviceChoice::Cuda, false) => Err(ModelError::NoCuda),
-        (DeviceChoice::Cpu, _) | (DeviceChoice::Auto, false) => Ok(Device::Cpu),
-        (DeviceChoice::Cuda | DeviceChoice::Auto, true) => Ok(Device::Cuda(0)),
-    }
-}
-
-/// Human-readable name of a device, for logs and metadata.
-pub fn device_name(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(i) => format!("cuda:{i}"),
-        other => format!("{other:?}").to_lowercase(),
+        (DeviceChoice::Cpu, _) | (DeviceChoice::Auto, false) => Ok(ComputeDevice::Cpu),
+        (DeviceChoice::Cuda | DeviceChoice::Auto, true) => Ok(ComputeDevice::Cuda(0)),
     }
 }
 
@@ -94,7 +113,8 @@ pub struct Model {
 
 impl Model {
     /// Loads the TorchScript file onto `device` and runs one warm-up call.
-    pub fn load(config: ModelConfig, device: Device) -> Result<Model, ModelError> {
+    pub fn load(config: ModelConfig, device: ComputeDevice) -> Result<Model, ModelError> {
+        let device = device.tch();
         let started = Instant::now();
         let (name, path) = (config.name.clone(), config.path.display().to_string());
         let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
@@ -110,7 +130,7 @@ impl Model {
         model.infer(&probe).map_err(|e| load_err(format!("warm-up call failed: {e}")))?;
         tracing::info!(
             model = %model.config.name,
-            device = %device_name(device),
+            device = ?device,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "model loaded and warmed up"
         );
@@ -173,8 +193,31 @@ impl Model {
         probes
     }
 
-    /// A deterministic, non-trivial input: a quiet tone for audio, a gradient for images.
-    fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
+    /// The input sizes the start-up throughput calibration times (see `batching.rs`), small to
+    /// large: 1 and 4 s of audio; 64², 128², 256² and 512² images. Each size is one size
+    /// class; sizes between them take the nearest class's figures until measured online.
+    pub fn batching_probe_sizes(&self) -> Vec<usize> {
+        let sizes = match self.config.kind {
+            ModelKind::VoiceActivity => {
+                let sr = self.config.sample_rate_hz as usize;
+                vec![sr, 4 * sr]
+            }
+            ModelKind::FaceDetection => vec![64, 128, 256, 512],
+        };
+        sizes.into_iter().filter(|&size| self.probe_input_elements(1, size) <= self.config.max_input_elements).collect()
+    }
+
+    /// How many elements [`Model::probe_input`] holds for `batch` rows of `size`.
+    pub fn probe_input_elements(&self, batch: usize, size: usize) -> usize {
+        match self.config.kind {
+            ModelKind::VoiceActivity => batch * size,
+            ModelKind::FaceDetection => batch * 3 * size * size,
+        }
+    }
+
+    /// A deterministic, non-trivial input of `batch` rows: a quiet tone of `size` samples for
+    /// audio, a gradient of `size`² pixels for images.
+    pub fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
         match self.config.kind {
             ModelKind::VoiceActivity => {
                 let data = (0..batch * size).map(|i| 0.01 * ((i % size) as f32 * 0.05).sin()).collect();

@@ -3,25 +3,33 @@
 //! can call it.
 //!
 //! Every error leaves through [`ApiError`], whose `IntoResponse` picks the status code and the
-//! OIP error body; the logging middleware writes each failed request to the log once.
+//! OIP error body `{"error": …}`; the logging middleware writes each failed request to the log
+//! once, and turns axum's own rejections (unknown route, wrong method) into the same body.
+//!
+//! Bodies are read under the limits of [`crate::limits`] (size, bytes in flight, time), and
+//! connections are served by [`limits::serve`] (header and idle timeouts). With `auth_token`
+//! set, inference and model metadata need `Authorization: Bearer <token>` ([`require_token`]);
+//! health, readiness, `/v2` and `/metrics` stay open.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use bytes::Bytes;
+use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
 
-use crate::config::{AdmissionMode, WorkerConfig};
-use crate::engine::{Engine, InferError, Served};
+use crate::config::{AdmissionMode, Secret, WorkerConfig};
+use crate::batching::BatchSizer;
+use crate::engine::{Calibrated, Engine, InferError, Served};
 use crate::estimate::{MemoryEstimate, Probe};
+use crate::limits::{self, BodyBudget, BodyError, BodyLimits, ConnTimeouts};
 use crate::memory::{Budget, MemoryMonitor};
 use crate::metrics::Metrics;
 use crate::model::{self, InputTensor, Model, ModelError, TensorSpec};
@@ -32,6 +40,10 @@ struct AppState {
     engine: OnceLock<Arc<Engine>>,
     configured: Vec<String>,
     metrics: Arc<Metrics>,
+    /// How request bodies are read (size, bytes in flight, time).
+    body_limits: BodyLimits,
+    /// The bearer token of the inference endpoints; `None`: open.
+    auth_token: Option<Secret>,
 }
 
 /// Binds nothing itself: takes a bound listener (port 0 in tests), serves until `shutdown`
@@ -47,15 +59,36 @@ pub async fn run(
         engine: OnceLock::new(),
         configured: config.models.iter().map(|m| m.name.clone()).collect(),
         metrics: metrics.clone(),
+        body_limits: BodyLimits {
+            max_request_bytes: config.max_request_bytes as u64,
+            budget: BodyBudget::new(config.max_body_bytes_in_flight),
+            read_timeout: Duration::from_millis(config.body_read_timeout_ms),
+        },
+        auth_token: config.auth_token.clone(),
     });
-    let app = router(state.clone(), config.max_request_bytes);
-    tracing::info!(%addr, "ai-worker listening; loading models");
+    let app = router(state.clone());
+    let timeouts = ConnTimeouts {
+        header_read: Duration::from_millis(config.header_read_timeout_ms),
+        idle: Duration::from_millis(config.idle_timeout_ms),
+    };
+    tracing::info!(
+        %addr, authentication = config.auth_token.is_some(), max_request_bytes = config.max_request_bytes,
+        max_body_bytes_in_flight = config.max_body_bytes_in_flight, "ai-worker listening; loading models"
+    );
+    if config.memory_limit_bytes.is_some() && config.memory_host_allowance_bytes < 2 * config.max_body_bytes_in_flight {
+        tracing::warn!(
+            memory_host_allowance_bytes = config.memory_host_allowance_bytes,
+            max_body_bytes_in_flight = config.max_body_bytes_in_flight,
+            "on CPU the memory cap leaves less host memory than 2 × the request bodies read at once \
+             (a body and its decoded tensors); a burst of large bodies may abort the worker"
+        );
+    }
 
     let loader = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || start_engine(&config, metrics))
     };
-    let mut server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
+    let mut server = tokio::spawn(limits::serve(listener, app, timeouts, shutdown));
     tokio::select! {
         loaded = loader => {
             let (engine, budget) = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
@@ -70,18 +103,28 @@ pub async fn run(
     Ok(())
 }
 
-/// Loads and warms every model, measures its memory estimate, starts the batch threads,
-/// sets up the budget and applies the memory cap (in that order: the cap is relative to the
-/// footprint after start-up, and on CPU threads must exist before it).
+/// Loads and warms every model, measures its memory estimate and its batch sizes, starts the
+/// batch threads, sets up the budget and applies the memory cap (in that order: the cap is
+/// relative to the footprint after start-up, and on CPU threads must exist before it).
 fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<(Engine, Budget)> {
     let device = model::init_torch(config.device, config.torch_threads)?;
-    tracing::info!(device = %model::device_name(device), "libtorch initialised");
+    tracing::info!(%device, "libtorch initialised");
     let monitor = Arc::new(MemoryMonitor::new(device));
     let mut models = Vec::new();
     for mc in &config.models {
         let m = Arc::new(Model::load(mc.clone(), device)?);
         let estimate = Arc::new(calibrate(&m, &monitor)?);
-        models.push((m, estimate));
+        let sizer = Arc::new(BatchSizer::new(
+            mc.max_batch_size.or(config.batching.max_batch_size),
+            config.batching.initial_batch_size,
+        ));
+        if config.batching.calibrate {
+            // Batch sizes are timed only where their memory surely fits: a quarter of what is
+            // free now (the budget is not set up yet), by the estimate just measured.
+            let free = monitor.snapshot().free;
+            sizer.calibrate(&m, |elements| free == 0 || estimate.bytes(elements) <= free / 4);
+        }
+        models.push(Calibrated { model: m, estimate, sizer });
     }
     monitor.empty_cache();
     let snap = monitor.snapshot();
@@ -122,7 +165,7 @@ fn calibrate(model: &Model, monitor: &MemoryMonitor) -> anyhow::Result<MemoryEst
     let mut probes = Vec::new();
     for input in model.calibration_inputs() {
         let peak = {
-            let scope = monitor.peak_scope();
+            let scope = monitor.peak_scope(true);
             model.infer(&input).map_err(|e| anyhow::anyhow!("calibrating '{}': {e}", model.name()))?;
             scope.finish()
         };
@@ -157,21 +200,51 @@ async fn resample_memory(engine: Arc<Engine>, budget: Budget, every: Duration) {
     }
 }
 
-fn router(state: Arc<AppState>, max_request_bytes: usize) -> Router {
+fn router(state: Arc<AppState>) -> Router {
+    // Inference and model metadata: behind the bearer token when one is configured.
+    let guarded = Router::new()
+        .route("/v2/models/{name}", get(model_metadata))
+        .route("/v2/models/{name}/versions/{version}", get(model_metadata_versioned))
+        .route("/v2/models/{name}/infer", post(infer))
+        .route("/v2/models/{name}/versions/{version}/infer", post(infer_versioned))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .route("/v2", get(server_metadata))
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
         .route("/v2/health/ready", get(server_ready))
-        .route("/v2/models/{name}", get(model_metadata))
-        .route("/v2/models/{name}/versions/{version}", get(model_metadata_versioned))
         .route("/v2/models/{name}/ready", get(model_ready))
         .route("/v2/models/{name}/versions/{version}/ready", get(model_ready_versioned))
-        .route("/v2/models/{name}/infer", post(infer))
         .route("/metrics", get(metrics))
-        .route("/v2/models/{name}/versions/{version}/infer", post(infer_versioned))
-        .layer(DefaultBodyLimit::max(max_request_bytes))
+        .merge(guarded)
         .layer(middleware::from_fn(log_failures))
         .with_state(state)
+}
+
+/// With `auth_token` set, lets a request through only with `Authorization: Bearer <token>`
+/// (scheme case-insensitive), compared in constant time; else 401 with `WWW-Authenticate`.
+/// Runs before the body is read.
+async fn require_token(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Some(token) = &state.auth_token else {
+        return next.run(request).await;
+    };
+    // `None`: no header; `Some(None)`: another scheme; `Some(Some(token))`, maybe empty.
+    let presented = request.headers().get(header::AUTHORIZATION).map(|v| {
+        let v = v.as_bytes();
+        let (scheme, rest) = match v.iter().position(|&b| b == b' ') {
+            Some(i) => (&v[..i], &v[i + 1..]),
+            None => (v, &b""[..]),
+        };
+        scheme.eq_ignore_ascii_case(b"bearer").then(|| rest.trim_ascii())
+    });
+    let message = match presented {
+        None => "this endpoint needs a bearer token: send the header 'Authorization: Bearer <auth_token>'",
+        Some(None) => "the Authorization header must use the Bearer scheme: 'Authorization: Bearer <auth_token>'",
+        Some(Some(p)) if bool::from(p.ct_eq(token.expose().as_bytes())) => return next.run(request).await,
+        Some(Some(_)) => "the bearer token does not match the worker's auth_token",
+    };
+    ApiError::new(StatusCode::UNAUTHORIZED, message)
+        .with_header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"vramgate-worker\""))
+        .into_response()
 }
 
 /// An error answer: status code plus the OIP error body `{"error": "..."}`.
@@ -180,11 +253,23 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     retry_after_seconds: Option<u64>,
+    /// Further headers of the answer (`WWW-Authenticate`, `Connection: close`).
+    headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl ApiError {
     fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), retry_after_seconds: None }
+        ApiError { status, message: message.into(), retry_after_seconds: None, headers: Vec::new() }
+    }
+
+    fn with_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.headers.push((name, value));
+        self
+    }
+
+    /// Asks the client to close the connection: its request body was not (fully) read.
+    fn closing(self) -> Self {
+        self.with_header(header::CONNECTION, HeaderValue::from_static("close"))
     }
 }
 
@@ -196,6 +281,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = oip::ErrorBody { error: self.message.clone() };
         let mut response = (self.status, Json(body)).into_response();
+        for (name, value) in self.headers {
+            response.headers_mut().append(name, value);
+        }
         if let Some(seconds) = self.retry_after_seconds {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
@@ -221,33 +309,73 @@ impl From<InferError> for ApiError {
             InferError::OutOfMemory { message } => ApiError::new(StatusCode::INSUFFICIENT_STORAGE, message),
             InferError::TooLarge(message) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, message),
             InferError::Busy { message, retry_after_seconds } => ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message,
                 retry_after_seconds: Some(retry_after_seconds),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
             },
             InferError::Deadline(message) => ApiError::new(StatusCode::GATEWAY_TIMEOUT, message),
         }
     }
 }
 
+impl From<BodyError> for ApiError {
+    fn from(e: BodyError) -> Self {
+        let status = match &e {
+            BodyError::DeclaredTooLarge { .. } | BodyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            BodyError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            BodyError::Read(_) => StatusCode::BAD_REQUEST,
+        };
+        let retry_after_seconds = matches!(e, BodyError::Busy { .. }).then_some(1);
+        // The rest of the body is left unread: the connection cannot carry another request.
+        ApiError { retry_after_seconds, ..ApiError::new(status, e.to_string()) }.closing()
+    }
+}
+
+/// Longest stretch of a request's path that goes into an error message or a log line.
+const MAX_PATH_CHARS: usize = 200;
+
 async fn log_failures(request: Request, next: Next) -> Response {
     let method = request.method().clone();
-    let path = request.uri().path().to_string();
+    let path: String = request.uri().path().chars().take(MAX_PATH_CHARS).collect();
     let response = next.run(request).await;
     let status = response.status();
-    if status.is_client_error() || status.is_server_error() {
-        let message = response
-            .extensions()
-            .get::<ErrorMessage>()
-            .map(|m| m.0.as_str())
-            .unwrap_or("");
-        if status.is_server_error() {
-            tracing::warn!(%method, %path, status = status.as_u16(), message, "request failed");
-        } else {
-            tracing::info!(%method, %path, status = status.as_u16(), message, "request rejected");
-        }
+    if !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let response = match response.extensions().get::<ErrorMessage>() {
+        Some(_) => response,
+        None => as_json_error(response, &format!("{method} {path}")).await,
+    };
+    let message = response.extensions().get::<ErrorMessage>().map(|m| m.0.as_str()).unwrap_or("");
+    if status.is_server_error() {
+        tracing::warn!(%method, %path, status = status.as_u16(), message, "request failed");
+    } else {
+        tracing::info!(%method, %path, status = status.as_u16(), message, "request rejected");
     }
     response
+}
+
+/// An error answer axum made itself (no route, wrong method, a path it could not parse),
+/// rebuilt as `{"error": …}` saying which request it was; its headers (e.g. `Allow`) are kept.
+async fn as_json_error(response: Response, request: &str) -> Response {
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.map(|b| String::from_utf8_lossy(&b).trim().to_string()).unwrap_or_default();
+    let what = match parts.status {
+        StatusCode::NOT_FOUND => "no such endpoint".to_string(),
+        StatusCode::METHOD_NOT_ALLOWED => {
+            let allowed = parts.headers.get(header::ALLOW).and_then(|v| v.to_str().ok()).unwrap_or("");
+            format!("method not allowed here (allowed: {allowed})")
+        }
+        other => other.canonical_reason().unwrap_or("error").to_lowercase(),
+    };
+    let message = if text.is_empty() { format!("{request}: {what}") } else { format!("{request}: {what}: {text}") };
+    let mut error = ApiError::new(parts.status, message);
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            error.headers.push((name.clone(), value.clone()));
+        }
+    }
+    error.into_response()
 }
 
 impl AppState {
@@ -276,11 +404,11 @@ async fn server_metadata() -> Json<oip::ServerMetadata> {
     })
 }
 
-async fn server_ready(State(state): State<Arc<AppState>>) -> StatusCode {
+async fn server_ready(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
     if state.engine.get().is_some() {
-        StatusCode::OK
+        Ok(StatusCode::OK)
     } else {
-        StatusCode::SERVICE_UNAVAILABLE
+        Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "models are still loading"))
     }
 }
 
@@ -331,19 +459,22 @@ async fn model_metadata_versioned(
 async fn infer_versioned(
     state: State<Arc<AppState>>,
     Path((name, _version)): Path<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
+    request: Request,
 ) -> Result<Response, ApiError> {
-    infer(state, Path(name), headers, body).await
+    infer(state, Path(name), request).await
 }
 
 async fn infer(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
+    request: Request,
 ) -> Result<Response, ApiError> {
     let (engine, served) = state.served(&name)?;
+    let (parts, body) = request.into_parts();
+    let headers = parts.headers;
+    // From here until its job is queued, the model's batch thread knows this request is coming;
+    // until the answer is built, that it is in the worker.
+    let mut arrival = served.arrive();
     let model = served.model.clone();
     let header_len = match headers.get(oip::INFERENCE_HEADER_CONTENT_LENGTH) {
         None => None,
@@ -356,14 +487,19 @@ async fn infer(
             },
         )?),
     };
+    // Everything that can be checked without the body has been: now read it, charged to
+    // `max_body_bytes_in_flight`, within `max_request_bytes` and `body_read_timeout_ms`.
+    let (body, charge) = limits::read_body(&state.body_limits, &headers, body).await?;
     let (request, tensors) = oip::decode_request(&body, header_len)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
-    // The body's bytes are now in `tensors`; free them before the request waits for memory.
+    // The body's bytes are now in `tensors`; free them before the request waits for memory,
+    // and with them the body's charge.
     drop(body);
+    drop(charge);
     let input = take_input(&model, tensors)?;
     model.validate(&input)?;
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
-    let outputs = engine.infer(&served, input, timeout).await?;
+    let outputs = engine.infer(&served, input, timeout, &mut arrival).await?;
 
     let tensors: Vec<Tensor> = outputs
         .into_iter()
@@ -433,7 +569,16 @@ fn take_input(model: &Model, tensors: Vec<Tensor>) -> Result<InputTensor, ApiErr
         ));
     };
     match tensor.data {
-        TensorData::Fp32(data) => Ok(InputTensor { shape: tensor.shape, data }),
+        TensorData::Fp32(data) => match first_non_finite(&data) {
+            None => Ok(InputTensor { shape: tensor.shape, data }),
+            Some(at) => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "input '{}' holds a non-finite value ({}) at element {at}: NaN and ±infinity are refused",
+                    tensor.name, data[at]
+                ),
+            )),
+        },
         other => Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             format!(
@@ -445,9 +590,39 @@ fn take_input(model: &Model, tensors: Vec<Tensor>) -> Result<InputTensor, ApiErr
     }
 }
 
+/// The index of the first NaN or ±infinity in `data`, if any. On the path of every request,
+/// so it scans blocks branch-free (the largest absolute bit pattern of a block; vectorised)
+/// and looks for the element only in a block that has one.
+fn first_non_finite(data: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 4096;
+    // Exponent all ones: infinity (mantissa 0) or NaN; every larger pattern is a NaN too.
+    const NON_FINITE: u32 = 0x7f80_0000;
+    data.chunks(BLOCK).enumerate().find_map(|(b, block)| {
+        let largest = block.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7fff_ffff));
+        if largest < NON_FINITE {
+            return None;
+        }
+        block.iter().position(|x| !x.is_finite()).map(|i| b * BLOCK + i)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_values_are_found_wherever_they_are() {
+        let mut data = vec![0.5f32; 10_000];
+        assert_eq!(first_non_finite(&data), None);
+        data[9] = -f32::MAX;
+        assert_eq!(first_non_finite(&data), None, "the largest finite values are finite");
+        for (at, bad) in [(0, f32::NAN), (4095, f32::INFINITY), (4096, f32::NEG_INFINITY), (9999, -f32::NAN)] {
+            let mut data = data.clone();
+            data[at] = bad;
+            assert_eq!(first_non_finite(&data), Some(at), "{bad} at {at}");
+        }
+        assert_eq!(first_non_finite(&[]), None);
+    }
 
     fn request(parameters: serde_json::Value) -> oip::InferRequest {
         oip::InferRequest { parameters: parameters.as_object().cloned(), ..Default::default() }

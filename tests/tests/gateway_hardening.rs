@@ -136,7 +136,9 @@ async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
     }
     let valid = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let huge = vec![b'0'; 10 * 1024];
-    let forged: Vec<(String, Vec<(&str, &[u8])>, bool)> = vec![
+    // (id, headers sent, whether the trace context must be copied to the result)
+    type Forged<'a> = (String, Vec<(&'a str, &'a [u8])>, bool);
+    let forged: Vec<Forged<'_>> = vec![
         (unique("tp-valid"), vec![("traceparent", valid), ("tracestate", b"rojo=00f067aa0ba902b7")], true),
         (unique("tp-malformed"), vec![("traceparent", b"00-zz-yy-01\n\x1b[31m")], false),
         (unique("tp-huge"), vec![("traceparent", &huge), ("tracestate", &huge)], false),
@@ -235,4 +237,41 @@ async fn readiness_tells_a_missing_topic_and_a_worker_that_is_gone() {
     // Liveness is not readiness: the process is fine.
     let live = reqwest::get(gateway.metrics_url.replace("/metrics", "/healthz")).await.expect("healthz");
     assert!(live.status().is_success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_sends_the_workers_bearer_token_and_a_wrong_one_is_a_clear_dead_letter() {
+    let token = "s3cret-token-for-the-test";
+    let worker = start_worker(&worker_config(&format!("auth_token = \"{token}\"\n"), &[VAD_MODEL])).await.expect("worker");
+    let root = scratch_dir("token");
+    let wav = root.join("noise.wav");
+    write_wav(&wav, &noise(8_000, 0.05, 3), 16_000, 1, SampleFormat::I16).expect("write wav");
+    let run = |with_token: Option<&str>, prefix: &'static str| {
+        let (worker_url, root, wav) = (worker.url.clone(), root.clone(), wav.clone());
+        let with_token = with_token.map(str::to_string);
+        async move {
+            let topics = TaskTopics::create(prefix, 1).await.expect("topics");
+            let mut env = gateway_base_env(&unique("gw"), &worker_url, &root);
+            env.extend(voice_task_env(&topics));
+            env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+            if let Some(t) = with_token {
+                env.push(("WORKER__AUTH_TOKEN", t));
+            }
+            let gateway = start_gateway(&env).await.expect("gateway");
+            let id = unique(prefix);
+            send(&producer(), &topics.requests, &id, &request_file(&id, "voice", &wav)).await.expect("send");
+            let records = collect(&[&topics.results, &topics.dlq], Duration::from_secs(60), |got| got.contains_key(&id))
+                .await
+                .expect("collect");
+            let got = records.get(&id).unwrap_or_else(|| panic!("no output; log:\n{}", gateway.log_tail()))[0].clone();
+            let log = std::fs::read_to_string(&gateway.service.log).unwrap_or_default();
+            (got, log)
+        }
+    };
+    let (got, log) = run(Some(token), "token-ok").await;
+    assert!(got.topic.ends_with(".results"), "with the token: {}", got.value);
+    assert!(!log.contains(token), "the token is never logged");
+    let (got, _) = run(Some("wrong"), "token-wrong").await;
+    assert_eq!(got.value["error"]["kind"], "worker_rejected", "{}", got.value);
+    assert!(got.value["error"]["message"].as_str().is_some_and(|m| m.contains("401")), "{}", got.value);
 }

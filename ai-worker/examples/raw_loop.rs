@@ -1,0 +1,174 @@
+//! The ceiling the worker is measured against: a plain libtorch loop over the same TorchScript
+//! file, with nothing of vramgate around it. It loads the model with tch, sets the torch thread
+//! count, builds the input tensor once, and calls the model under `no_grad` in a loop, exactly
+//! as a user who knows libtorch would (the profiling executor left at its default, the C
+//! allocator left at glibc's defaults). It prints items per second: images for P-Net, clips
+//! for Silero VAD.
+//!
+//! ```text
+//! cargo run --release -p vramgate-worker --example raw_loop -- \
+//!     --kind face_detection --model models/mtcnn_pnet.jit --shape 1,3,320,320
+//! cargo run --release -p vramgate-worker --example raw_loop -- \
+//!     --kind voice_activity --model models/silero_vad.jit --shape 1,80000
+//! ```
+//!
+//! Arguments: `--kind face_detection|voice_activity`, `--model PATH`, `--shape D,D,…` (the
+//! batch dimension first), `--input PATH` (raw little-endian f32 of one item, repeated over
+//! the batch; without it a deterministic gradient or tone is used), `--threads N` (default 1),
+//! `--seconds S` (how long to time, default 5), `--warmup N` (calls before timing, default 5),
+//! `--sample-rate HZ` (Silero's, default 16000), `--json` (one JSON object instead of text),
+//! `--no-profiling` (turn TorchScript's profiling executor off, as the worker does).
+//!
+//! Besides the rate it prints the loop thread's time on a CPU and waiting for one (from
+//! `/proc/thread-self/schedstat`) per item: on a shared machine the second says how much of a
+//! figure is other load.
+//!
+//! The input is fed as the worker feeds it (`model.rs`): P-Net `forward(image)` with a
+//! `[batch, 3, H, W]` float tensor; Silero `audio_forward(audio, sample_rate)` with a
+//! `[batch, samples]` float tensor.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tch::{CModule, Device, IValue, Kind, Tensor};
+
+struct Args {
+    kind: String,
+    model: String,
+    shape: Vec<i64>,
+    input: Option<String>,
+    threads: i32,
+    seconds: f64,
+    warmup: usize,
+    sample_rate: i64,
+    json: bool,
+    profiling: bool,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut args = Args {
+        kind: String::new(),
+        model: String::new(),
+        shape: Vec::new(),
+        input: None,
+        threads: 1,
+        seconds: 5.0,
+        warmup: 5,
+        sample_rate: 16_000,
+        json: false,
+        profiling: true,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--kind" => args.kind = value()?,
+            "--model" => args.model = value()?,
+            "--shape" => {
+                args.shape = value()?.split(',').map(|d| d.trim().parse::<i64>()).collect::<Result<_, _>>()?;
+            }
+            "--input" => args.input = Some(value()?),
+            "--threads" => args.threads = value()?.parse()?,
+            "--seconds" => args.seconds = value()?.parse()?,
+            "--warmup" => args.warmup = value()?.parse()?,
+            "--sample-rate" => args.sample_rate = value()?.parse()?,
+            "--json" => args.json = true,
+            "--no-profiling" => args.profiling = false,
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    if args.model.is_empty() || args.shape.len() < 2 {
+        bail!("usage: raw_loop --kind face_detection|voice_activity --model PATH --shape B,… [--input F32FILE] [--threads N] [--seconds S] [--json]");
+    }
+    Ok(args)
+}
+
+/// One item's data: from `--input`, else a deterministic gradient (images) or tone (audio).
+fn item_data(args: &Args) -> anyhow::Result<Vec<f32>> {
+    let per_item: usize = args.shape[1..].iter().map(|&d| d as usize).product();
+    let data: Vec<f32> = match &args.input {
+        Some(path) => {
+            let bytes = std::fs::read(path).with_context(|| format!("reading {path}"))?;
+            bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        }
+        None if args.kind == "voice_activity" => (0..per_item).map(|i| 0.3 * (i as f32 * 0.013).sin()).collect(),
+        None => (0..per_item).map(|i| ((i % 997) as f32 / 997.0) - 0.5).collect(),
+    };
+    if data.len() != per_item {
+        bail!("input has {} values, shape {:?} needs {per_item} per item", data.len(), args.shape);
+    }
+    Ok(data)
+}
+
+fn call(module: &CModule, kind: &str, x: &Tensor, sample_rate: i64) -> anyhow::Result<()> {
+    let out = match kind {
+        "voice_activity" => module.method_is("audio_forward", &[IValue::Tensor(x.shallow_clone()), IValue::Int(sample_rate)])?,
+        "face_detection" => module.forward_is(&[IValue::Tensor(x.shallow_clone())])?,
+        other => bail!("unknown kind {other}"),
+    };
+    std::hint::black_box(out);
+    Ok(())
+}
+
+/// This thread's `/proc/thread-self/schedstat`: nanoseconds on a CPU and waiting on a runqueue
+/// (zeros where it cannot be read).
+fn schedstat() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let mut fields = text.split_whitespace().map(|f| f.parse::<u64>().unwrap_or(0));
+    (fields.next().unwrap_or(0), fields.next().unwrap_or(0))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    tch::set_num_threads(args.threads);
+    if !args.profiling {
+        tch::jit::set_profiling_mode(false);
+    }
+    let mut module = CModule::load_on_device(&args.model, Device::Cpu).with_context(|| format!("loading {}", args.model))?;
+    module.set_eval();
+    let item = item_data(&args)?;
+    let batch = args.shape[0];
+    let per_item = Tensor::from_slice(&item).reshape(&args.shape[1..]);
+    let mut sched_before = (0, 0);
+    let items: Vec<Tensor> = (0..batch).map(|_| per_item.shallow_clone()).collect();
+    let x = Tensor::stack(&items, 0).to_kind(Kind::Float).contiguous();
+
+    let timed = tch::no_grad(|| -> anyhow::Result<(usize, Duration)> {
+        for _ in 0..args.warmup {
+            call(&module, &args.kind, &x, args.sample_rate)?;
+        }
+        let limit = Duration::from_secs_f64(args.seconds);
+        sched_before = schedstat();
+        let started = Instant::now();
+        let mut calls = 0;
+        while started.elapsed() < limit || calls < 3 {
+            call(&module, &args.kind, &x, args.sample_rate)?;
+            calls += 1;
+        }
+        Ok((calls, started.elapsed()))
+    })?;
+    let (calls, elapsed) = timed;
+    let sched = schedstat();
+    let items = calls as f64 * batch as f64;
+    // This thread's time on a CPU and waiting for one (runqueue), per item, in ms.
+    let on_cpu_ms = (sched.0 - sched_before.0) as f64 / 1e6 / items;
+    let waiting_ms = (sched.1 - sched_before.1) as f64 / 1e6 / items;
+    let items_per_s = (calls as f64 * batch as f64) / elapsed.as_secs_f64();
+    let ms_per_call = elapsed.as_secs_f64() * 1000.0 / calls as f64;
+    let shape = args.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
+    if args.json {
+        println!(
+            "{{\"kind\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
+            args.kind,
+            args.threads,
+            elapsed.as_secs_f64()
+        );
+    } else {
+        println!(
+            "{} {shape}: {items_per_s:.1} items/s ({ms_per_call:.2} ms per call of {batch}, {calls} calls, {} thread(s); \
+             per item {on_cpu_ms:.2} ms on a CPU, {waiting_ms:.2} ms waiting for one)",
+            args.kind, args.threads
+        );
+    }
+    Ok(())
+}

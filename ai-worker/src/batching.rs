@@ -1,0 +1,343 @@
+//! How many requests one batch may hold: chosen per model, on the worker's one device, and per
+//! input size, from measured throughput. A configured size is at most an upper bound (for
+//! latency); it is never a target that would lower throughput.
+//!
+//! **Why measure.** Whether batching pays depends on the model, the device and the input size.
+//! Measured on this 2-core CPU with one torch thread (plain libtorch loop, items per second):
+//! Silero VAD on 1 s clips runs 90/s alone and 340/s in batches of 8 (its recurrent steps are
+//! tiny ops whose fixed cost a batch shares); MTCNN P-Net on 64² images gains about 35% at
+//! batch 4, is flat at 160², and at 320² is slower per image in any batch (its activations
+//! outgrow the caches; docs/performance.md). On a GPU a batch of small images is usually
+//! nearly as fast as one image, until the card is full. A fixed `max_batch_size = 8` was right
+//! for one of these and wrong for the others.
+//!
+//! **The rule.** Inputs are grouped into size classes by their elements per item (one row of
+//! the padded batch), by power of two. For each class the sizer keeps the throughput measured
+//! at each batch size it has run (items per second, a moving average over batches). The
+//! class's **limit** is the batch size with the best throughput, where a larger size must beat
+//! the best smaller one by [`GAIN`] (10%) to be preferred: batching that does not pay is not
+//! worth its latency, and a smaller gain is within the noise of a shared machine. A batch is formed up to the limit (and never past what its members were
+//! granted in memory, nor past the capacity learned from OOMs: `engine.rs`).
+//!
+//! * **At start-up** each model is timed on a few sizes (`Model::batching_probe_sizes`) at
+//!   batch 1, 2, 4, … — doubling until it stops paying by [`GAIN`], up to [`CALIBRATION_MAX`]
+//!   rows and within [`CALIBRATION_BUDGET`] per model — so the first requests already get a
+//!   measured limit. A class not calibrated takes the limit of the nearest class that was.
+//! * **Online** every batch's duration updates its class's figures. One batch in
+//!   [`EXPLORE_EVERY`] of a class may hold up to twice the limit (when that many requests are
+//!   waiting), so that a size that pays more than measured so far — a less loaded machine, a
+//!   GPU with room — is found and the limit grows; a larger size measured worse is not chosen.
+//!   On a GPU, where throughput keeps rising with the batch until the card is busy, the limit
+//!   keeps doubling and memory is what bounds the batch: the members' grants of the admission
+//!   budget and the learned capacity.
+//! * The limit never passes `batching.max_batch_size` (per model: `max_batch_size`) when one is
+//!   configured, nor [`SEARCH_MAX`]. With `batching.calibrate = false` nothing is timed at
+//!   start-up and classes start from `batching.initial_batch_size` (default 1), a prior the
+//!   first figures replace.
+//!
+//! The limits are exposed as `vramgate_worker_batch_size_limit{model, item_elements}` (the
+//! class's lowest elements per item).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::model::Model;
+
+/// How much better (items per second) a larger batch size must measure to be preferred: 10%,
+/// above the run-to-run noise of a shared CPU, and worth a batch's added latency.
+pub const GAIN: f64 = 1.10;
+/// One batch in this many (per size class) may explore twice the limit.
+pub const EXPLORE_EVERY: u64 = 32;
+/// The largest batch size the sizer ever chooses, whatever it measures.
+pub const SEARCH_MAX: usize = 1024;
+/// The largest batch size timed at start-up (online exploration may go further).
+pub const CALIBRATION_MAX: usize = 16;
+/// Start-up timing per model stops once this much time is spent.
+pub const CALIBRATION_BUDGET: Duration = Duration::from_secs(3);
+/// Weight of the newest batch in a batch size's moving average.
+const SMOOTHING: f64 = 0.2;
+
+/// A size class: `floor(log2(elements per item))`.
+pub type SizeClass = u32;
+
+/// The size class of items of `item_elements` elements.
+pub fn size_class(item_elements: u64) -> SizeClass {
+    63 - item_elements.max(1).leading_zeros()
+}
+
+/// Items per second at one batch size, averaged over the batches run at it.
+#[derive(Debug, Clone, Copy)]
+struct Rate {
+    items_per_s: f64,
+    samples: u64,
+}
+
+#[derive(Debug, Default)]
+struct Class {
+    /// By batch size (rows).
+    rates: BTreeMap<usize, Rate>,
+    /// Batches formed for this class (for exploration).
+    batches: u64,
+}
+
+impl Class {
+    /// The best measured batch size: ascending, a larger size replaces the best so far only
+    /// when it measured at least [`GAIN`] times its throughput. `None` before any figure.
+    fn best(&self, bound: usize) -> Option<usize> {
+        let mut best: Option<(usize, f64)> = None;
+        for (&rows, rate) in self.rates.range(..=bound) {
+            match best {
+                Some((_, r)) if rate.items_per_s < r * GAIN => {}
+                _ => best = Some((rows, rate.items_per_s)),
+            }
+        }
+        best.map(|(rows, _)| rows)
+    }
+
+    /// Whether a size larger than `rows` was measured (and so found not to pay).
+    fn measured_above(&self, rows: usize, bound: usize) -> bool {
+        rows < bound && self.rates.range(rows + 1..=bound).next().is_some()
+    }
+}
+
+/// The batch sizes of one model: see the module doc.
+#[derive(Debug)]
+pub struct BatchSizer {
+    classes: Mutex<BTreeMap<SizeClass, Class>>,
+    /// `max_batch_size` if configured, else [`SEARCH_MAX`].
+    bound: usize,
+    /// The limit where nothing is measured (`batching.initial_batch_size`).
+    initial: usize,
+}
+
+impl BatchSizer {
+    /// `configured_max`: `max_batch_size`, an upper bound; `initial`: the limit of a size
+    /// class before anything about it or a neighbour is measured.
+    pub fn new(configured_max: Option<usize>, initial: usize) -> Self {
+        let bound = configured_max.unwrap_or(SEARCH_MAX).clamp(1, SEARCH_MAX);
+        BatchSizer { classes: Mutex::new(BTreeMap::new()), bound, initial: initial.clamp(1, bound) }
+    }
+
+    fn classes(&self) -> std::sync::MutexGuard<'_, BTreeMap<SizeClass, Class>> {
+        self.classes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The most rows a batch of items of `item_elements` may hold now. Call once per batch
+    /// formed: every [`EXPLORE_EVERY`]th batch of a class may hold twice the limit.
+    pub fn allowed(&self, item_elements: u64) -> usize {
+        let class = size_class(item_elements);
+        let mut classes = self.classes();
+        let limit = limit_of(&classes, class, self.bound, self.initial);
+        let entry = classes.entry(class).or_default();
+        entry.batches += 1;
+        if entry.batches % EXPLORE_EVERY == 0 {
+            (limit * 2).min(self.bound)
+        } else {
+            limit.min(self.bound)
+        }
+    }
+
+    /// The chosen batch size for items of `item_elements`, without exploring.
+    pub fn limit(&self, item_elements: u64) -> usize {
+        limit_of(&self.classes(), size_class(item_elements), self.bound, self.initial)
+    }
+
+    /// A batch of `rows` items of `item_elements` each took `seconds`.
+    pub fn record(&self, item_elements: u64, rows: usize, seconds: f64) {
+        if rows == 0 || seconds <= 0.0 {
+            return;
+        }
+        let items_per_s = rows as f64 / seconds;
+        let mut classes = self.classes();
+        classes
+            .entry(size_class(item_elements))
+            .or_default()
+            .rates
+            .entry(rows)
+            .and_modify(|r| {
+                r.items_per_s += SMOOTHING * (items_per_s - r.items_per_s);
+                r.samples += 1;
+            })
+            .or_insert(Rate { items_per_s, samples: 1 });
+    }
+
+    /// Every size class with figures and its limit, for the metrics and the logs.
+    pub fn limits(&self) -> Vec<(SizeClass, usize)> {
+        let classes = self.classes();
+        classes.iter().filter(|(_, c)| !c.rates.is_empty()).map(|(&k, _)| (k, limit_of(&classes, k, self.bound, self.initial))).collect()
+    }
+
+    /// Times `model` at start-up: for each probe size, batch 1, 2, 4, … until two doublings in
+    /// a row have not beaten the best by [`GAIN`] or one measured clearly slower (a gain can
+    /// show only at 4 after none at 2: P-Net on 64² images), up to [`CALIBRATION_MAX`] and
+    /// within [`CALIBRATION_BUDGET`]. Each size and batch is run once untimed (libtorch
+    /// prepares kernels per shape), then three times timed; the fastest counts. An error (an
+    /// OOM on a small device) ends that size's doubling.
+    /// `affordable(elements)` says whether a probe of that many input elements may run.
+    pub fn calibrate(&self, model: &Model, affordable: impl Fn(u64) -> bool) {
+        let started = Instant::now();
+        for size in model.batching_probe_sizes() {
+            let item_elements = model.probe_input_elements(1, size) as u64;
+            let mut best = 0.0_f64;
+            let mut misses = 0;
+            let mut rows = 1;
+            while rows <= CALIBRATION_MAX.min(self.bound) && started.elapsed() < CALIBRATION_BUDGET {
+                let elements = model.probe_input_elements(rows, size);
+                if elements > model.config().max_input_elements || !affordable(elements as u64) {
+                    break;
+                }
+                let input = model.probe_input(rows, size);
+                let mut fastest = f64::INFINITY;
+                for run in 0..4 {
+                    let t = Instant::now();
+                    if model.infer(&input).is_err() {
+                        fastest = f64::INFINITY;
+                        break;
+                    }
+                    if run > 0 {
+                        fastest = fastest.min(t.elapsed().as_secs_f64());
+                    }
+                }
+                if !fastest.is_finite() {
+                    break;
+                }
+                self.record(item_elements, rows, fastest);
+                let rate = rows as f64 / fastest;
+                if rate >= best * GAIN {
+                    best = rate;
+                    misses = 0;
+                } else {
+                    misses += 1;
+                    if misses == 2 || rate < best / GAIN {
+                        break;
+                    }
+                }
+                rows *= 2;
+            }
+        }
+        tracing::info!(
+            model = %model.name(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            limits = ?self.limits().iter().map(|(k, l)| (1u64 << k, *l)).collect::<Vec<_>>(),
+            "batch sizes calibrated: (elements per item from, batch size limit)"
+        );
+    }
+}
+
+/// The limit of `class`: its best measured size; where nothing larger than that was measured
+/// in this class, the best size of the nearest other class with figures (the smaller class on
+/// a tie), or `initial` when no class has any, may stand in for the sizes not yet tried.
+fn limit_of(classes: &BTreeMap<SizeClass, Class>, class: SizeClass, bound: usize, initial: usize) -> usize {
+    let prior = || {
+        classes
+            .iter()
+            .filter(|(&k, _)| k != class)
+            .filter_map(|(&k, c)| c.best(bound).map(|best| (k, best)))
+            .min_by_key(|&(k, _)| (k.abs_diff(class), k))
+            .map_or(initial, |(_, best)| best)
+    };
+    let own = classes.get(&class).and_then(|c| c.best(bound).map(|best| (c, best)));
+    let limit = match own {
+        Some((c, best)) if c.measured_above(best, bound) => best,
+        Some((_, best)) => best.max(prior()),
+        None => prior(),
+    };
+    limit.clamp(1, bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records `rate` items/s at `rows` for items of `elements`.
+    fn feed(sizer: &BatchSizer, elements: u64, rows: usize, rate: f64) {
+        sizer.record(elements, rows, rows as f64 / rate);
+    }
+
+    #[test]
+    fn the_limit_is_the_fastest_size_that_pays() {
+        let sizer = BatchSizer::new(None, 1);
+        assert_eq!(sizer.limit(1000), 1, "nothing measured: no batching");
+        feed(&sizer, 1000, 1, 100.0);
+        feed(&sizer, 1000, 2, 108.0);
+        assert_eq!(sizer.limit(1000), 1, "8% is not worth the latency");
+        feed(&sizer, 1000, 4, 150.0);
+        assert_eq!(sizer.limit(1000), 4);
+        feed(&sizer, 1000, 8, 140.0);
+        assert_eq!(sizer.limit(1000), 4, "a larger batch that measured slower is not chosen");
+    }
+
+    #[test]
+    fn batching_that_costs_throughput_is_not_chosen() {
+        let sizer = BatchSizer::new(Some(8), 1);
+        feed(&sizer, 300_000, 1, 110.0);
+        feed(&sizer, 300_000, 2, 95.0);
+        feed(&sizer, 300_000, 8, 60.0);
+        assert_eq!(sizer.limit(300_000), 1);
+    }
+
+    #[test]
+    fn classes_are_separate_and_unknown_sizes_take_the_nearest() {
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 12_000, 1, 2000.0);
+        feed(&sizer, 12_000, 4, 3000.0);
+        feed(&sizer, 300_000, 1, 100.0);
+        feed(&sizer, 300_000, 2, 80.0);
+        assert_eq!(sizer.limit(12_000), 4);
+        assert_eq!(sizer.limit(300_000), 1);
+        assert_eq!(sizer.limit(10_000), 4, "nearest class below");
+        assert_eq!(sizer.limit(900_000), 1, "nearest class above");
+        let limits = sizer.limits();
+        assert_eq!(limits, vec![(size_class(12_000), 4), (size_class(300_000), 1)]);
+    }
+
+    #[test]
+    fn exploration_doubles_the_limit_now_and_then_and_a_configured_bound_holds() {
+        let sizer = BatchSizer::new(Some(6), 1);
+        feed(&sizer, 1000, 1, 100.0);
+        feed(&sizer, 1000, 4, 200.0);
+        let allowed: Vec<usize> = (0..EXPLORE_EVERY).map(|_| sizer.allowed(1000)).collect();
+        assert_eq!(allowed.iter().filter(|&&a| a == 4).count() as u64, EXPLORE_EVERY - 1);
+        assert_eq!(allowed.last(), Some(&6), "twice the limit, within the configured bound");
+        // The explored size measured better: it becomes the limit (bounded by the config).
+        feed(&sizer, 1000, 6, 300.0);
+        assert_eq!(sizer.limit(1000), 6);
+    }
+
+    #[test]
+    fn a_class_seen_only_at_small_batches_keeps_its_neighbours_limit() {
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 16_000, 1, 90.0);
+        feed(&sizer, 16_000, 8, 340.0);
+        // Longer clips, so far only ever alone (one client): no evidence against batching.
+        feed(&sizer, 80_000, 1, 19.0);
+        assert_eq!(sizer.limit(80_000), 8);
+        // Measured in a batch of 8 and found slower: its own figures win.
+        feed(&sizer, 80_000, 8, 15.0);
+        assert_eq!(sizer.limit(80_000), 1);
+    }
+
+    #[test]
+    fn without_figures_the_initial_size_is_a_prior_that_measurement_replaces() {
+        let sizer = BatchSizer::new(Some(8), 8);
+        assert_eq!(sizer.limit(3_000_000), 8);
+        feed(&sizer, 3_000_000, 1, 10.0);
+        assert_eq!(sizer.limit(3_000_000), 8, "nothing larger measured yet");
+        feed(&sizer, 3_000_000, 4, 7.0);
+        assert_eq!(sizer.limit(3_000_000), 1);
+    }
+
+    #[test]
+    fn figures_follow_a_change_of_speed() {
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 1000, 1, 100.0);
+        feed(&sizer, 1000, 2, 150.0);
+        assert_eq!(sizer.limit(1000), 2);
+        // Batches of 2 became slow (another process took the cores' caches, say).
+        for _ in 0..20 {
+            feed(&sizer, 1000, 2, 60.0);
+        }
+        assert_eq!(sizer.limit(1000), 1);
+    }
+}
