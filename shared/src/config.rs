@@ -118,7 +118,8 @@ where
         }
         figment = figment.merge(Toml::file(path));
     }
-    figment = figment.merge(Env::prefixed(env_prefix).split("__"));
+    // `<PREFIX>CONFIG` names the file itself (the binaries' `--config`), not a key.
+    figment = figment.merge(Env::prefixed(env_prefix).split("__").ignore(&["config"]));
     figment.extract().map_err(|e| ConfigError(Box::new(e)))
 }
 

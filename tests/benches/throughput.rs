@@ -14,7 +14,17 @@
 //! (`max_held_bytes` + librdkafka's `queued.max.messages.kbytes`), and how many records ended
 //! in the dead-letter topic (must be all of them: lost = 0).
 //!
-//! Run with `scripts/bench throughput` (or `cargo bench -p vramgate-tests --bench throughput`).
+//! **P2, raw loop → worker → whole pipeline.** For P-Net on a 320×320 image and Silero VAD on
+//! a 5 s clip: the plain libtorch loop (`ai-worker/examples/raw_loop.rs`, batch 1, one torch
+//! thread), the worker called directly over OIP with 8 requests in flight (the same tensor the
+//! gateway sends), and the whole pipeline: `VRAMGATE_BENCH_PIPELINE_EVENTS` (default 400)
+//! requests naming a PNG or WAV file, through Kafka, the gateway (defaults) and the same
+//! worker, timed from the first consumed record to the last result. On this CPU-only machine
+//! the gateway's conversion shares the cores with the model; on a GPU host it would not.
+//!
+//! Run with `scripts/bench throughput` (or `cargo bench -p vramgate-tests --bench throughput`;
+//! the P2 part needs `cargo build --release --examples` for the raw loop). Set
+//! `VRAMGATE_BENCH_PARTS=p4` or `p2` to run one part.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -22,9 +32,12 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use vramgate_tests::ceiling;
+use vramgate_tests::images::{crowd, png, write};
+use vramgate_tests::wav::{noise, write_wav, SampleFormat};
 use vramgate_tests::{
-    brokers, delete_topics, gateway_base_env, scratch_dir, start_gateway, uncommitted_records, unique,
-    voice_task_env, TaskTopics,
+    brokers, delete_topics, gateway_base_env, image_task_env, producer, request_file, scratch_dir, send_all,
+    start_gateway, uncommitted_records, unique, voice_task_env, TaskTopics,
 };
 
 const PARTITIONS: i32 = 3;
@@ -221,8 +234,113 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     })
 }
 
+/// P2 for one case: raw loop, worker direct at 8 in flight, whole pipeline. Returns the three
+/// rates.
+async fn pipeline_case(
+    case: &ceiling::CeilingCase,
+    worker: &vramgate_tests::Worker,
+    events: usize,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let data = case.data();
+    let raw = ceiling::raw_rate(case, &data, 4.0, 1)?.items_per_s;
+    let (direct, failed) = ceiling::worker_rate(&worker.url, case, &data, 8, 4.0).await?;
+    anyhow::ensure!(failed == 0, "{failed} direct calls failed");
+
+    // The same input as a file the gateway reads and converts to the same tensor shape.
+    let root = scratch_dir("bench-p2");
+    let (task, file) = match case.model {
+        ceiling::CeilingModel::Pnet => {
+            let (h, w) = (case.shape[2] as u32, case.shape[3] as u32);
+            ("image", write(&root, "input.png", &png(&crowd(w, h, 16.0, 1))))
+        }
+        ceiling::CeilingModel::SileroVad => {
+            let path = root.join("input.wav");
+            write_wav(&path, &noise(case.shape[1], 0.05, 1), 16_000, 1, SampleFormat::I16)?;
+            ("voice", path)
+        }
+    };
+    let topics = TaskTopics::create("bench-p2", PARTITIONS).await?;
+    let requests: Vec<(String, Vec<u8>)> = (0..events)
+        .map(|i| {
+            let id = format!("p2-{i}");
+            let value = request_file(&id, task, &file);
+            (id, value)
+        })
+        .collect();
+    send_all(&producer(), &topics.requests, &requests, 500).await?;
+    let group = unique("bench-p2");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    let (topic_env, other) = if task == "image" {
+        (image_task_env(&topics), "TASKS__VOICE__ENABLED")
+    } else {
+        (voice_task_env(&topics), "TASKS__IMAGE__ENABLED")
+    };
+    env.extend(topic_env);
+    env.push((other, "false".into()));
+    let gateway = start_gateway(&env).await?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let started = loop {
+        if gateway.metrics().await?.sum("vramgate_gateway_records_consumed_total", &[]) > 0.0 {
+            break Instant::now();
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway consumed nothing; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    loop {
+        let done = gateway.metrics().await?.sum("vramgate_gateway_records_produced_total", &[]);
+        if done >= events as f64 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the pipeline did not finish; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let pipeline = events as f64 / started.elapsed().as_secs_f64();
+    let results = topic_records(&topics.results)?;
+    anyhow::ensure!(results == events as i64, "{results} results of {events}; log:\n{}", gateway.log_tail());
+    let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
+    Ok((raw, direct, pipeline))
+}
+
+async fn p2() -> anyhow::Result<()> {
+    let events: usize = env_or("VRAMGATE_BENCH_PIPELINE_EVENTS", 400);
+    let cases = [ceiling::CeilingCase::image(320, 320), ceiling::CeilingCase::clip(5)];
+    let options = ceiling::CeilingOptions { cases: cases.to_vec(), ..ceiling::CeilingOptions::from_env() };
+    let worker = ceiling::start_ceiling_worker(&options).await?;
+    println!();
+    println!("P2  raw libtorch loop → worker direct (8 in flight) → whole pipeline through Kafka");
+    println!(
+        "    {:<22} {:>10} {:>10} {:>10} {:>14} {:>16}",
+        "model, input", "raw", "worker", "pipeline", "worker / raw", "pipeline / worker"
+    );
+    for case in &cases {
+        let (raw, direct, pipeline) = pipeline_case(case, &worker, events).await?;
+        println!(
+            "    {:<22} {:>10.1} {:>10.1} {:>10.1} {:>14.2} {:>16.2}   ({})",
+            format!("{} {}", case.model.name(), case.label),
+            raw,
+            direct,
+            pipeline,
+            direct / raw,
+            pipeline / direct,
+            case.model.unit()
+        );
+    }
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
+    let parts = std::env::var("VRAMGATE_BENCH_PARTS").unwrap_or_else(|_| "p2,p4".into());
+    if parts.contains("p4") {
+        p4().await?;
+    }
+    if parts.contains("p2") {
+        p2().await?;
+    }
+    Ok(())
+}
+
+async fn p4() -> anyhow::Result<()> {
     let count: usize = env_or("VRAMGATE_BENCH_EVENTS", 100_000);
     let topics = TaskTopics::create("bench-p4", PARTITIONS).await?;
     let root = scratch_dir("bench-p4");

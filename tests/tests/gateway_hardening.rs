@@ -275,3 +275,35 @@ async fn the_gateway_sends_the_workers_bearer_token_and_a_wrong_one_is_a_clear_d
     assert_eq!(got.value["error"]["kind"], "worker_rejected", "{}", got.value);
     assert!(got.value["error"]["message"].as_str().is_some_and(|m| m.contains("401")), "{}", got.value);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_make_the_gateway_not_ready_with_a_clear_reason_and_no_password_in_the_log() {
+    // The test broker's listener is PLAINTEXT: a client that insists on SASL fails to
+    // authenticate, as one with a wrong password would.
+    let topics = TaskTopics::create("sasl", 1).await.expect("topics");
+    let root = scratch_dir("sasl");
+    let password = "987654321";
+    let config = root.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[kafka.properties]\n\"security.protocol\" = \"SASL_PLAINTEXT\"\n\"sasl.mechanism\" = \"PLAIN\"\n\
+             \"sasl.username\" = \"vramgate\"\n\"sasl.password\" = {password}\n"
+        ),
+    )
+    .expect("write config");
+    let mut env = gateway_base_env(&unique("gw"), "http://127.0.0.1:9", &root);
+    env.extend(voice_task_env(&topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    env.push(("CONFIG", config.display().to_string()));
+    let gateway = start_gateway(&env).await.expect("gateway starts");
+    let body = wait_readiness(&gateway, |status, body| {
+        status == 503 && body["checks"]["kafka"].as_str().is_some_and(|k| k.contains("authentication"))
+    })
+    .await;
+    assert_eq!(body["ready"], false, "{body}");
+    let log = std::fs::read_to_string(&gateway.service.log).unwrap_or_default();
+    assert!(log.contains("kafka authentication failed"), "log:\n{}", gateway.log_tail());
+    assert!(!log.contains(password), "the password is never logged");
+    assert!(log.len() < 64 * 1024, "{} bytes of log in a few seconds", log.len());
+}
