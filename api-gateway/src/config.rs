@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use vramgate_shared::config::Secret;
 
-use crate::vision::ImageOptions;
+pub use crate::tasks::image::ImageOptions;
+pub use crate::tasks::voice::{SegmentConfig, WavOptions};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -356,41 +357,6 @@ impl Default for RetryConfig {
     }
 }
 
-/// Options of the `wav` converter.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct WavOptions {
-    /// Longer audio is dead-lettered as `input_too_large` before its samples are decoded.
-    pub max_audio_seconds: f64,
-    pub segments: SegmentConfig,
-}
-
-impl Default for WavOptions {
-    fn default() -> Self {
-        WavOptions { max_audio_seconds: 600.0, segments: SegmentConfig::default() }
-    }
-}
-
-/// How speech probabilities become segments.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SegmentConfig {
-    /// A window is speech when its probability reaches this.
-    pub threshold: f32,
-    /// Speech shorter than this is dropped.
-    pub min_speech_ms: u32,
-    /// Silence shorter than this does not end a segment.
-    pub min_silence_ms: u32,
-    /// Added to both ends of each segment.
-    pub speech_pad_ms: u32,
-}
-
-impl Default for SegmentConfig {
-    fn default() -> Self {
-        SegmentConfig { threshold: 0.5, min_speech_ms: 250, min_silence_ms: 100, speech_pad_ms: 30 }
-    }
-}
-
 #[cfg(test)]
 // figment's `Jail` closures must return its large error type; that is its API, not ours.
 #[allow(clippy::result_large_err)]
@@ -466,7 +432,7 @@ mod tests {
             assert_eq!(config.tasks["voice"].gpu_permits.min, 1, "siblings keep their defaults");
             assert!(!config.tasks["image"].enabled);
             assert_eq!(config.tasks["image"].model, "mtcnn_pnet");
-            assert_eq!(config.tasks["image"].image.resize, crate::vision::ResizeMode::Stretch);
+            assert_eq!(config.tasks["image"].image.resize, crate::tasks::image::ResizeMode::Stretch);
             Ok(())
         });
     }

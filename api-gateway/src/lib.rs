@@ -16,8 +16,7 @@ pub mod pipeline;
 pub mod produce;
 pub mod record;
 pub mod task;
-pub mod vision;
-pub mod voice;
+pub mod tasks;
 pub mod worker_client;
 
 pub use config::GatewayConfig;

@@ -11,17 +11,15 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
-use serde::Deserialize;
 use tracing::{instrument, Instrument};
 use vramgate_shared::events::{
     DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, SourceRecord, Stage, TimingsMs,
     SCHEMA_VERSION,
 };
-use vramgate_shared::oip::{Tensor, TensorData};
 use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 
 use crate::budget::{ByteBudget, Held};
-use crate::config::{Converter, RetryConfig};
+use crate::config::RetryConfig;
 use crate::failure::Failure;
 use crate::input::InputSource;
 use crate::metrics::Metrics;
@@ -29,8 +27,7 @@ use crate::consume::offsets::{SharedOffsets, Ticket};
 use crate::consume::client::KafkaEvents;
 use crate::produce::{self, Outgoing};
 use crate::task::Task;
-use crate::vision::{self, ImageOptions};
-use crate::voice::{self, VoiceOptions};
+use crate::tasks::Converted;
 use crate::worker_client::{CallError, InferCall, ModelOutput};
 
 /// Log lines a second, per kind of line; the rest are counted in `log_lines_suppressed_total`.
@@ -188,47 +185,6 @@ impl Rejection {
     }
 }
 
-/// Per-request overrides of the image task's detection parameters.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ImageRequestOptions {
-    threshold: Option<f32>,
-    nms_iou: Option<f32>,
-    max_faces: Option<usize>,
-}
-
-fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>) -> Result<ImageOptions, Failure> {
-    let mut merged = config.clone();
-    let Some(value) = options.filter(|v| !v.is_null()) else { return Ok(merged) };
-    let parsed: ImageRequestOptions = serde_json::from_value(value.clone())
-        .map_err(|e| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid image options: {e}")))?;
-    for (name, v) in [("threshold", parsed.threshold), ("nms_iou", parsed.nms_iou)] {
-        if v.is_some_and(|v| !(0.0..=1.0).contains(&v)) {
-            return Err(Failure::new(
-                ErrorKind::InvalidRequest,
-                Stage::Parse,
-                format!("image option {name} must be between 0 and 1, got {}", v.unwrap_or_default()),
-            ));
-        }
-    }
-    merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
-    merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
-    merged.max_faces = parsed.max_faces.unwrap_or(merged.max_faces);
-    Ok(merged)
-}
-
-/// A task's options for one request, checked before any input is read.
-enum Options {
-    Voice(VoiceOptions),
-    Image(ImageOptions),
-}
-
-/// The converted input and what postprocessing needs of it.
-enum Converted {
-    Voice(voice::Converted),
-    Image(vision::Placement, &'static str),
-}
-
 async fn process(
     shared: &Shared,
     task: &Task,
@@ -270,10 +226,7 @@ async fn process(
             ),
         )));
     }
-    let options = match task.config.converter {
-        Converter::Wav => Options::Voice(VoiceOptions::parse(request.options.as_ref()).map_err(reject)?),
-        Converter::Image => Options::Image(image_options(&task.config.image, request.options.as_ref()).map_err(reject)?),
-    };
+    let plan = task.converter.plan(request.options.as_ref()).map_err(reject)?;
 
     // Read the input, its bytes reserved from the budget first.
     let convert_started = Instant::now();
@@ -284,69 +237,23 @@ async fn process(
     let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
 
     // Check the header (limits, format) and reserve what decoding will hold, before decoding.
+    held.grow(plan.probe(&bytes).map_err(reject)?).await;
     let queue = shared.metrics.cpu_queue.with_label_values(&[&task.name]);
-    let (tensor, converted) = match &options {
-        Options::Voice(_) => {
-            let max_seconds = task.config.wav.max_audio_seconds;
-            let info = voice::probe(&bytes, max_seconds).map_err(reject)?;
-            held.grow(voice::conversion_bytes(&info)).await;
-            queue.inc();
-            let result = on_pool(&task.pool, move || voice::convert(&bytes, max_seconds)).await;
-            queue.dec();
-            let mut converted = result.and_then(|r| r).map_err(reject)?;
-            let samples = std::mem::take(&mut converted.samples);
-            let tensor = Tensor {
-                name: voice::MODEL_INPUT.into(),
-                shape: vec![1, samples.len()],
-                data: TensorData::Fp32(samples),
-            };
-            (tensor, Converted::Voice(converted))
-        }
-        Options::Image(image) => {
-            let header = vision::probe(&bytes, image.max_pixels).map_err(reject)?;
-            held.grow(vision::conversion_bytes(&header, image)).await;
-            queue.inc();
-            let image = image.clone();
-            let result = on_pool(&task.pool, move || vision::convert(&bytes, &image)).await;
-            queue.dec();
-            let prepared = result.and_then(|r| r).map_err(reject)?;
-            let tensor = Tensor {
-                name: vision::MODEL_INPUT.into(),
-                shape: vec![1, 3, prepared.height as usize, prepared.width as usize],
-                data: TensorData::Fp32(prepared.chw),
-            };
-            (tensor, Converted::Image(prepared.placement, prepared.format))
-        }
-    };
+    queue.inc();
+    let job = plan.clone();
+    let result = on_pool(&task.pool, move || job.convert(&bytes)).await;
+    queue.dec();
+    let Converted { tensor, outputs, finish } = result.and_then(|r| r).map_err(reject)?;
     let convert_ms = ms(convert_started.elapsed());
 
     // One encoded body that every attempt re-sends; the input and tensor are gone after it.
-    let outputs: &[&str] = match converted {
-        Converted::Voice(_) => &[voice::MODEL_OUTPUT],
-        Converted::Image(..) => &[vision::PROB_OUTPUT, vision::BOX_OUTPUT],
-    };
     let infer_call = InferCall::new(&request.id, &tensor, outputs);
     drop(tensor);
     held.shrink_to(record_bytes + infer_call.body_len() as u64);
 
     let call = call_worker(shared, task, &infer_call).await.map_err(reject)?;
     drop(infer_call);
-    let output = match (&options, converted) {
-        (Options::Voice(voice_options), Converted::Voice(converted)) => {
-            let probs = &call.output.tensors[0].data;
-            let params = voice_options.params(&task.config.wav.segments);
-            serde_json::to_value(voice::output(probs, &converted, &params))
-        }
-        (Options::Image(image), Converted::Image(placement, format)) => {
-            let [prob, boxes] = &call.output.tensors[..] else {
-                unreachable!("infer returns exactly the two outputs asked for")
-            };
-            let faces = vision::faces(&prob.data, &prob.shape, &boxes.data, &placement, image).map_err(reject)?;
-            serde_json::to_value(vision::output(faces, &placement, format))
-        }
-        _ => unreachable!("options and conversion come from the same converter"),
-    }
-    .expect("task outputs always serialise");
+    let output = finish.output(&call.output.tensors).map_err(reject)?;
     Ok(ResultEvent {
         version: SCHEMA_VERSION,
         id: request.id.clone(),
@@ -668,16 +575,6 @@ mod tests {
         check(CallError::BadResponse("m".into()), ErrorKind::Internal);
     }
 
-    #[test]
-    fn image_options_are_checked_and_merged() {
-        let base = ImageOptions::default();
-        let merged = image_options(&base, Some(&serde_json::json!({"threshold": 0.9}))).expect("valid");
-        assert_eq!(merged.threshold, 0.9);
-        assert_eq!(merged.nms_iou, base.nms_iou);
-        for bad in [serde_json::json!({"threshold": 1.5}), serde_json::json!({"thresh": 0.5})] {
-            assert_eq!(image_options(&base, Some(&bad)).expect_err("invalid").kind, ErrorKind::InvalidRequest);
-        }
-    }
 
     mod fuzz {
         use super::*;

@@ -21,6 +21,8 @@ pub struct Task {
     /// task's partitions until the waiters are served.
     congested: AtomicBool,
     pub worker: WorkerClient,
+    /// What this task does to a request before and after the worker call.
+    pub converter: Box<dyn crate::tasks::Converter>,
 }
 
 impl Task {
@@ -46,6 +48,7 @@ impl Task {
             pool,
             permits: AdaptivePermits::new(p.initial, p.min, p.max),
             congested: AtomicBool::new(false),
+            converter: crate::tasks::converter(config),
             worker: WorkerClient::new(url, timeout, config.worker_auth_token.as_ref().or(worker.auth_token.as_ref()))?,
         })
     }

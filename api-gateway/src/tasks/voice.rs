@@ -1,13 +1,53 @@
 //! The `voice` task: WAV bytes → 16 kHz mono f32 (CPU, on the task's rayon pool) → the
 //! worker's voice-activity model → speech segments.
 
-use serde::Deserialize;
-use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
+use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
+use vramgate_shared::oip::{Tensor, TensorData};
+
+use super::{Converted as ModelInput, Converter, Finish, Plan};
 use crate::audio::wav::{self, WavInfo};
 use crate::audio::{self, segments::SegmentParams};
-use crate::config::SegmentConfig;
 use crate::failure::Failure;
+use crate::worker_client::OutputTensor;
+
+/// Options of the `wav` converter.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WavOptions {
+    /// Longer audio is dead-lettered as `input_too_large` before its samples are decoded.
+    pub max_audio_seconds: f64,
+    pub segments: SegmentConfig,
+}
+
+impl Default for WavOptions {
+    fn default() -> Self {
+        WavOptions { max_audio_seconds: 600.0, segments: SegmentConfig::default() }
+    }
+}
+
+/// How speech probabilities become segments.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SegmentConfig {
+    /// A window is speech when its probability reaches this.
+    pub threshold: f32,
+    /// Speech shorter than this is dropped.
+    pub min_speech_ms: u32,
+    /// Silence shorter than this does not end a segment.
+    pub min_silence_ms: u32,
+    /// Added to both ends of each segment.
+    pub speech_pad_ms: u32,
+}
+
+impl Default for SegmentConfig {
+    fn default() -> Self {
+        SegmentConfig { threshold: 0.5, min_speech_ms: 250, min_silence_ms: 100, speech_pad_ms: 30 }
+    }
+}
+
 
 /// The rate and window of the Silero-style model the worker serves for this task.
 pub const MODEL_SAMPLE_RATE: u32 = audio::VAD_SAMPLE_RATE;
@@ -136,6 +176,55 @@ pub fn output(probs: &[f32], converted: &Converted, params: &SegmentParams) -> V
 
 fn round_ms(seconds: f64) -> f64 {
     (seconds * 1000.0).round() / 1000.0
+}
+
+/// The `wav` converter of the task table.
+pub struct VoiceTask {
+    wav: WavOptions,
+}
+
+impl VoiceTask {
+    pub fn new(wav: WavOptions) -> Self {
+        VoiceTask { wav }
+    }
+}
+
+impl Converter for VoiceTask {
+    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
+        let params = VoiceOptions::parse(options)?.params(&self.wav.segments);
+        Ok(Arc::new(VoicePlan { params, max_audio_seconds: self.wav.max_audio_seconds }))
+    }
+}
+
+struct VoicePlan {
+    params: SegmentParams,
+    max_audio_seconds: f64,
+}
+
+impl Plan for VoicePlan {
+    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
+        Ok(conversion_bytes(&probe(bytes, self.max_audio_seconds)?))
+    }
+
+    fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
+        let mut converted = convert(bytes, self.max_audio_seconds)?;
+        let samples = std::mem::take(&mut converted.samples);
+        let tensor = Tensor { name: MODEL_INPUT.into(), shape: vec![1, samples.len()], data: TensorData::Fp32(samples) };
+        let finish = VoiceFinish { converted, params: self.params.clone() };
+        Ok(ModelInput { tensor, outputs: &[MODEL_OUTPUT], finish: Box::new(finish) })
+    }
+}
+
+struct VoiceFinish {
+    converted: Converted,
+    params: SegmentParams,
+}
+
+impl Finish for VoiceFinish {
+    fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure> {
+        let probs = tensors.first().map_or(&[][..], |t| t.data.as_slice());
+        Ok(serde_json::to_value(output(probs, &self.converted, &self.params)).expect("voice outputs always serialise"))
+    }
 }
 
 #[cfg(test)]

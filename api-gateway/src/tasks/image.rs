@@ -18,10 +18,15 @@ use ::image::codecs::webp::WebPDecoder;
 use ::image::imageops::FilterType;
 use ::image::metadata::Orientation;
 use ::image::{DynamicImage, ImageDecoder, ImageError, ImageFormat, Limits};
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use vramgate_shared::events::{ErrorKind, FaceBox, ImageOutput, Stage};
+use vramgate_shared::oip::{Tensor, TensorData};
 
+use super::{Converted, Converter, Finish, Plan};
 use crate::failure::Failure;
+use crate::worker_client::OutputTensor;
 
 /// The worker's input tensor: `[1, 3, H, W]` f32, RGB planes scaled as `(pixel - 127.5) / 128`.
 pub const MODEL_INPUT: &str = "image";
@@ -535,8 +540,106 @@ fn round_to(value: f32, per_unit: f32) -> f32 {
     (value * per_unit).round() / per_unit
 }
 
+/// The `image` converter of the task table.
+pub struct ImageTask {
+    options: ImageOptions,
+}
+
+impl ImageTask {
+    pub fn new(options: ImageOptions) -> Self {
+        ImageTask { options }
+    }
+}
+
+/// Per-request overrides of the image task's detection parameters.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ImageRequestOptions {
+    threshold: Option<f32>,
+    nms_iou: Option<f32>,
+    max_faces: Option<usize>,
+}
+
+pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>) -> Result<ImageOptions, Failure> {
+    let mut merged = config.clone();
+    let Some(value) = options.filter(|v| !v.is_null()) else { return Ok(merged) };
+    let parsed: ImageRequestOptions = serde_json::from_value(value.clone())
+        .map_err(|e| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid image options: {e}")))?;
+    for (name, v) in [("threshold", parsed.threshold), ("nms_iou", parsed.nms_iou)] {
+        if v.is_some_and(|v| !(0.0..=1.0).contains(&v)) {
+            return Err(Failure::new(
+                ErrorKind::InvalidRequest,
+                Stage::Parse,
+                format!("image option {name} must be between 0 and 1, got {}", v.unwrap_or_default()),
+            ));
+        }
+    }
+    merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
+    merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
+    merged.max_faces = parsed.max_faces.unwrap_or(merged.max_faces);
+    Ok(merged)
+}
+
+impl Converter for ImageTask {
+    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
+        Ok(Arc::new(ImagePlan { options: image_options(&self.options, options)? }))
+    }
+}
+
+struct ImagePlan {
+    options: ImageOptions,
+}
+
+impl Plan for ImagePlan {
+    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
+        Ok(conversion_bytes(&probe(bytes, self.options.max_pixels)?, &self.options))
+    }
+
+    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+        let prepared = convert(bytes, &self.options)?;
+        let tensor = Tensor {
+            name: MODEL_INPUT.into(),
+            shape: vec![1, 3, prepared.height as usize, prepared.width as usize],
+            data: TensorData::Fp32(prepared.chw),
+        };
+        let finish =
+            ImageFinish { placement: prepared.placement, format: prepared.format, options: self.options.clone() };
+        Ok(Converted { tensor, outputs: &[PROB_OUTPUT, BOX_OUTPUT], finish: Box::new(finish) })
+    }
+}
+
+struct ImageFinish {
+    placement: Placement,
+    format: &'static str,
+    options: ImageOptions,
+}
+
+impl Finish for ImageFinish {
+    fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure> {
+        let [prob, boxes] = tensors else {
+            return Err(Failure::new(
+                ErrorKind::Internal,
+                Stage::Postprocess,
+                format!("the worker answered {} outputs; P-Net gives two", tensors.len()),
+            ));
+        };
+        let faces = faces(&prob.data, &prob.shape, &boxes.data, &self.placement, &self.options)?;
+        Ok(serde_json::to_value(output(faces, &self.placement, self.format)).expect("image outputs always serialise"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn image_options_are_checked_and_merged() {
+        let base = ImageOptions::default();
+        let merged = image_options(&base, Some(&serde_json::json!({"threshold": 0.9}))).expect("valid");
+        assert_eq!(merged.threshold, 0.9);
+        assert_eq!(merged.nms_iou, base.nms_iou);
+        for bad in [serde_json::json!({"threshold": 1.5}), serde_json::json!({"thresh": 0.5})] {
+            assert_eq!(image_options(&base, Some(&bad)).expect_err("invalid").kind, ErrorKind::InvalidRequest);
+        }
+    }
     use ::image::codecs::jpeg::JpegEncoder;
     use ::image::codecs::png::PngEncoder;
     use ::image::codecs::webp::WebPEncoder;
