@@ -5,18 +5,17 @@
 
 pub mod audio;
 pub mod budget;
+pub mod call;
 pub mod config;
 pub mod consume;
 pub mod failure;
 pub mod health;
 pub mod input;
 pub mod metrics;
-pub mod permits;
 pub mod pipeline;
 pub mod produce;
 pub mod record;
 pub mod task;
 pub mod tasks;
-pub mod worker_client;
 
 pub use config::GatewayConfig;

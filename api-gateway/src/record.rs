@@ -4,14 +4,14 @@
 //! can its offset be committed.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
-use tracing::{instrument, Instrument};
+use tracing::instrument;
 use vramgate_shared::events::{
     DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, SourceRecord, Stage, TimingsMs,
     SCHEMA_VERSION,
@@ -19,7 +19,6 @@ use vramgate_shared::events::{
 use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 
 use crate::budget::{ByteBudget, Held};
-use crate::config::RetryConfig;
 use crate::failure::Failure;
 use crate::input::InputSource;
 use crate::metrics::Metrics;
@@ -28,12 +27,11 @@ use crate::consume::client::KafkaEvents;
 use crate::produce::{self, Outgoing};
 use crate::task::Task;
 use crate::tasks::Converted;
-use crate::worker_client::{CallError, InferCall, ModelOutput};
+use crate::call::{self, client::InferCall};
 
 /// Log lines a second, per kind of line; the rest are counted in `log_lines_suppressed_total`.
 static RESULT_LOG: LogLimit = LogLimit::new(20);
 static DEAD_LETTER_LOG: LogLimit = LogLimit::new(20);
-static WORKER_RETRY_LOG: LogLimit = LogLimit::new(20);
 
 /// Charged per record on top of its key and value: the message struct, its task and tracking.
 pub const RECORD_OVERHEAD_BYTES: u64 = 2048;
@@ -251,7 +249,7 @@ async fn process(
     drop(tensor);
     held.shrink_to(record_bytes + infer_call.body_len() as u64);
 
-    let call = call_worker(shared, task, &infer_call).await.map_err(reject)?;
+    let call = call::call_worker(task, &infer_call, &shared.metrics).await.map_err(reject)?;
     drop(infer_call);
     let output = finish.output(&call.output.tensors).map_err(reject)?;
     Ok(ResultEvent {
@@ -361,125 +359,6 @@ async fn on_pool<T: Send + 'static>(
     }
 }
 
-struct WorkerCall {
-    output: ModelOutput,
-    attempts: u32,
-    wait_ms: f64,
-    inference_ms: f64,
-}
-
-/// Calls the worker under the task's permits, retrying what is worth retrying:
-/// - 503/429: after the worker's `Retry-After` (or the backoff), without using up attempts,
-///   for up to `max_retry_seconds`;
-/// - 5xx, timeouts, connection errors: exponential backoff with jitter, `max_attempts` calls;
-/// - anything else (4xx, 507): not at all.
-///
-/// The permit is held only during a call, never while backing off, and each answer adjusts the
-/// task's permit limit.
-async fn call_worker(shared: &Shared, task: &Task, infer_call: &InferCall) -> Result<WorkerCall, Failure> {
-    let retry = &task.config.retry;
-    let max_attempts = retry.max_attempts.max(1);
-    let permit_wait = Duration::from_millis(task.config.permit_wait_ms);
-    let throttle_deadline = Instant::now() + Duration::from_secs_f64(retry.max_retry_seconds.max(0.0));
-    let calls_gauge = shared.metrics.worker_calls.with_label_values(&[&task.name]);
-    let mut calls = 0u32;
-    let mut failures = 0u32;
-    let mut throttled = 0u32;
-    let mut wait_ms = 0.0;
-    let mut inference_ms = 0.0;
-    loop {
-        let (permit, waited) = task.permits.acquire_within(permit_wait, || task.mark_congested()).await;
-        wait_ms += ms(waited);
-        calls += 1;
-        calls_gauge.inc();
-        let call_started = Instant::now();
-        let result = task
-            .worker
-            .infer(&task.config.model, infer_call)
-            .instrument(tracing::info_span!("worker_call", attempt = calls))
-            .await;
-        let latency = call_started.elapsed();
-        calls_gauge.dec();
-        inference_ms += ms(latency);
-        let error = match result {
-            Ok(output) => {
-                task.permits.succeeded(&permit, latency);
-                return Ok(WorkerCall { output, attempts: calls, wait_ms, inference_ms });
-            }
-            Err(e) => e,
-        };
-        if error.is_overload() {
-            task.permits.overloaded();
-        }
-        drop(permit);
-        if !error.is_retryable() {
-            return Err(call_failure(error).with_attempts(calls));
-        }
-        let delay = match &error {
-            CallError::Throttled { retry_after, .. } => {
-                throttled += 1;
-                let delay = retry_after.unwrap_or_else(|| backoff(retry, throttled));
-                if Instant::now() + delay > throttle_deadline {
-                    return Err(Failure::new(
-                        ErrorKind::WorkerUnavailable,
-                        Stage::Infer,
-                        format!("worker still busy after {} s of retries: {error}", retry.max_retry_seconds),
-                    )
-                    .with_attempts(calls));
-                }
-                shared.metrics.retries.with_label_values(&[&task.name, "throttled"]).inc();
-                delay
-            }
-            _ => {
-                failures += 1;
-                if failures >= max_attempts {
-                    return Err(call_failure(error).with_attempts(calls));
-                }
-                shared.metrics.retries.with_label_values(&[&task.name, "error"]).inc();
-                backoff(retry, failures)
-            }
-        };
-        if WORKER_RETRY_LOG.allow() {
-            let error = error.to_string();
-            let error = bounded(&error, LOG_FIELD_MAX_BYTES);
-            tracing::warn!(attempt = calls, error, retry_in_ms = delay.as_millis() as u64, "worker call failed; retrying");
-        } else {
-            shared.metrics.log_suppressed.with_label_values(&["worker_retry"]).inc();
-        }
-        tokio::time::sleep(delay).await;
-    }
-}
-
-fn call_failure(error: CallError) -> Failure {
-    let kind = match &error {
-        CallError::Rejected { status: 413 | 507, .. } => ErrorKind::InputTooLarge,
-        CallError::Rejected { .. } => ErrorKind::WorkerRejected,
-        CallError::TimedOut { .. } => ErrorKind::Timeout,
-        CallError::Throttled { .. } | CallError::Failed { .. } => ErrorKind::WorkerUnavailable,
-        CallError::BadResponse(_) => ErrorKind::Internal,
-    };
-    Failure::new(kind, Stage::Infer, error.to_string())
-}
-
-/// Exponential backoff: base·2^(n-1) capped at the maximum, less a random share of up to
-/// `jitter` of it, so a crowd of retries after a worker restart spreads out.
-fn backoff(retry: &RetryConfig, attempt: u32) -> Duration {
-    let exp = retry.backoff_base_ms as f64 * 2f64.powi(attempt.saturating_sub(1).min(30) as i32);
-    let capped = exp.min(retry.backoff_max_ms as f64).max(0.0);
-    let jitter = retry.jitter.clamp(0.0, 1.0);
-    Duration::from_secs_f64(capped * (1.0 - jitter * random_unit()) / 1000.0)
-}
-
-/// A number in [0, 1) from the standard library's randomly keyed hasher: enough to spread
-/// retries, without a dependency for it.
-fn random_unit() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
-}
-
 fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
@@ -546,34 +425,8 @@ mod tests {
         assert!(rejection.failure.message.len() < 1024, "{} bytes", rejection.failure.message.len());
     }
 
-    #[test]
-    fn backoff_grows_is_capped_and_jittered_within_bounds() {
-        let retry = RetryConfig { backoff_base_ms: 100, backoff_max_ms: 1000, jitter: 0.5, ..Default::default() };
-        for attempt in 1..12 {
-            let d = backoff(&retry, attempt).as_secs_f64();
-            let ceiling = (0.1 * 2f64.powi(attempt as i32 - 1)).min(1.0);
-            assert!(d <= ceiling + 1e-9 && d >= ceiling / 2.0 - 1e-9, "attempt {attempt}: {d}");
-        }
-        let none = RetryConfig { jitter: 0.0, ..retry };
-        assert_eq!(backoff(&none, 2), Duration::from_millis(200));
-    }
 
-    #[test]
-    fn random_unit_is_in_range_and_varies() {
-        let draws: Vec<f64> = (0..100).map(|_| random_unit()).collect();
-        assert!(draws.iter().all(|d| (0.0..1.0).contains(d)));
-        assert!(draws.windows(2).any(|w| w[0] != w[1]));
-    }
 
-    #[test]
-    fn worker_errors_map_to_dead_letter_kinds() {
-        let check = |e: CallError, kind: ErrorKind| assert_eq!(call_failure(e).kind, kind);
-        check(CallError::Rejected { status: 400, message: "m".into() }, ErrorKind::WorkerRejected);
-        check(CallError::Rejected { status: 413, message: "m".into() }, ErrorKind::InputTooLarge);
-        check(CallError::Failed { message: "m".into() }, ErrorKind::WorkerUnavailable);
-        check(CallError::TimedOut { message: "m".into() }, ErrorKind::Timeout);
-        check(CallError::BadResponse("m".into()), ErrorKind::Internal);
-    }
 
 
     mod fuzz {

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 
 use crate::config::{TaskConfig, WorkerEndpoint};
-use crate::permits::AdaptivePermits;
-use crate::worker_client::WorkerClient;
+use crate::call::permits::AdaptivePermits;
+use crate::call::client::WorkerClient;
 
 pub struct Task {
     pub name: String,

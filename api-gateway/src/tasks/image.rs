@@ -26,7 +26,7 @@ use vramgate_shared::oip::{Tensor, TensorData};
 
 use super::{Converted, Converter, Finish, Plan};
 use crate::failure::Failure;
-use crate::worker_client::OutputTensor;
+use crate::call::client::OutputTensor;
 
 /// The worker's input tensor: `[1, 3, H, W]` f32, RGB planes scaled as `(pixel - 127.5) / 128`.
 pub const MODEL_INPUT: &str = "image";

@@ -20,7 +20,7 @@ use vramgate_shared::oip::Tensor;
 
 use crate::config::{self, TaskConfig};
 use crate::failure::Failure;
-use crate::worker_client::OutputTensor;
+use crate::call::client::OutputTensor;
 
 /// A task type's conversion, built once from its configuration.
 pub trait Converter: Send + Sync {

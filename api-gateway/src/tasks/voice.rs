@@ -11,7 +11,7 @@ use super::{Converted as ModelInput, Converter, Finish, Plan};
 use crate::audio::wav::{self, WavInfo};
 use crate::audio::{self, segments::SegmentParams};
 use crate::failure::Failure;
-use crate::worker_client::OutputTensor;
+use crate::call::client::OutputTensor;
 
 /// Options of the `wav` converter.
 #[derive(Debug, Clone, Serialize, Deserialize)]
