@@ -10,17 +10,12 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 pub use vramgate_shared::config::Secret;
 
 /// Prefix of the environment variables that override the config (`__` between levels).
 pub const ENV_PREFIX: &str = "VRAMGATE_WORKER_";
-
-/// Environment variable carrying the bearer token, read verbatim (not parsed as a number, so
-/// `0123` stays `0123`).
-pub const AUTH_TOKEN_ENV: &str = "VRAMGATE_WORKER_AUTH_TOKEN";
 
 /// Why the worker's configuration was refused. Never carries a secret's value.
 #[derive(Debug, thiserror::Error)]
@@ -218,24 +213,7 @@ impl WorkerConfig {
     /// error), then `VRAMGATE_WORKER_*` variables (`__` between levels), then checks that the
     /// values work together ([`WorkerConfig::validate`]). Errors never carry a secret.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
-        let mut figment = Figment::from(Serialized::defaults(WorkerConfig::default()));
-        if let Some(path) = file {
-            if !path.is_file() {
-                return Err(invalid(format!("config file {} does not exist", path.display())));
-            }
-            figment = figment.merge(Toml::file(path));
-        }
-        // `config` is the CLI's own variable (VRAMGATE_WORKER_CONFIG), not a key; the token
-        // is read verbatim below instead of being parsed as a TOML value.
-        figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__").ignore(&["config", "auth_token"]));
-        match std::env::var(AUTH_TOKEN_ENV) {
-            Ok(token) => figment = figment.merge(Serialized::default("auth_token", token)),
-            Err(std::env::VarError::NotPresent) => {}
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(invalid(format!("{AUTH_TOKEN_ENV} is not valid UTF-8")));
-            }
-        }
-        Self::extract(figment)
+        Self::extract(vramgate_shared::config::layered::<WorkerConfig>(file, ENV_PREFIX)?)
     }
 
     /// The config a layered figment holds, redacted on error and validated.
@@ -277,9 +255,6 @@ impl WorkerConfig {
 }
 
 /// A config error of the reading kind, from a message (a missing file, an unreadable variable).
-fn invalid(message: String) -> ConfigError {
-    ConfigError::Invalid(Box::new(figment::Error::from(message)).into())
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -363,6 +338,7 @@ fn default_window() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use figment::providers::{Format, Serialized, Toml};
 
     fn from_toml(text: &str) -> Result<WorkerConfig, ConfigError> {
         WorkerConfig::extract(Figment::from(Serialized::defaults(WorkerConfig::default())).merge(Toml::string(text)))

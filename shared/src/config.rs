@@ -107,20 +107,34 @@ pub fn load<T>(file: Option<&Path>, env_prefix: &str) -> Result<T, ConfigError>
 where
     T: Serialize + DeserializeOwned + Default,
 {
+    layered::<T>(file, env_prefix)?.extract().map_err(|e| ConfigError(Box::new(e)))
+}
+
+/// The layers [`load`] extracts from, for a service that checks more before extracting:
+/// defaults, then `file` (a named file that is missing is an error, not a silent fall-back),
+/// then the environment. `<PREFIX>CONFIG` names the file itself (the binaries' `--config`), not
+/// a key. A variable whose key names a secret ([`is_secret_key`]) is taken verbatim as text,
+/// never parsed: a token such as `0123` or `12e4` stays what it is.
+pub fn layered<T: Serialize + Default>(file: Option<&Path>, env_prefix: &str) -> Result<Figment, ConfigError> {
+    let invalid = |message: String| ConfigError(Box::new(figment::Error::from(message)));
     let mut figment = Figment::from(Serialized::defaults(T::default()));
     if let Some(path) = file {
-        // A named file that is missing is an error, not a silent fall-back to defaults.
         if !path.is_file() {
-            return Err(ConfigError(Box::new(figment::Error::from(format!(
-                "config file {} does not exist",
-                path.display()
-            )))));
+            return Err(invalid(format!("config file {} does not exist", path.display())));
         }
         figment = figment.merge(Toml::file(path));
     }
-    // `<PREFIX>CONFIG` names the file itself (the binaries' `--config`), not a key.
-    figment = figment.merge(Env::prefixed(env_prefix).split("__").ignore(&["config"]));
-    figment.extract().map_err(|e| ConfigError(Box::new(e)))
+    figment = figment.merge(
+        Env::prefixed(env_prefix).filter(|key| key != "config" && !is_secret_key(key.as_str())).split("__"),
+    );
+    for (name, value) in std::env::vars_os() {
+        let Some(key) = name.to_str().and_then(|n| n.strip_prefix(env_prefix)).filter(|k| is_secret_key(k)) else {
+            continue;
+        };
+        let value = value.into_string().map_err(|_| invalid(format!("{env_prefix}{key} is not valid UTF-8")))?;
+        figment = figment.merge(Serialized::default(&key.to_ascii_lowercase().replace("__", "."), value));
+    }
+    Ok(figment)
 }
 
 #[cfg(test)]
