@@ -6,7 +6,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures::FutureExt;
 use rdkafka::message::{Message, OwnedMessage};
@@ -97,7 +97,8 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
         shared.metrics.stale.inc();
         return;
     }
-    let (out, outcome_label, id, task_name, reason) = match outcome {
+    // What was written is kept (not copied out of): a refused output is trimmed from it.
+    let (out, written) = match outcome {
         Ok(result) => {
             if RESULT_LOG.allow() {
                 tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
@@ -106,7 +107,7 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             }
             let payload = serde_json::to_vec(&result).expect("result events always serialise");
             let out = Outgoing { topic: task.results_topic.as_str(), payload, headers: Vec::new() };
-            (out, "result", Some(result.id), Some(result.task), None)
+            (out, Written::Result(result))
         }
         Err(rejection) => {
             let kind = rejection.failure.kind;
@@ -118,28 +119,30 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             }
             shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
             let headers = dead_letter_headers(&message, &rejection.failure);
-            let (id, task_name) = (rejection.id.clone(), rejection.task.clone());
-            let reason = (kind, rejection.failure.stage, rejection.failure.message.clone());
             let letter = dead_letter(&message, rejection);
             let payload = serde_json::to_vec(&letter).expect("dead letters always serialise");
-            (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, "dead_letter", id, task_name, Some(reason))
+            (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, Written::DeadLetter(letter))
         }
     };
     match produce::deliver(&shared.producer, &shared.metrics, &message, &out).await {
-        Ok(()) => shared.metrics.produced.with_label_values(&[&task.name, outcome_label]).inc(),
+        Ok(()) => shared.metrics.produced.with_label_values(&[&task.name, written.label()]).inc(),
         Err(error) => {
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
             // not ours): a trimmed dead letter stands in for the output, so the partition
             // goes on and the producer learns why.
-            let refused = match &reason {
-                None => produce::Refused::Result,
-                Some((kind, stage, message)) => produce::Refused::DeadLetter { kind: *kind, stage: *stage, message },
+            let (id, task_name, refused) = match &written {
+                Written::Result(r) => (Some(r.id.as_str()), Some(r.task.as_str()), produce::Refused::Result),
+                Written::DeadLetter(l) => (
+                    l.id.as_deref(),
+                    l.task.as_deref(),
+                    produce::Refused::DeadLetter { kind: l.error.kind, stage: l.error.stage, message: &l.error.message },
+                ),
             };
             let trimmed = produce::trimmed_dead_letter(
                 &task.dlq_topic,
                 &message,
-                id.as_deref(),
-                task_name.as_deref(),
+                id,
+                task_name,
                 refused,
                 out.topic,
                 out.payload.len(),
@@ -149,7 +152,7 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             match produce::deliver(&shared.producer, &shared.metrics, &message, &trimmed).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
-                    if reason.is_none() {
+                    if matches!(written, Written::Result(_)) {
                         shared.metrics.dead_letters.with_label_values(&[&task.name, "output_rejected"]).inc();
                     }
                     shared.metrics.produced.with_label_values(&[&task.name, "dead_letter"]).inc();
@@ -168,6 +171,22 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
         }
     }
     shared.offsets.finish(&ticket);
+}
+
+/// The output a record's outcome became, as written.
+enum Written {
+    Result(ResultEvent),
+    DeadLetter(DeadLetterEvent),
+}
+
+impl Written {
+    /// The `outcome` label of `records_produced_total`.
+    fn label(&self) -> &'static str {
+        match self {
+            Written::Result(_) => "result",
+            Written::DeadLetter(_) => "dead_letter",
+        }
+    }
 }
 
 /// A failure plus what was known about the request when it happened.
@@ -242,7 +261,7 @@ async fn process(
     let result = on_pool(&task.pool, move || job.convert(&bytes)).await;
     queue.dec();
     let Converted { tensor, outputs, finish } = result.and_then(|r| r).map_err(reject)?;
-    let convert_ms = ms(convert_started.elapsed());
+    let convert_ms = call::ms(convert_started.elapsed());
 
     // One encoded body that every attempt re-sends; the input and tensor are gone after it.
     let infer_call = InferCall::new(&request.id, &tensor, outputs);
@@ -263,7 +282,7 @@ async fn process(
             convert: convert_ms,
             gpu_wait: call.wait_ms,
             inference: call.inference_ms,
-            total: ms(started.elapsed()),
+            total: call::ms(started.elapsed()),
         },
         attempts: call.attempts,
     })
@@ -359,9 +378,6 @@ async fn on_pool<T: Send + 'static>(
     }
 }
 
-fn ms(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1e6).round() / 1e3
-}
 
 fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent {
     use base64::Engine;

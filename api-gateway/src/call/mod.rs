@@ -89,6 +89,7 @@ async fn permitted_call(
     (result, waited, took)
 }
 
-fn ms(d: Duration) -> f64 {
+/// A duration in milliseconds, to the microsecond: how every timing of a result is reported.
+pub fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }

@@ -120,10 +120,14 @@ impl Fetch {
         tracing::info!("offsets committed; bye");
     }
 
-    /// Takes up to a round of records, waiting up to 50 ms for the first.
+    /// Takes up to a round of records, waiting up to 50 ms for the first. The round is cut to
+    /// the room left in the in-flight window, counted once, so the bounds are not recomputed
+    /// (and the offsets not locked again) for every record; the byte budget, which a single
+    /// record can exhaust, is still looked at after each one.
     fn poll_round(&self, last_error: &mut Option<Instant>) {
+        let room = self.config.max_in_flight.saturating_sub(self.window()).clamp(1, ROUND);
         let mut timeout = Duration::from_millis(50);
-        for _ in 0..ROUND {
+        for _ in 0..room {
             match self.consumer.poll(timeout) {
                 None => return,
                 Some(Ok(message)) => self.dispatch(message.detach()),
@@ -137,7 +141,7 @@ impl Fetch {
                 }
             }
             timeout = Duration::ZERO;
-            if self.at_bound().is_some() {
+            if self.budget_full() {
                 return;
             }
         }
@@ -159,10 +163,15 @@ impl Fetch {
         self.shared.offsets.lock().uncommitted().max(self.shared.in_flight.load(Ordering::SeqCst))
     }
 
+    /// Held bytes at `max_held_bytes`, or someone waiting for bytes.
+    fn budget_full(&self) -> bool {
+        let budget = &self.shared.budget;
+        budget.used() >= budget.limit() || budget.contended()
+    }
+
     /// The gateway-wide bound reached, if any.
     fn at_bound(&self) -> Option<PauseReason> {
-        let budget = &self.shared.budget;
-        if budget.used() >= budget.limit() || budget.contended() {
+        if self.budget_full() {
             Some(PauseReason::Budget)
         } else if self.window() >= self.config.max_in_flight {
             Some(PauseReason::InFlight)
