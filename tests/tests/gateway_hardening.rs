@@ -134,6 +134,10 @@ async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
     for (key, value, _) in &odd {
         send(&producer, &topics.requests, key, value).await.expect("send");
     }
+    // A burst of records that are not JSON: far more dead letters in a second than the log
+    // takes lines; the rest are counted, not written.
+    let burst: Vec<(String, Vec<u8>)> = (0..100).map(|i| (format!("burst-{i}"), b"{not json".to_vec())).collect();
+    vramgate_tests::send_all(&producer, &topics.requests, &burst, 100).await.expect("send burst");
     let valid = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let huge = vec![b'0'; 10 * 1024];
     // (id, headers sent, whether the trace context must be copied to the result)
@@ -152,7 +156,7 @@ async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
     let ids: Vec<&String> = forged.iter().map(|(id, ..)| id).collect();
     let cut_id = "h".repeat(256);
     let records = collect(&[&topics.results, &topics.dlq], Duration::from_secs(120), |got| {
-        ids.iter().all(|id| got.contains_key(*id)) && got.get("").map_or(0, Vec::len) >= 3 && got.contains_key(&cut_id)
+        ids.iter().all(|id| got.contains_key(*id)) && got.get("").map_or(0, Vec::len) >= 103 && got.contains_key(&cut_id)
     })
     .await
     .expect("collect");
@@ -187,6 +191,9 @@ async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
     // Nothing huge reached the log: the 900 KB id and the 10 KB headers are not in it.
     let log_bytes = std::fs::metadata(&gateway.service.log).map(|m| m.len()).unwrap_or(0);
     assert!(log_bytes < 64 * 1024, "gateway log is {log_bytes} bytes:\n{}", gateway.log_tail());
+    let metrics = gateway.metrics().await.expect("metrics");
+    let suppressed = metrics.sum("vramgate_gateway_log_lines_suppressed_total", &[("kind", "dead_letter")]);
+    assert!(suppressed > 0.0, "the burst's dead-letter lines were rate-limited:\n{}", metrics.text);
     assert!(gateway.service.log.exists());
 }
 
@@ -306,4 +313,7 @@ async fn wrong_credentials_make_the_gateway_not_ready_with_a_clear_reason_and_no
     assert!(log.contains("kafka authentication failed"), "log:\n{}", gateway.log_tail());
     assert!(!log.contains(password), "the password is never logged");
     assert!(log.len() < 64 * 1024, "{} bytes of log in a few seconds", log.len());
+    let metrics = gateway.metrics().await.expect("metrics");
+    let auth = metrics.sum("vramgate_gateway_kafka_client_errors_total", &[("kind", "authentication")]);
+    assert!(auth >= 1.0, "authentication failures are counted:\n{}", metrics.text);
 }
