@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use tokio::sync::Semaphore;
 use vramgate_tests::oip_client::{infer, metric, metrics_text, test_image};
-use vramgate_tests::{start_worker, worker_config};
+use vramgate_tests::{env_or, proc_status_kib, start_worker, worker_config};
 
 struct Setup {
     sides: Vec<usize>,
@@ -48,15 +48,7 @@ impl Run {
     }
 }
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
-fn proc_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()
-}
 
 async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result<Run> {
     let extra = format!(
@@ -68,7 +60,7 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
     let config = worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", model.as_str())]);
     let mut worker = start_worker(&config).await?;
     let pid = worker.service.pid();
-    let baseline_kib = proc_kib(pid, "VmRSS:").unwrap_or(0);
+    let baseline_kib = proc_status_kib(pid, "VmRSS:").unwrap_or(0);
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
     let gate = Arc::new(Semaphore::new(setup.in_flight));
     let started = Instant::now();
@@ -98,7 +90,7 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
     let results = join_all(calls).await;
     let seconds = started.elapsed().as_secs_f64();
     let crashed = !worker.service.is_running();
-    let peak_kib = proc_kib(pid, "VmHWM:").unwrap_or(0);
+    let peak_kib = proc_status_kib(pid, "VmHWM:").unwrap_or(0);
     let ooms = match metrics_text(&http, &worker.url).await {
         Ok(text) => metric(&text, "inference_oom_errors_total{model=\"pnet\"}"),
         Err(_) => f64::NAN,

@@ -14,16 +14,13 @@ use std::time::{Duration, Instant};
 use vramgate_tests::images::{crowd, png, png_declaring, truncated_png, write};
 use vramgate_tests::wav::{noise, write_wav, SampleFormat};
 use vramgate_tests::{
-    gateway_base_env, image_task_env, producer, request_file, request_inline, rss_bytes, scratch_dir, send,
+    env_or, gateway_base_env, image_task_env, producer, request_file, request_inline, rss_bytes, scratch_dir, send,
     send_with_headers, start_gateway, start_worker, unique, voice_task_env, worker_config, Collector, TaskTopics,
     PNET_MODEL, VAD_MODEL,
 };
 
 const MIB: f64 = (1u64 << 20) as f64;
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// One kind of event the soak sends, and whether a result (true) or a dead letter is right.
 struct Kind {

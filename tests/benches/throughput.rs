@@ -36,16 +36,14 @@ use vramgate_tests::ceiling;
 use vramgate_tests::images::{crowd, png, write};
 use vramgate_tests::wav::{noise, write_wav, SampleFormat};
 use vramgate_tests::{
-    brokers, delete_topics, gateway_base_env, image_task_env, producer, request_file, scratch_dir, send_all,
+    brokers, delete_topics, env_or, gateway_base_env, image_task_env, proc_status_kib, producer, request_file,
+    scratch_dir, send_all,
     start_gateway, uncommitted_records, unique, voice_task_env, TaskTopics,
 };
 
 const PARTITIONS: i32 = 3;
 const MIB: f64 = (1u64 << 20) as f64;
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// A process's `utime + stime` in seconds, from `/proc/<pid>/stat`.
 fn cpu_seconds(pid: u32) -> f64 {
@@ -87,14 +85,6 @@ fn broker_cpu() -> f64 {
     broker_pids().into_iter().map(cpu_seconds).sum()
 }
 
-fn proc_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
 
 /// Writes `count` tiny voice requests whose input is missing under `root`, as fast as the
 /// producer goes.
@@ -194,7 +184,7 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     env.push(("TASKS__IMAGE__ENABLED", "false".into()));
     let gateway = start_gateway(&env).await?;
     let pid = gateway.pid();
-    let base_rss = proc_kib(pid, "VmRSS:") * 1024;
+    let base_rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0) * 1024;
     // The defaults of config/gateway.toml, which this run does not change.
     let defaults = vramgate_gateway::config::GatewayConfig::default();
     let bound = defaults.max_held_bytes + defaults.kafka.queue_max_kbytes * 1024;
@@ -220,7 +210,7 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pid) - cpu_start;
     let broker = broker_cpu() - broker_start;
-    let peak_rss = proc_kib(pid, "VmHWM:") * 1024;
+    let peak_rss = proc_status_kib(pid, "VmHWM:").unwrap_or(0) * 1024;
     let commits = gateway.metrics().await?.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]);
     Ok(GatewayRun {
         rate: count as f64 / elapsed,

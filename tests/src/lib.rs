@@ -385,12 +385,19 @@ impl Service {
 /// The resident memory of process `pid` (`VmRSS` in `/proc/<pid>/status`), in bytes; 0 when the
 /// process is gone.
 pub fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
+    proc_status_kib(pid, "VmRSS:").map_or(0, |kib| kib * 1024)
+}
+
+/// A KiB field of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`), or `None` when the process or
+/// the field is not there.
+pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix(field))?.trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// The environment variable `name` parsed as a `T`, or `default` (benchmark knobs).
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 /// Deletes topics (best effort: tests that write hundreds of megabytes clean up after
