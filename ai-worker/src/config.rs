@@ -33,6 +33,8 @@ pub enum ConfigError {
 pub struct WorkerConfig {
     /// Address the HTTP server binds; port 0 picks a free one (the bound address is logged).
     pub listen: SocketAddr,
+    /// Trace export (OTLP); the `OTEL_*` variables override it.
+    pub telemetry: vramgate_shared::telemetry::TelemetryConfig,
     /// Which device runs the models.
     pub device: DeviceChoice,
     /// libtorch intra-op threads; 0 keeps libtorch's default (one per core). Defaults to 1:
@@ -183,6 +185,7 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            telemetry: Default::default(),
             device: DeviceChoice::Auto,
             torch_threads: 1,
             max_request_bytes: 256 * 1024 * 1024,
@@ -226,6 +229,7 @@ impl WorkerConfig {
     /// Checks what serde cannot: values that are each valid but do not work together.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let fail = |message: String| Err(ConfigError::Inconsistent(message));
+        self.telemetry.validate().map_err(ConfigError::Inconsistent)?;
         if (self.max_request_bytes as u64) > self.max_body_bytes_in_flight {
             return fail(format!(
                 "max_request_bytes ({}) is larger than max_body_bytes_in_flight ({}): such a body could never be read",

@@ -47,10 +47,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
+use tracing::Instrument;
 use vramgate_shared::admission::{AdmitError, ByteGuard, BytePool};
+use vramgate_shared::telemetry::context::{self, PastSpan};
 
 use crate::batching::BatchSizer;
 use crate::config::{AdmissionMode, WorkerConfig};
@@ -77,6 +80,10 @@ pub enum InferError {
 
 struct Job {
     input: InputTensor,
+    /// The request's trace, when sampled: its batch and inference are recorded in it.
+    trace: Option<opentelemetry::Context>,
+    /// When it was queued for a batch.
+    queued_at: SystemTime,
     /// Its request came after a pause ([`Arrival`]): a batch it leads waits its window.
     after_pause: bool,
     /// Bytes (or, in count mode, permits) this job's guard holds.
@@ -317,7 +324,16 @@ impl Engine {
         };
         let waited = Instant::now();
         let wait_limit = self.max_queue_wait.min(timeout);
-        let admitted = self.pool.acquire_timeout(price, wait_limit, self.max_queued).await;
+        let waiting = tracing::info_span!(
+            "admission_wait",
+            model = served.model.name(),
+            admission.estimated_bytes = price,
+            admission.queued_bytes_ahead = self.pool.queued_bytes(),
+            admission.queued_ahead = self.pool.queued(),
+            admission.in_use_bytes = self.pool.in_use(),
+            admission.budget_bytes = self.pool.capacity(),
+        );
+        let admitted = self.pool.acquire_timeout(price, wait_limit, self.max_queued).instrument(waiting).await;
         let guard: ByteGuard = match admitted {
             Ok(guard) => guard,
             Err(e) => return Err(self.rejected(e, served, elements, price, wait_limit == timeout)),
@@ -325,7 +341,15 @@ impl Engine {
         self.metrics.admission_wait.observe(waited.elapsed().as_secs_f64());
 
         let (tx, rx) = oneshot::channel();
-        let job = Job { input, after_pause: arrival.after_pause, granted: price, deadline, reply: tx };
+        let job = Job {
+            input,
+            trace: context::sampled_context(&tracing::Span::current()),
+            queued_at: SystemTime::now(),
+            after_pause: arrival.after_pause,
+            granted: price,
+            deadline,
+            reply: tx,
+        };
         let sent = served.jobs.send(job);
         arrival.queued();
         if sent.is_err() {
@@ -618,6 +642,7 @@ impl Batcher {
         }
         let metrics = &self.shared.metrics;
         metrics.concurrent_tasks.inc();
+        let started_at = SystemTime::now();
         let started = Instant::now();
         let scope = self.shared.monitor.peak_scope(self.estimate.wants_peak(elements));
         let measuring = scope.measuring();
@@ -642,7 +667,59 @@ impl Batcher {
             }
         }
         self.maybe_clean_up();
+        self.record_spans(group, elements, exclusive, started_at, &result);
         result
+    }
+
+    /// Puts this batch into the trace of each sampled member: `batch_formation` (queued until
+    /// the batch started) and `inference` (the batch's run), with an `oom` event when it ran
+    /// out of memory, saying the batch size before and after.
+    fn record_spans(
+        &self,
+        group: &[Job],
+        elements: u64,
+        exclusive: bool,
+        started: SystemTime,
+        result: &Result<Vec<Vec<OutputTensor>>, ModelError>,
+    ) {
+        if group.iter().all(|j| j.trace.is_none()) {
+            return;
+        }
+        let ended = SystemTime::now();
+        let size = group.len() as i64;
+        let model = self.model.name().to_string();
+        let device = self.model.device_name();
+        let estimated = self.estimate.bytes(elements) as i64;
+        let error = match result {
+            Ok(_) => None,
+            Err(ModelError::OutOfMemory { .. }) => Some("out_of_memory"),
+            Err(_) => Some("model_error"),
+        };
+        for job in group {
+            let Some(trace) = &job.trace else { continue };
+            let mut formation = PastSpan::new("batch_formation", job.queued_at.min(started), started);
+            formation.attributes = vec![
+                KeyValue::new("batch.size", size),
+                KeyValue::new("batch.elements", elements as i64),
+                KeyValue::new("batch.estimated_bytes", estimated),
+            ];
+            formation.record(trace);
+            let mut inference = PastSpan::new("inference", started, ended);
+            inference.attributes = vec![
+                KeyValue::new("model", model.clone()),
+                KeyValue::new("batch.size", size),
+                KeyValue::new("device", device.clone()),
+                KeyValue::new("serial_lane", exclusive),
+            ];
+            if error == Some("out_of_memory") {
+                // What happens next (see `execute`): halved, alone in the serial lane, or 507.
+                let after = if exclusive { 0 } else if size > 1 { size / 2 } else { 1 };
+                let event = vec![KeyValue::new("batch.size.before", size), KeyValue::new("batch.size.after", after)];
+                inference.events.push(("oom", ended, event));
+            }
+            inference.error = error.map(str::to_string);
+            inference.record(trace);
+        }
     }
 
     fn maybe_clean_up(&self) {

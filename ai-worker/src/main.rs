@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
+use vramgate_shared::telemetry;
 use vramgate_worker::WorkerConfig;
 
 /// vramgate ai-worker: TorchScript inference over the Open Inference Protocol v2.
@@ -21,15 +22,18 @@ fn main() -> anyhow::Result<()> {
 
 async fn serve() -> anyhow::Result<()> {
     let args = Args::parse();
-    vramgate_shared::telemetry::init("ai-worker");
     // The worker's own loader: the same layering, plus redaction of secrets and the checks
     // between keys (see `config`).
     let config = WorkerConfig::load(args.config.as_deref()).context("reading ai-worker config")?;
+    let service = telemetry::Service { name: "ai-worker", version: env!("CARGO_PKG_VERSION") };
+    let telemetry = telemetry::init(service, &config.telemetry);
     anyhow::ensure!(!config.models.is_empty(), "no models configured: add [[models]] to the config file");
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     // Tests and scripts read this line to learn the port when listening on port 0.
     println!("listening on {}", listener.local_addr()?);
-    vramgate_worker::server::run(config, listener, vramgate_shared::shutdown::signal()).await
+    let outcome = vramgate_worker::server::run(config, listener, vramgate_shared::shutdown::signal()).await;
+    telemetry.shutdown();
+    outcome
 }

@@ -29,6 +29,7 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
+        vramgate_shared::telemetry::export::register_span_metrics(&registry).expect("unique metric");
         let gauge = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).expect("valid metric");
             registry.register(Box::new(g.clone())).expect("unique metric");

@@ -137,6 +137,14 @@ impl Model {
         Ok(model)
     }
 
+    /// The device it runs on, as `cpu` or `cuda:N`.
+    pub fn device_name(&self) -> String {
+        match self.device {
+            Device::Cuda(index) => format!("cuda:{index}"),
+            _ => "cpu".into(),
+        }
+    }
+
     pub fn name(&self) -> &str {
         &self.config.name
     }

@@ -23,7 +23,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
+use tracing::Instrument;
 use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
+use vramgate_shared::telemetry::context::Carried;
+use vramgate_shared::telemetry::{bounded, LOG_FIELD_MAX_BYTES};
 
 use crate::config::{AdmissionMode, Secret, WorkerConfig};
 use crate::batching::BatchSizer;
@@ -464,11 +467,40 @@ async fn infer_versioned(
     infer(state, Path(name), request).await
 }
 
+
+/// An inference request in a SERVER span that continues the caller's trace (its
+/// `traceparent`, read strictly: a refused one starts a new trace that says why).
 async fn infer(
-    State(state): State<Arc<AppState>>,
+    state: State<Arc<AppState>>,
     Path(name): Path<String>,
     request: Request,
 ) -> Result<Response, ApiError> {
+    let span = tracing::info_span!(
+        "POST /v2/models/{model}/infer",
+        otel.kind = "server",
+        http.request.method = "POST",
+        http.route = "/v2/models/{model}/infer",
+        url.path = bounded(request.uri().path(), LOG_FIELD_MAX_BYTES),
+        vramgate.model = bounded(&name, LOG_FIELD_MAX_BYTES),
+        http.response.status_code = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    );
+    Carried::from_headers(request.headers().iter().map(|(k, v)| (k.as_str(), v.as_bytes()))).adopt(&span);
+    let result = infer_in_span(state, name, request).instrument(span.clone()).await;
+    let status = match &result {
+        Ok(response) => response.status(),
+        Err(error) => error.status,
+    };
+    span.record("http.response.status_code", status.as_u16());
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+        span.record("error.type", status.as_str());
+    }
+    result
+}
+
+async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request: Request) -> Result<Response, ApiError> {
     let (engine, served) = state.served(&name)?;
     let (parts, body) = request.into_parts();
     let headers = parts.headers;

@@ -52,6 +52,8 @@ pub struct GatewayConfig {
     /// address is printed on stdout as `metrics on <addr>`. Loopback by default: exposing it
     /// (`0.0.0.0:9464` in a container) is a choice made in configuration.
     pub metrics_listen: String,
+    /// Trace export (OTLP); the `OTEL_*` variables override it.
+    pub telemetry: vramgate_shared::telemetry::TelemetryConfig,
 }
 
 impl Default for GatewayConfig {
@@ -74,6 +76,7 @@ impl Default for GatewayConfig {
             drain_timeout_seconds: 10.0,
             shutdown_timeout_seconds: 20.0,
             metrics_listen: "127.0.0.1:9464".into(),
+            telemetry: Default::default(),
         }
     }
 }
@@ -94,6 +97,7 @@ impl GatewayConfig {
 
     /// Checks what the types cannot: bounds that contradict each other, topics used twice.
     pub fn validate(&self) -> Result<(), String> {
+        self.telemetry.validate()?;
         if self.enabled_tasks().next().is_none() {
             return Err("no task is enabled; enable at least one under [tasks]".into());
         }
@@ -242,6 +246,15 @@ pub enum Converter {
     Wav,
     /// PNG/JPEG/WebP → oriented, resized, normalised RGB → a face detector → boxes.
     Image,
+}
+
+impl Converter {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Converter::Wav => "wav",
+            Converter::Image => "image",
+        }
+    }
 }
 
 /// One row of the task table.

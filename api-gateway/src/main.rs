@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use vramgate_gateway::GatewayConfig;
+use vramgate_shared::telemetry;
 
 /// mimalloc rather than glibc's allocator: each record makes a few dozen short-lived
 /// allocations (the message copy, its JSON, the output and its headers), and glibc's spent
@@ -23,9 +24,13 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    vramgate_shared::telemetry::init("api-gateway");
     let config: GatewayConfig =
         vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
             .context("reading api-gateway config")?;
-    vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await
+    let service = telemetry::Service { name: "api-gateway", version: env!("CARGO_PKG_VERSION") };
+    let telemetry = telemetry::init(service, &config.telemetry);
+    let outcome = vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await;
+    // The spans of the last records and the drain, before the process goes.
+    telemetry.shutdown();
+    outcome
 }

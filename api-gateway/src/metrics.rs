@@ -48,6 +48,7 @@ impl Metrics {
             registry.register(Box::new(g.clone())).expect("unique metric");
             g
         };
+        vramgate_shared::telemetry::export::register_span_metrics(&registry).expect("unique metric");
         let held_bytes = IntGauge::new("held_bytes", "Payload bytes held: raw records, inputs read, decoded, in flight")
             .expect("valid metric");
         registry.register(Box::new(held_bytes.clone())).expect("unique metric");

@@ -71,6 +71,7 @@ pub async fn run(
         budget: ByteBudget::new(config.max_held_bytes),
         metrics: metrics.clone(),
         in_flight: Default::default(),
+        group_id: config.kafka.group_id.clone(),
     });
 
     let topics: Vec<&str> = tasks.iter().map(|t| t.requests_topic.as_str()).collect();

@@ -8,9 +8,10 @@
 //! instead ([`trimmed_dead_letter`]: the id cut short, the value left out, the sizes in
 //! headers); if even that is refused, the record is logged, counted and committed past.
 //!
-//! Only a valid W3C trace context is copied from the request to its output: a `traceparent`
-//! that is malformed, longer than [`MAX_TRACE_HEADER_BYTES`] or repeated is dropped, and its
-//! `tracestate` with it.
+//! Each output carries the W3C trace context of its `send` span, so a downstream consumer
+//! continues the event's trace. With tracing off, the request's own context is copied when it
+//! is valid (`vramgate_shared::telemetry::context`): a `traceparent` that is malformed, longer
+//! than 512 bytes or repeated is dropped, and its `tracestate` with it.
 
 use std::time::Duration;
 
@@ -18,13 +19,13 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, SourceRecord, Stage, SCHEMA_VERSION};
+use tracing::Instrument;
+use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::telemetry::{bounded, LogLimit};
 
 use crate::consume::client::KafkaEvents;
 use crate::metrics::Metrics;
 
-/// Longest `traceparent` or `tracestate` copied to an output.
-pub const MAX_TRACE_HEADER_BYTES: usize = 512;
 /// Longest event id a trimmed dead letter carries.
 pub const TRIMMED_ID_BYTES: usize = 256;
 /// Longest message a trimmed dead letter carries.
@@ -61,18 +62,59 @@ pub fn is_permanent(error: &KafkaError) -> bool {
     )
 }
 
-/// Produces `out` keyed like `source`, with the source's valid trace context, retrying
-/// transient errors with backoff until the broker acknowledges. Returns a permanent error.
+/// Produces `out` keyed like `source`, under a PRODUCER span `send <topic>` whose trace
+/// context it carries, retrying transient errors with backoff until the broker acknowledges.
+/// Returns a permanent error.
 pub async fn deliver(
     producer: &FutureProducer<KafkaEvents>,
     metrics: &Metrics,
     source: &OwnedMessage,
     out: &Outgoing<'_>,
 ) -> Result<(), KafkaError> {
+    let span = tracing::info_span!(
+        "send",
+        otel.name = format!("send {}", out.topic),
+        otel.kind = "producer",
+        messaging.system = "kafka",
+        messaging.operation.type = "send",
+        messaging.destination.name = out.topic,
+        messaging.message.body.size = out.payload.len(),
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    );
+    let trace = context::headers_of(&span).or_else(|| match Carried::from_headers(kafka_headers(source)) {
+        Carried::Parent(parent) => Some(context::to_headers(&parent)),
+        _ => None,
+    });
     let mut headers = OwnedHeaders::new();
-    for (key, value) in trace_context(source) {
-        headers = headers.insert(Header { key, value: Some(value) });
+    if let Some((parent, state)) = &trace {
+        headers = headers.insert(Header { key: "traceparent", value: Some(parent.as_bytes()) });
+        if let Some(state) = state {
+            headers = headers.insert(Header { key: "tracestate", value: Some(state.as_bytes()) });
+        }
     }
+    let result = send_until_acknowledged(producer, metrics, source, out, headers).instrument(span.clone()).await;
+    if let Err(error) = &result {
+        span.record("otel.status_code", "ERROR");
+        span.record("error.type", "output_rejected");
+        span.record("otel.status_description", bounded(&error.to_string(), 256));
+    }
+    result
+}
+
+/// A record's headers as (name, value) pairs; a header without a value reads as empty.
+pub fn kafka_headers(message: &OwnedMessage) -> impl Iterator<Item = (&str, &[u8])> {
+    message.headers().into_iter().flat_map(|h| h.iter()).map(|h| (h.key, h.value.unwrap_or_default()))
+}
+
+async fn send_until_acknowledged(
+    producer: &FutureProducer<KafkaEvents>,
+    metrics: &Metrics,
+    source: &OwnedMessage,
+    out: &Outgoing<'_>,
+    mut headers: OwnedHeaders,
+) -> Result<(), KafkaError> {
     for (key, value) in &out.headers {
         headers = headers.insert(Header { key, value: Some(value) });
     }
@@ -99,44 +141,6 @@ pub async fn deliver(
     }
 }
 
-/// The `traceparent` and `tracestate` of `source` that may be copied: one valid `traceparent`
-/// (and then at most one bounded `tracestate`), or nothing.
-pub fn trace_context(source: &OwnedMessage) -> Vec<(&'static str, &[u8])> {
-    let Some(headers) = source.headers() else { return Vec::new() };
-    let mut parents = headers.iter().filter(|h| h.key == "traceparent");
-    let (Some(parent), None) = (parents.next(), parents.next()) else { return Vec::new() };
-    let Some(parent) = parent.value.filter(|v| valid_traceparent(v)) else { return Vec::new() };
-    let mut out = vec![("traceparent", parent)];
-    let mut states = headers.iter().filter(|h| h.key == "tracestate");
-    if let (Some(state), None) = (states.next(), states.next()) {
-        if let Some(state) = state.value.filter(|v| valid_tracestate(v)) {
-            out.push(("tracestate", state));
-        }
-    }
-    out
-}
-
-/// W3C Trace Context `traceparent`: `vv-<32 hex>-<16 hex>-ff`, lowercase hex, ids not all
-/// zero, version not `ff`; a later version may append `-…` fields.
-pub fn valid_traceparent(value: &[u8]) -> bool {
-    if value.len() < 55 || value.len() > MAX_TRACE_HEADER_BYTES {
-        return false;
-    }
-    let hex = |s: &[u8]| s.iter().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
-    let zero = |s: &[u8]| s.iter().all(|b| *b == b'0');
-    let (version, trace_id, parent_id, flags) = (&value[0..2], &value[3..35], &value[36..52], &value[53..55]);
-    let dashes = value[2] == b'-' && value[35] == b'-' && value[52] == b'-';
-    let shape = dashes && hex(version) && hex(trace_id) && hex(parent_id) && hex(flags);
-    let tail_ok = if version == b"00" { value.len() == 55 } else { value.len() == 55 || value[55] == b'-' };
-    shape && version != b"ff" && !zero(trace_id) && !zero(parent_id) && tail_ok
-}
-
-/// A `tracestate` short enough and of printable ASCII, at most 32 list members.
-pub fn valid_tracestate(value: &[u8]) -> bool {
-    value.len() <= MAX_TRACE_HEADER_BYTES
-        && value.iter().all(|b| (0x20..0x7f).contains(b))
-        && value.split(|b| *b == b',').count() <= 32
-}
 
 /// What the refused output was: a result, or a dead letter with its own reason (which the
 /// trimmed one keeps).
@@ -205,25 +209,6 @@ pub fn trimmed_dead_letter<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn traceparent_validation() {
-        let good = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert!(valid_traceparent(good));
-        let check = |v: &[u8]| assert!(!valid_traceparent(v), "{}", String::from_utf8_lossy(v));
-        check(b"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"); // upper case
-        check(b"00-00000000000000000000000000000000-00f067aa0ba902b7-01"); // zero trace id
-        check(b"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"); // zero parent id
-        check(b"ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"); // forbidden version
-        check(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x"); // v00 has no tail
-        check(b"00-4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7-01");
-        check(b"garbage");
-        check(&[b'a'; 10_000]);
-        assert!(valid_traceparent(b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later"));
-        assert!(valid_tracestate(b"rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"));
-        assert!(!valid_tracestate(&[b'a'; 600]));
-        assert!(!valid_tracestate(b"a=\x01"));
-    }
 
     #[test]
     fn permanent_errors_are_told_from_transient_ones() {

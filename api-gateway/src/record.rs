@@ -11,7 +11,8 @@ use std::time::Instant;
 use futures::FutureExt;
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
-use tracing::instrument;
+use tracing::Instrument;
+use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::events::{
     DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, SourceRecord, Stage, TimingsMs,
     SCHEMA_VERSION,
@@ -45,6 +46,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Records fetched and not yet finished (or dropped as stale), all tasks.
     pub in_flight: AtomicUsize,
+    /// The consumer group, for the spans.
+    pub group_id: String,
 }
 
 /// Counts a record in flight until it is dropped, whatever path the record takes.
@@ -72,8 +75,32 @@ pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, H
 }
 
 /// Processes one record to its end: a produced result or dead letter, then finishes its ticket.
-#[instrument(skip_all, fields(task = %task.name, partition = message.partition(), offset = message.offset(), event_id))]
-pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, mut held: Held) {
+/// All of it runs in a CONSUMER span `process <topic>`, which continues the trace the record's
+/// headers carry (or starts one, noting a refused `traceparent`).
+pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held) {
+    let span = tracing::info_span!(
+        "process",
+        otel.name = format!("process {}", message.topic()),
+        otel.kind = "consumer",
+        messaging.system = "kafka",
+        messaging.operation.type = "process",
+        messaging.destination.name = message.topic(),
+        messaging.destination.partition.id = message.partition(),
+        messaging.kafka.offset = message.offset(),
+        messaging.consumer.group.name = shared.group_id.as_str(),
+        messaging.message.id = tracing::field::Empty,
+        task = %task.name,
+        event_id = tracing::field::Empty,
+        vramgate.outcome = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    );
+    Carried::from_headers(produce::kafka_headers(&message)).adopt(&span);
+    handle_in_span(shared, task, message, ticket, held).instrument(span).await
+}
+
+async fn handle_in_span(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, mut held: Held) {
     let _in_flight = InFlight { shared: &shared, task: &task.name };
     if !shared.offsets.is_current(&ticket) {
         // Revoked before it started: the partition's new owner reads it from the last commit.
@@ -100,6 +127,7 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
     // What was written is kept (not copied out of): a refused output is trimmed from it.
     let (out, written) = match outcome {
         Ok(result) => {
+            tracing::Span::current().record("vramgate.outcome", "result");
             if RESULT_LOG.allow() {
                 tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
             } else {
@@ -111,6 +139,11 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
         }
         Err(rejection) => {
             let kind = rejection.failure.kind;
+            let span = tracing::Span::current();
+            span.record("vramgate.outcome", "dead_letter");
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", kind.as_str());
+            span.record("otel.status_description", bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES));
             if DEAD_LETTER_LOG.allow() {
                 let error = bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES);
                 tracing::warn!(kind = kind.as_str(), error, "dead-lettering record");
@@ -170,7 +203,7 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             }
         }
     }
-    shared.offsets.finish(&ticket);
+    shared.offsets.finish_traced(&ticket, context::sampled_context(&tracing::Span::current()));
 }
 
 /// The output a record's outcome became, as written.
@@ -218,7 +251,9 @@ async fn process(
     })?;
     let request = parse_request(value)?;
     check_id(&request.id)?;
-    tracing::Span::current().record("event_id", request.id.as_str());
+    let span = tracing::Span::current();
+    span.record("event_id", request.id.as_str());
+    span.record("messaging.message.id", request.id.as_str());
     let reject = |failure: Failure| Rejection {
         failure,
         id: Some(request.id.clone()),
@@ -258,7 +293,18 @@ async fn process(
     let queue = shared.metrics.cpu_queue.with_label_values(&[&task.name]);
     queue.inc();
     let job = plan.clone();
-    let result = on_pool(&task.pool, move || job.convert(&bytes)).await;
+    let input_bytes = bytes.len();
+    let format = task.config.converter.as_str();
+    let result = on_pool(&task.pool, task.pool.current_num_threads(), move || {
+        let span = tracing::info_span!("convert", input.format = format, input.bytes = input_bytes, output.elements = tracing::field::Empty);
+        let _entered = span.enter();
+        let converted = job.convert(&bytes);
+        if let Ok(c) = &converted {
+            span.record("output.elements", c.tensor.shape.iter().product::<usize>());
+        }
+        converted
+    })
+    .await;
     queue.dec();
     let Converted { tensor, outputs, finish } = result.and_then(|r| r).map_err(reject)?;
     let convert_ms = call::ms(convert_started.elapsed());
@@ -357,13 +403,17 @@ fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
 
 /// Runs CPU-bound work on a rayon pool and awaits it without blocking a tokio thread. The
 /// caller's span goes along, so the pool's logs carry the record's fields.
+/// Runs `work` on `pool`; the time it waits for a thread is a `cpu_queue_wait` span.
 async fn on_pool<T: Send + 'static>(
     pool: &rayon::ThreadPool,
+    threads: usize,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Failure> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let span = tracing::Span::current();
+    let waiting = tracing::info_span!("cpu_queue_wait", pool.threads = threads);
     pool.spawn(move || {
+        drop(waiting);
         let _entered = span.enter();
         let _ = tx.send(std::panic::catch_unwind(AssertUnwindSafe(work)));
     });

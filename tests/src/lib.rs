@@ -7,6 +7,7 @@
 
 pub mod ceiling;
 pub mod images;
+pub mod jaeger;
 pub mod metrics;
 pub mod oip_client;
 pub mod wav;
@@ -686,8 +687,15 @@ pub fn image_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
 /// defaults, e.g. `[("KAFKA__GROUP_ID", "g1")]`, its metrics on a free port, and waits for the
 /// line that names that port.
 pub async fn start_gateway(overrides: &[(&str, String)]) -> anyhow::Result<Gateway> {
+    start_gateway_with(overrides, &[]).await
+}
+
+/// [`start_gateway`], with further environment variables set as given (e.g.
+/// `VRAMGATE_LOG_FORMAT`).
+pub async fn start_gateway_with(overrides: &[(&str, String)], env: &[(&str, &str)]) -> anyhow::Result<Gateway> {
     let log = log_path("gateway");
     let mut command = Command::new(binary("api-gateway"));
+    command.envs(env.iter().copied());
     command
         .env("VRAMGATE_GATEWAY_KAFKA__BROKERS", brokers())
         .env("VRAMGATE_GATEWAY_METRICS_LISTEN", "127.0.0.1:0")

@@ -1,15 +1,22 @@
-//! `vramgate-cli`: emit request events for files or folders, and watch results and dead letters.
+//! `vramgate-cli`: emit request events for files or folders, watch results and dead letters,
+//! and print an event's trace from Jaeger.
+//!
+//! `produce` starts each event's trace (a PRODUCER span, exported when `OTEL_EXPORTER_OTLP_ENDPOINT`
+//! is set) and sends its `traceparent` in the record's headers; it prints `id, file, trace id`.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tracing::Instrument;
 use base64::Engine;
 use clap::{Parser, Subcommand};
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::Message;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use vramgate_gateway::jaeger::{self, Jaeger};
+use vramgate_shared::telemetry::{self, context};
 use rdkafka::ClientConfig;
 use vramgate_shared::events::{
     DeadLetterEvent, ImageOutput, InputRef, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION,
@@ -43,9 +50,25 @@ enum Command {
         /// Prefix for generated ids.
         #[arg(long, default_value = "")]
         id_prefix: String,
+        /// Extra record header, `name=value` (repeatable). A `traceparent` given here is sent
+        /// as given, instead of this event's own.
+        #[arg(long = "header", value_name = "NAME=VALUE")]
+        headers: Vec<String>,
         /// Files or folders.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
+    },
+    /// Print an event's trace from Jaeger as a tree of spans with their waits. Takes a trace id
+    /// (32 hex digits, as `produce` and `watch` print) or an event id.
+    Trace {
+        /// Trace id or event id.
+        id: String,
+        /// Jaeger's query service.
+        #[arg(long, env = "VRAMGATE_JAEGER_URL", default_value = "http://127.0.0.1:16686")]
+        jaeger: String,
+        /// Wait up to this many seconds for the trace to appear (spans are exported in batches).
+        #[arg(long, default_value_t = 10.0)]
+        wait_seconds: f64,
     },
     /// Print results and dead letters as they arrive.
     Watch {
@@ -70,10 +93,15 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Produce { task, topic, inline, ext, id_prefix, paths } => {
+        Command::Produce { task, topic, inline, ext, id_prefix, headers, paths } => {
             let topic = topic.unwrap_or_else(|| format!("{task}.requests"));
-            produce(&cli.brokers, &topic, &task, inline, &ext, &id_prefix, &paths).await
+            let service = telemetry::Service { name: "vramgate-cli", version: env!("CARGO_PKG_VERSION") };
+            let tracing = telemetry::init(service, &telemetry::TelemetryConfig::default());
+            let sent = produce(&cli.brokers, &topic, &task, inline, &ext, &id_prefix, &headers, &paths).await;
+            tracing.shutdown();
+            sent
         }
+        Command::Trace { id, jaeger, wait_seconds } => trace(&jaeger, &id, wait_seconds).await,
         Command::Watch { task, expect_ids, count, timeout_seconds, json } => {
             watch(&cli.brokers, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
         }
@@ -109,8 +137,14 @@ async fn produce(
     inline: bool,
     ext: &str,
     id_prefix: &str,
+    extra_headers: &[String],
     paths: &[PathBuf],
 ) -> anyhow::Result<()> {
+    let extra: Vec<(&str, &str)> = extra_headers
+        .iter()
+        .map(|h| h.split_once('=').with_context(|| format!("--header '{h}' is not name=value")))
+        .collect::<anyhow::Result<_>>()?;
+    let own_traceparent = !extra.iter().any(|(name, _)| name.eq_ignore_ascii_case("traceparent"));
     let mut files = Vec::new();
     collect_files(paths, ext, &mut files)?;
     if files.is_empty() {
@@ -132,13 +166,66 @@ async fn produce(
         };
         let event = RequestEvent { version: SCHEMA_VERSION, id: id.clone(), task: task.into(), input, options: None };
         let payload = serde_json::to_vec(&event)?;
-        producer
-            .send(FutureRecord::to(topic).key(&id).payload(&payload), Duration::from_secs(30))
-            .await
-            .map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
-        println!("{id}\t{}", file.display());
+        let span = tracing::info_span!(
+            "send",
+            otel.name = format!("send {topic}"),
+            otel.kind = "producer",
+            messaging.system = "kafka",
+            messaging.operation.type = "send",
+            messaging.destination.name = topic,
+            messaging.message.id = id.as_str(),
+        );
+        let mut headers = OwnedHeaders::new();
+        let trace = if own_traceparent { context::headers_of(&span) } else { None };
+        if let Some((parent, state)) = &trace {
+            headers = headers.insert(Header { key: "traceparent", value: Some(parent.as_str()) });
+            if let Some(state) = state {
+                headers = headers.insert(Header { key: "tracestate", value: Some(state.as_str()) });
+            }
+        }
+        for (name, value) in &extra {
+            headers = headers.insert(Header { key: name, value: Some(*value) });
+        }
+        let record = FutureRecord::to(topic).key(&id).payload(&payload).headers(headers);
+        let sent = producer.send(record, Duration::from_secs(30)).instrument(span.clone()).await;
+        sent.map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
+        let trace_id = context::trace_id_of(&span).unwrap_or_else(|| "-".into());
+        println!("{id}\t{}\t{trace_id}", file.display());
     }
     Ok(())
+}
+
+async fn trace(jaeger_url: &str, id: &str, wait_seconds: f64) -> anyhow::Result<()> {
+    let jaeger = Jaeger::new(jaeger_url)?;
+    let is_trace_id = id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit());
+    let deadline = Instant::now() + Duration::from_secs_f64(wait_seconds.clamp(0.0, 600.0));
+    // Spans arrive in batches from each service: wait until the trace stops growing.
+    let mut latest: Option<jaeger::Trace> = None;
+    loop {
+        let found = if is_trace_id {
+            jaeger.trace(&id.to_ascii_lowercase()).await?
+        } else {
+            jaeger.find("api-gateway", "messaging.message.id", id, 1).await?.into_iter().next()
+        };
+        let settled = match (&found, &latest) {
+            (Some(now), Some(before)) => now.spans.len() == before.spans.len(),
+            _ => false,
+        };
+        if found.is_some() {
+            latest = found;
+        }
+        if settled || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+    match latest {
+        Some(trace) => {
+            print!("{}", jaeger::render(&trace));
+            Ok(())
+        }
+        None => bail!("Jaeger at {jaeger_url} has no trace for '{id}' (is tracing on? see docs/observability.md)"),
+    }
 }
 
 fn stem(path: &Path) -> String {
@@ -199,12 +286,18 @@ async fn watch(
             }
         }
         seen += 1;
+        let trace = message
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == "traceparent"))
+            .and_then(|h| h.value)
+            .and_then(|v| context::parse_traceparent(v).ok())
+            .map_or_else(|| "-".to_string(), |(trace_id, _, _)| trace_id.to_string());
         if json {
             println!("{}", String::from_utf8_lossy(payload));
         } else if message.topic() == results {
-            println!("{}", summarise_result(payload));
+            println!("{}  trace {trace}", summarise_result(payload));
         } else {
-            println!("{}", summarise_dead_letter(payload));
+            println!("{}  trace {trace}", summarise_dead_letter(payload));
         }
     }
 }

@@ -5,6 +5,8 @@
 use std::time::Duration;
 
 use reqwest::StatusCode;
+use tracing::Instrument;
+use vramgate_shared::telemetry::context;
 use vramgate_shared::config::Secret;
 use vramgate_shared::oip::{self, Tensor, TensorData};
 
@@ -29,6 +31,17 @@ pub enum CallError {
 }
 
 impl CallError {
+    /// A short name of the kind of failure: the client span's `error.type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CallError::Rejected { .. } => "rejected",
+            CallError::Throttled { .. } => "throttled",
+            CallError::TimedOut { .. } => "timeout",
+            CallError::Failed { .. } => "unavailable",
+            CallError::BadResponse(_) => "bad_response",
+        }
+    }
+
     pub fn is_retryable(&self) -> bool {
         matches!(self, CallError::Throttled { .. } | CallError::TimedOut { .. } | CallError::Failed { .. })
     }
@@ -88,6 +101,9 @@ impl InferCall {
 pub struct WorkerClient {
     http: reqwest::Client,
     base: String,
+    /// Host and port of `base`, for the client spans.
+    host: String,
+    port: u16,
     /// Sent as the worker's deadline header, so the worker neither starts nor keeps waiting
     /// for work this client has stopped waiting for.
     timeout_ms: u64,
@@ -112,27 +128,59 @@ impl WorkerClient {
             .pool_max_idle_per_host(64)
             .build()?;
         let timeout_ms = (timeout_seconds * 1000.0).ceil() as u64;
-        Ok(WorkerClient { http, base: url.trim_end_matches('/').to_string(), timeout_ms })
+        let parsed = reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("worker url '{url}' is not a URL: {e}"))?;
+        let host = parsed.host_str().unwrap_or_default().to_string();
+        let port = parsed.port_or_known_default().unwrap_or(80);
+        Ok(WorkerClient { http, base: url.trim_end_matches('/').to_string(), host, port, timeout_ms })
     }
 
     pub fn url(&self) -> &str {
         &self.base
     }
 
-    /// Sends a prepared request to `model` and returns its output tensors.
-    pub async fn infer(&self, model: &str, call: &InferCall) -> Result<ModelOutput, CallError> {
+    /// Sends a prepared request to `model` and returns its output tensors, in a CLIENT span
+    /// whose trace context the request carries (`traceparent`), so the worker continues it.
+    pub async fn infer(&self, model: &str, call: &InferCall, attempt: u32) -> Result<ModelOutput, CallError> {
         let url = format!("{}/v2/models/{model}/infer", self.base);
+        let span = tracing::info_span!(
+            "POST",
+            otel.kind = "client",
+            http.request.method = "POST",
+            url.full = url.as_str(),
+            server.address = self.host.as_str(),
+            server.port = self.port,
+            http.request.resend_count = attempt.saturating_sub(1),
+            http.response.status_code = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        let result = self.send(&url, call, context::headers_of(&span)).instrument(span.clone()).await;
+        if let Err(error) = &result {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", error.kind());
+        }
+        result
+    }
+
+    async fn send(&self, url: &str, call: &InferCall, trace: Option<(String, Option<String>)>) -> Result<ModelOutput, CallError> {
         let mut request = self
             .http
-            .post(&url)
+            .post(url)
             .header("content-type", "application/octet-stream")
             .header("x-vramgate-timeout-ms", self.timeout_ms);
+        if let Some((parent, state)) = trace {
+            request = request.header("traceparent", parent);
+            if let Some(state) = state {
+                request = request.header("tracestate", state);
+            }
+        }
         if let Some(len) = call.header_len {
             request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len);
         }
         // `Bytes` clones share the buffer: a retry re-sends the same body without copying it.
-        let response = request.body(call.body.clone()).send().await.map_err(|e| transport(&url, "calling", &e))?;
+        let response = request.body(call.body.clone()).send().await.map_err(|e| transport(url, "calling", &e))?;
         let status = response.status();
+        tracing::Span::current().record("http.response.status_code", status.as_u16());
         let retry_after = response
             .headers()
             .get("retry-after")
@@ -145,7 +193,7 @@ impl WorkerClient {
             .get(oip::INFERENCE_HEADER_CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
-        let body = response.bytes().await.map_err(|e| transport(&url, "reading the answer from", &e))?;
+        let body = response.bytes().await.map_err(|e| transport(url, "reading the answer from", &e))?;
         if !status.is_success() {
             let message = serde_json::from_slice::<oip::ErrorBody>(&body)
                 .map(|b| b.error)

@@ -49,6 +49,10 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
             Err(error) => error,
         };
         let shown = error.to_string();
+        let retry_after = match &error {
+            CallError::Throttled { retry_after, .. } => *retry_after,
+            _ => None,
+        };
         match policy.next(error, calls, Instant::now()) {
             Decision::GiveUp(failure) => return Err(failure),
             Decision::Retry { delay, reason } => {
@@ -59,7 +63,17 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
                 } else {
                     metrics.log_suppressed.with_label_values(&["worker_retry"]).inc();
                 }
-                tokio::time::sleep(delay).await;
+                let backoff = tracing::info_span!(
+                    "backoff",
+                    attempt = calls,
+                    reason,
+                    delay_ms = delay.as_millis() as u64,
+                    retry_after_ms = tracing::field::Empty,
+                );
+                if let Some(after) = retry_after {
+                    backoff.record("retry_after_ms", after.as_millis() as u64);
+                }
+                tokio::time::sleep(delay).instrument(backoff).await;
             }
         }
     }
@@ -74,11 +88,17 @@ async fn permitted_call(
     metrics: &Metrics,
 ) -> (Result<ModelOutput, CallError>, Duration, Duration) {
     let permit_wait = Duration::from_millis(task.config.permit_wait_ms);
-    let (permit, waited) = task.permits.acquire_within(permit_wait, || task.mark_congested()).await;
+    let waiting = tracing::info_span!(
+        "gpu_permit_wait",
+        task = %task.name,
+        permit.limit = task.permits.limit(),
+        permit.waiting = task.permits.waiting(),
+    );
+    let (permit, waited) = task.permits.acquire_within(permit_wait, || task.mark_congested()).instrument(waiting).await;
     let in_flight = metrics.worker_calls.with_label_values(&[&task.name]);
     in_flight.inc();
     let started = Instant::now();
-    let result = task.worker.infer(&task.config.model, call).instrument(tracing::info_span!("worker_call", attempt)).await;
+    let result = task.worker.infer(&task.config.model, call, attempt).await;
     let took = started.elapsed();
     in_flight.dec();
     match &result {

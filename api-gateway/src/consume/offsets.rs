@@ -8,9 +8,12 @@
 //! Every assignment of a partition starts a new epoch. Work started under an older epoch
 //! (before a revoke) cannot move the position of the current one.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
+
+use opentelemetry::KeyValue;
+use vramgate_shared::telemetry::context::PastSpan;
 
 /// A Kafka partition: topic and partition number.
 pub type TopicPartition = (String, i32);
@@ -190,6 +193,21 @@ pub struct SharedOffsets {
     changed: Condvar,
     /// A commit was confirmed: what frees room in the in-flight window.
     committed: Condvar,
+    /// Finished records whose trace is sampled, waiting for the commit that covers them: it
+    /// is recorded in their trace as a `commit` span (from finished to confirmed).
+    awaiting_commit: Mutex<VecDeque<AwaitingCommit>>,
+}
+
+/// Most finished records kept for their `commit` span; past it the oldest get none. The
+/// in-flight window (`max_in_flight`) normally bounds them well below this.
+pub const MAX_AWAITING_COMMIT_SPANS: usize = 65_536;
+
+#[derive(Debug)]
+struct AwaitingCommit {
+    partition: TopicPartition,
+    offset: i64,
+    trace: opentelemetry::Context,
+    finished: SystemTime,
 }
 
 impl SharedOffsets {
@@ -205,10 +223,58 @@ impl SharedOffsets {
         finished
     }
 
+    /// [`finish`](Self::finish), and when `trace` is given (a sampled record), a `commit`
+    /// span goes into that trace once a confirmed commit covers the record.
+    pub fn finish_traced(&self, ticket: &Ticket, trace: Option<opentelemetry::Context>) -> bool {
+        if let Some(trace) = trace {
+            let mut waiting = self.awaiting_commit.lock().unwrap_or_else(|p| p.into_inner());
+            if waiting.len() >= MAX_AWAITING_COMMIT_SPANS {
+                waiting.pop_front();
+            }
+            waiting.push_back(AwaitingCommit {
+                partition: ticket.partition.clone(),
+                offset: ticket.offset,
+                trace,
+                finished: SystemTime::now(),
+            });
+        }
+        self.finish(ticket)
+    }
+
     /// Marks positions as acknowledged by the broker and wakes whoever waits for room.
     pub fn confirm(&self, positions: &[(TopicPartition, i64)]) {
         self.lock().confirm(positions);
         self.committed.notify_all();
+        self.record_commit_spans(positions);
+    }
+
+    /// The `commit` spans of the traced records these positions cover.
+    fn record_commit_spans(&self, positions: &[(TopicPartition, i64)]) {
+        let covered: Vec<AwaitingCommit> = {
+            let mut waiting = self.awaiting_commit.lock().unwrap_or_else(|p| p.into_inner());
+            if waiting.is_empty() {
+                return;
+            }
+            let (done, rest): (VecDeque<_>, VecDeque<_>) = waiting.drain(..).partition(|w| {
+                positions.iter().any(|(tp, position)| *tp == w.partition && w.offset < *position)
+            });
+            *waiting = rest;
+            done.into()
+        };
+        let now = SystemTime::now();
+        for record in covered {
+            let position = positions.iter().find(|(tp, _)| *tp == record.partition).map_or(0, |(_, p)| *p);
+            let mut span = PastSpan::new("commit", record.finished, now);
+            span.attributes = vec![
+                KeyValue::new("messaging.system", "kafka"),
+                KeyValue::new("messaging.operation.type", "settle"),
+                KeyValue::new("messaging.destination.partition.id", record.partition.1.to_string()),
+                KeyValue::new("messaging.kafka.offset", record.offset),
+                KeyValue::new("vramgate.commit.position", position),
+                KeyValue::new("vramgate.commit.partitions", positions.len() as i64),
+            ];
+            span.record(&record.trace);
+        }
     }
 
     /// Waits until a commit is confirmed, or `timeout` passes. Records finishing do not wake

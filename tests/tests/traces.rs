@@ -1,0 +1,357 @@
+//! Traces end to end, on a real Jaeger, broker, worker and gateway: every event is one trace
+//! from `vramgate-cli produce` through the gateway and the worker, with the waits that explain
+//! its latency; bad `traceparent` headers start a new trace and harm nothing; and a collector
+//! that goes away costs spans (counted), never events.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use vramgate_gateway::jaeger::{Jaeger, Span, Trace};
+use vramgate_tests::images::{crowd, png};
+use vramgate_tests::jaeger::JaegerProcess;
+use vramgate_tests::wav::{compose, write_wav, SampleFormat};
+use vramgate_tests::{
+    binary, brokers, gateway_base_env, image_task_env, scratch_dir, start_gateway, start_gateway_with, start_worker, unique,
+    voice_task_env, worker_config, Collector, TaskTopics, PNET_MODEL, VAD_MODEL,
+};
+
+/// One request admitted at a time, one waiting for at most 200 ms: a burst is answered 503 +
+/// Retry-After, so some events are retried.
+const SMALL_WORKER: &str =
+    "[admission]\nmode = \"count\"\nmax_concurrent = 1\nmax_queued_requests = 1\nmax_queue_wait_ms = 200\n";
+
+fn telemetry_toml(jaeger: &JaegerProcess) -> String {
+    format!("[telemetry]\notlp_endpoint = \"{}\"\nexport_delay_ms = 200\n", jaeger.otlp_url())
+}
+
+fn gateway_telemetry(jaeger: &JaegerProcess) -> Vec<(&'static str, String)> {
+    vec![("TELEMETRY__OTLP_ENDPOINT", jaeger.otlp_url()), ("TELEMETRY__EXPORT_DELAY_MS", "200".into())]
+}
+
+fn voice_files(root: &Path, prefix: &str, count: usize) -> Vec<PathBuf> {
+    (0..count)
+        .map(|i| {
+            let clip = compose(None, 0.6, 0.6, 16_000, 1, 700 + i as u64);
+            let path = root.join(format!("{prefix}-{i}.wav"));
+            write_wav(&path, &clip.samples, 16_000, 1, SampleFormat::I16).expect("write wav");
+            path
+        })
+        .collect()
+}
+
+/// One produced event: its id and its trace id, as `vramgate-cli produce` printed them.
+#[derive(Debug, Clone)]
+struct Produced {
+    id: String,
+    trace_id: String,
+}
+
+/// Runs `vramgate-cli produce`, exporting its spans to `jaeger`.
+fn cli_produce(jaeger: &JaegerProcess, task: &str, topic: &str, ext: &str, headers: &[&str], files: &[PathBuf]) -> anyhow::Result<Vec<Produced>> {
+    let mut command = Command::new(binary("vramgate-cli"));
+    command
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", jaeger.otlp_url())
+        .args(["--brokers", &brokers(), "produce", "--task", task, "--topic", topic, "--ext", ext]);
+    for header in headers {
+        command.args(["--header", header]);
+    }
+    let output = command.args(files).output().context("running vramgate-cli produce")?;
+    if !output.status.success() {
+        bail!("vramgate-cli produce failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    let produced = String::from_utf8(output.stdout)?
+        .lines()
+        .map(|line| {
+            let fields: Vec<&str> = line.split('\t').collect();
+            Produced { id: fields[0].to_string(), trace_id: fields.get(2).unwrap_or(&"-").to_string() }
+        })
+        .collect::<Vec<_>>();
+    anyhow::ensure!(produced.len() == files.len(), "one line per file expected, got {produced:?}");
+    Ok(produced)
+}
+
+/// The trace, once Jaeger has spans of all of `services` and every span named in `spans`.
+async fn wait_for_trace(jaeger: &Jaeger, trace_id: &str, services: &[&str], spans: &[&str]) -> anyhow::Result<Trace> {
+    let mut last = None;
+    for _ in 0..120 {
+        if let Some(trace) = jaeger.trace(trace_id).await? {
+            let have: HashSet<&str> = trace.spans.iter().map(|s| trace.service_of(s)).collect();
+            let complete = services.iter().all(|s| have.contains(s))
+                && spans.iter().all(|name| trace.spans.iter().any(|s| s.operation == *name));
+            if complete {
+                return Ok(trace);
+            }
+            last = Some(trace);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    match last {
+        Some(trace) => bail!("trace {trace_id} incomplete after 30 s:\n{}", vramgate_gateway::jaeger::render(&trace)),
+        None => bail!("Jaeger has no trace {trace_id} after 30 s"),
+    }
+}
+
+fn tag_str<'a>(span: &'a Span, key: &str) -> Option<&'a str> {
+    span.tag(key).and_then(|v| v.as_str())
+}
+
+/// A numeric tag, whether Jaeger gives it as a number or as a string (it writes 64-bit
+/// integers as strings).
+fn tag_number(span: &Span, key: &str) -> Option<i64> {
+    let value = span.tag(key)?;
+    value.as_i64().or_else(|| value.as_str()?.parse().ok())
+}
+
+fn has_tag(span: &Span, key: &str) -> bool {
+    span.tag(key).is_some()
+}
+
+/// The checks every completed event's trace passes.
+fn assert_one_trace_across_services(trace: &Trace, requests_topic: &str, results_topic: &str) {
+    let shown = vramgate_gateway::jaeger::render(trace);
+    let by_id = |id: &str| trace.spans.iter().find(|s| s.span_id == id);
+    let produce = trace.span(&format!("send {requests_topic}")).unwrap_or_else(|| panic!("no producer span:\n{shown}"));
+    assert_eq!(trace.service_of(produce), "vramgate-cli", "{shown}");
+    let process = trace.span(&format!("process {requests_topic}")).unwrap_or_else(|| panic!("no consumer span:\n{shown}"));
+    assert_eq!(trace.service_of(process), "api-gateway");
+    assert_eq!(process.parent(), Some(produce.span_id.as_str()), "the gateway continues the producer's trace:\n{shown}");
+    for key in ["messaging.system", "messaging.destination.partition.id", "messaging.kafka.offset", "messaging.consumer.group.name", "messaging.message.id"] {
+        assert!(has_tag(process, key), "process span lacks {key}:\n{shown}");
+    }
+    let convert = trace.span("convert").unwrap_or_else(|| panic!("no convert span:\n{shown}"));
+    assert!(has_tag(convert, "input.bytes") && has_tag(convert, "output.elements"), "{shown}");
+    assert!(trace.span("cpu_queue_wait").is_some(), "{shown}");
+    let permit = trace.span("gpu_permit_wait").unwrap_or_else(|| panic!("no permit wait:\n{shown}"));
+    assert!(has_tag(permit, "permit.limit"), "{shown}");
+    let clients: Vec<&Span> = trace.spans_named("POST").filter(|s| trace.service_of(s) == "api-gateway").collect();
+    assert!(!clients.is_empty(), "no client span:\n{shown}");
+    let server = trace
+        .spans_named("POST /v2/models/{model}/infer")
+        .find(|s| trace.service_of(s) == "ai-worker" && tag_str(s, "otel.status_code").is_none())
+        .unwrap_or_else(|| panic!("no successful worker server span:\n{shown}"));
+    let parent = server.parent().and_then(by_id).unwrap_or_else(|| panic!("server span without parent:\n{shown}"));
+    assert_eq!((parent.operation.as_str(), trace.service_of(parent)), ("POST", "api-gateway"), "{shown}");
+    let admission = trace.span("admission_wait").unwrap_or_else(|| panic!("no admission wait:\n{shown}"));
+    for key in ["admission.estimated_bytes", "admission.queued_bytes_ahead", "admission.budget_bytes"] {
+        assert!(has_tag(admission, key), "admission_wait lacks {key}:\n{shown}");
+    }
+    let formation = trace.span("batch_formation").unwrap_or_else(|| panic!("no batch formation:\n{shown}"));
+    assert!(has_tag(formation, "batch.size"), "{shown}");
+    let inference = trace.span("inference").unwrap_or_else(|| panic!("no inference:\n{shown}"));
+    assert!(has_tag(inference, "model") && has_tag(inference, "device") && has_tag(inference, "batch.size"), "{shown}");
+    assert!(trace.span(&format!("send {results_topic}")).is_some(), "no result producer span:\n{shown}");
+    assert!(trace.span("commit").is_some(), "no commit span:\n{shown}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow::Result<()> {
+    let jaeger_process = JaegerProcess::start(26_701)?;
+    let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+    let voice = TaskTopics::create(&unique("trace-voice"), 3).await?;
+    let image = TaskTopics::create(&unique("trace-image"), 1).await?;
+    let config = format!("{SMALL_WORKER}{}", telemetry_toml(&jaeger_process));
+    let worker = start_worker(&worker_config(&config, &[VAD_MODEL, PNET_MODEL])).await?;
+    let root = scratch_dir("traces");
+    let mut env = gateway_base_env(&unique("trace-group"), &worker.url, &root);
+    env.extend(voice_task_env(&voice));
+    env.extend(image_task_env(&image));
+    env.extend(gateway_telemetry(&jaeger_process));
+    let gateway = start_gateway_with(&env, &[("VRAMGATE_LOG_FORMAT", "json")]).await?;
+    let collector = Collector::start(&[&voice.results, &voice.dlq, &image.results, &image.dlq])?;
+
+    let mut voice_paths = voice_files(&root, "v", 16);
+    let corrupt = root.join("corrupt.wav");
+    std::fs::write(&corrupt, b"RIFF\x10\x00\x00\x00WAVEnot really a wave file")?;
+    voice_paths.push(corrupt);
+    let image_path = root.join("crowd.png");
+    std::fs::write(&image_path, png(&crowd(320, 240, 60.0, 3)))?;
+
+    let voices = cli_produce(&jaeger_process, "voice", &voice.requests, "wav", &[], &voice_paths)?;
+    let images = cli_produce(&jaeger_process, "image", &image.requests, "png", &[], &[image_path])?;
+    for p in voices.iter().chain(&images) {
+        assert_eq!(p.trace_id.len(), 32, "produce prints a trace id: {p:?}");
+    }
+    let ids: HashSet<String> = voices.iter().chain(&images).map(|p| p.id.clone()).collect();
+    let done = collector.wait_until(Duration::from_secs(180), |seen| ids.iter().all(|id| seen.contains_key(id))).await;
+    assert!(done, "not every event finished; gateway log:\n{}", gateway.log_tail());
+
+    let snapshot = collector.snapshot();
+    let (corrupt_event, good_voices) = voices.split_last().expect("events");
+    let mut retried = 0;
+    for event in good_voices {
+        let out = &snapshot[&event.id][0];
+        assert_eq!(out.topic, voice.results, "{} was not a result: {:?}", event.id, out.value);
+        let trace = wait_for_trace(&jaeger, &event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
+        assert_one_trace_across_services(&trace, &voice.requests, &voice.results);
+        // The result carries the trace onward.
+        let carried = out.header("traceparent").map(|v| String::from_utf8_lossy(v).to_string()).unwrap_or_default();
+        assert!(carried.contains(&event.trace_id), "result traceparent {carried:?} is not in trace {}", event.trace_id);
+        let attempts = trace.spans_named("POST").filter(|s| trace.service_of(s) == "api-gateway").count();
+        if attempts > 1 {
+            retried += 1;
+            let shown = vramgate_gateway::jaeger::render(&trace);
+            let backoff = trace.span("backoff").unwrap_or_else(|| panic!("a retried event shows its backoff:\n{shown}"));
+            assert!(has_tag(backoff, "attempt") && has_tag(backoff, "reason"), "{shown}");
+            let throttled = trace.spans_named("POST").any(|s| tag_number(s, "http.response.status_code") == Some(503));
+            assert!(throttled, "a retried event shows the 503 answer:\n{shown}");
+        }
+    }
+    assert!(retried > 0, "the small worker should have made at least one event retry");
+    println!("{retried} of {} voice events were retried after a 503", good_voices.len());
+
+    let image_event = &images[0];
+    assert_eq!(snapshot[&image_event.id][0].topic, image.results);
+    let trace = wait_for_trace(&jaeger, &image_event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
+    assert_one_trace_across_services(&trace, &image.requests, &image.results);
+    assert_eq!(trace.span("convert").and_then(|s| tag_str(s, "input.format")), Some("image"));
+
+    // The dead-lettered event: its trace says why, with error status, and never reached the worker.
+    assert_eq!(snapshot[&corrupt_event.id][0].topic, voice.dlq);
+    let trace = wait_for_trace(&jaeger, &corrupt_event.trace_id, &["vramgate-cli", "api-gateway"], &[&format!("send {}", voice.dlq)]).await?;
+    let shown = vramgate_gateway::jaeger::render(&trace);
+    let process = trace.span(&format!("process {}", voice.requests)).expect("consumer span");
+    assert_eq!(tag_str(process, "otel.status_code"), Some("ERROR"), "{shown}");
+    assert_eq!(tag_str(process, "error.type"), Some("invalid_audio"), "{shown}");
+    assert_eq!(tag_str(process, "vramgate.outcome"), Some("dead_letter"), "{shown}");
+    assert!(trace.spans.iter().all(|s| trace.service_of(s) != "ai-worker"), "{shown}");
+
+    // JSON logs: a line inside a record's span carries that record's trace id.
+    let traces: HashSet<&str> = voices.iter().map(|p| p.trace_id.as_str()).collect();
+    let log = std::fs::read_to_string(&gateway.service.log)?;
+    let lines: Vec<serde_json::Value> = log.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert!(!lines.is_empty(), "the gateway logs JSON lines:\n{}", gateway.log_tail());
+    let in_trace = lines
+        .iter()
+        .filter(|l| l["fields"]["message"] == "result ready" || l["fields"]["message"] == "dead-lettering record")
+        .filter(|l| l["trace_id"].as_str().is_some_and(|t| traces.contains(t)) && l["span_id"].as_str().is_some_and(|s| s.len() == 16))
+        .count();
+    assert!(in_trace > 0, "no log line carries an event's trace_id and span_id:\n{}", gateway.log_tail());
+
+    // The gateway and the worker count what they exported.
+    let scrape = gateway.metrics().await?;
+    assert!(scrape.sum("vramgate_gateway_trace_spans_exported_total", &[]) > 0.0);
+    drop(worker);
+    Ok(())
+}
+
+/// Jaeger, a worker serving Silero VAD and a gateway with the voice task, all exporting traces.
+struct VoiceStack {
+    jaeger_process: JaegerProcess,
+    jaeger: Jaeger,
+    voice: TaskTopics,
+    worker: vramgate_tests::Worker,
+    root: PathBuf,
+    gateway: vramgate_tests::Gateway,
+    collector: Collector,
+}
+
+impl VoiceStack {
+    async fn start(jaeger_port: u16, name: &str, partitions: i32) -> anyhow::Result<Self> {
+        let jaeger_process = JaegerProcess::start(jaeger_port)?;
+        let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+        let voice = TaskTopics::create(&unique(name), partitions).await?;
+        let worker = start_worker(&worker_config(&telemetry_toml(&jaeger_process), &[VAD_MODEL])).await?;
+        let root = scratch_dir(name);
+        let mut env = gateway_base_env(&unique(&format!("{name}-group")), &worker.url, &root);
+        env.extend(voice_task_env(&voice));
+        env.extend(gateway_telemetry(&jaeger_process));
+        let gateway = start_gateway(&env).await?;
+        let collector = Collector::start(&[&voice.results, &voice.dlq])?;
+        Ok(VoiceStack { jaeger_process, jaeger, voice, worker, root, gateway, collector })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_traceparents_start_a_new_trace_and_harm_nothing() -> anyhow::Result<()> {
+    let VoiceStack { jaeger_process, jaeger, voice, worker: _worker, root, gateway, collector } =
+        VoiceStack::start(26_711, "trace-bad", 1).await?;
+
+    let huge = format!("traceparent={}", "0".repeat(10 * 1024));
+    let good = "traceparent=00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        ("malformed", vec!["traceparent=00-NOT-A-TRACE-01"]),
+        ("oversized", vec![huge.as_str()]),
+        ("repeated", vec![good, good]),
+    ];
+    let mut sent = Vec::new();
+    for (i, (why, headers)) in cases.iter().enumerate() {
+        let files = voice_files(&root, &format!("bad{i}"), 1);
+        let produced = cli_produce(&jaeger_process, "voice", &voice.requests, "wav", headers, &files)?;
+        sent.push((*why, produced[0].id.clone()));
+    }
+    let ids: HashSet<String> = sent.iter().map(|(_, id)| id.clone()).collect();
+    let done = collector.wait_until(Duration::from_secs(120), |seen| ids.iter().all(|id| seen.contains_key(id))).await;
+    assert!(done, "events with bad trace headers must still be processed; log:\n{}", gateway.log_tail());
+    let snapshot = collector.snapshot();
+    for (why, id) in &sent {
+        let out = &snapshot[id][0];
+        assert_eq!(out.topic, voice.results, "{why}: processed normally");
+        // A new trace: not the one the bad header named, and it says why.
+        let mut found = None;
+        for _ in 0..120 {
+            found = jaeger.find("api-gateway", "messaging.message.id", id, 1).await?.into_iter().next();
+            if found.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let trace = found.with_context(|| format!("{why}: no trace for {id}"))?;
+        assert_ne!(trace.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736", "{why}: a refused parent is not continued");
+        let process = trace.span(&format!("process {}", voice.requests)).expect("consumer span");
+        assert_eq!(tag_str(process, "vramgate.trace.parent_refused"), Some(*why));
+        assert!(process.parent().is_none(), "{why}: a new root");
+        let carried = out.header("traceparent").map(|v| String::from_utf8_lossy(v).to_string()).unwrap_or_default();
+        assert!(carried.contains(&trace.trace_id), "{why}: the result carries the new trace, not the bad header");
+    }
+    let log = std::fs::read_to_string(&gateway.service.log)?;
+    assert!(log.len() < 64 * 1024, "gateway log grew to {} bytes", log.len());
+    assert!(!log.contains(&"0".repeat(1024)), "the 10 KB header reached the log");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_collector_that_goes_away_costs_spans_never_events() -> anyhow::Result<()> {
+    let VoiceStack { jaeger_process, jaeger, voice, worker: _worker, root, gateway, collector } =
+        VoiceStack::start(26_721, "trace-down", 3).await?;
+    let mut expected = HashSet::new();
+
+    let phase = |expected: &mut HashSet<String>, name: &str, count: usize| -> anyhow::Result<Vec<Produced>> {
+        let produced = cli_produce(&jaeger_process, "voice", &voice.requests, "wav", &[], &voice_files(&root, name, count))?;
+        expected.extend(produced.iter().map(|p| p.id.clone()));
+        Ok(produced)
+    };
+    let before = phase(&mut expected, "up", 5)?;
+    jaeger_process.stop()?;
+    let _down = phase(&mut expected, "down", 20)?;
+    let wanted = expected.clone();
+    let done = collector.wait_until(Duration::from_secs(120), |seen| wanted.iter().all(|id| seen.contains_key(id))).await;
+    assert!(done, "events went on while the collector was down; log:\n{}", gateway.log_tail());
+    // The export thread meets the closed port on its next batch (export_delay_ms = 200).
+    let mut dropped = 0.0;
+    for _ in 0..40 {
+        dropped = gateway.metrics().await?.sum("vramgate_gateway_trace_spans_dropped_total", &[]);
+        if dropped > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(dropped > 0.0, "dropped spans are counted while the collector is down");
+
+    jaeger_process.restart()?;
+    let after = phase(&mut expected, "back", 3)?;
+    let wanted = expected.clone();
+    let done = collector.wait_until(Duration::from_secs(120), |seen| wanted.iter().all(|id| seen.contains_key(id))).await;
+    assert!(done, "events after the collector came back; log:\n{}", gateway.log_tail());
+    let snapshot = collector.snapshot();
+    assert_eq!(snapshot.len(), expected.len(), "every event has exactly one output, none lost");
+    assert!(snapshot.values().all(|outs| outs.len() == 1 && outs[0].topic == voice.results));
+    // Traces resume: the new events are in the restarted (empty) Jaeger, through the worker.
+    for event in &after {
+        wait_for_trace(&jaeger, &event.trace_id, &["api-gateway", "ai-worker"], &["inference"]).await?;
+    }
+    assert!(jaeger.trace(&before[0].trace_id).await?.is_none(), "the restarted Jaeger is empty: in-memory storage");
+    Ok(())
+}
