@@ -6,11 +6,13 @@
 # the runtime base, the final stage holds them, the base's runtime libraries and nothing else,
 # and runs as an unprivileged user.
 FROM debian:bookworm-slim AS files
+LABEL vramgate.image=gateway
 COPY . /opt/vramgate/
 # Every shared library the binaries need must come with the base image.
 RUN ! ldd /opt/vramgate/bin/api-gateway /opt/vramgate/bin/vramgate-cli | grep 'not found'
 
 FROM debian:bookworm-slim
+LABEL vramgate.image=gateway
 RUN set -eux; \
     useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate; \
     mkdir -p /data/inputs; chown vramgate:vramgate /data/inputs

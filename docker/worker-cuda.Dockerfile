@@ -5,10 +5,12 @@
 # (libcuda) through NVIDIA_VISIBLE_DEVICES / NVIDIA_DRIVER_CAPABILITIES. Needs a GPU host with the
 # NVIDIA Container Toolkit; never built or run in this project's CI (no registry, no GPU).
 FROM nvidia/cuda:13.0.1-base-ubuntu24.04 AS files
+LABEL vramgate.image=worker
 COPY . /opt/vramgate/
 RUN ! LD_LIBRARY_PATH=/opt/vramgate/lib ldd /opt/vramgate/bin/ai-worker | grep 'not found'
 
 FROM nvidia/cuda:13.0.1-base-ubuntu24.04
+LABEL vramgate.image=worker
 RUN useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate
 COPY --from=files /opt/vramgate/ /opt/vramgate/
 WORKDIR /opt/vramgate

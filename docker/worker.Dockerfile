@@ -7,10 +7,12 @@
 # run time. Stage 1 checks the files on the runtime base; the final stage holds them and runs
 # unprivileged.
 FROM debian:bookworm-slim AS files
+LABEL vramgate.image=worker
 COPY . /opt/vramgate/
 RUN ! LD_LIBRARY_PATH=/opt/vramgate/lib ldd /opt/vramgate/bin/ai-worker | grep 'not found'
 
 FROM debian:bookworm-slim
+LABEL vramgate.image=worker
 RUN useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate
 COPY --from=files /opt/vramgate/ /opt/vramgate/
 WORKDIR /opt/vramgate
