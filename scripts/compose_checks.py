@@ -1,0 +1,197 @@
+"""The checks scripts/compose-test runs against the compose stack, static and live.
+
+    compose_checks.py static ROOT                      the dashboard and Grafana's provisioning
+    compose_checks.py outputs FILE N STATUS [KIND]     `vramgate-cli watch --json` output
+    compose_checks.py prometheus URL JOB...            every job scraped, `up` == 1
+    compose_checks.py metrics ROOT URL...              dashboard metrics exist in live /metrics
+    compose_checks.py jaeger URL [SERVICE]             Jaeger's API answers (and has SERVICE)
+
+Each prints what it checked and exits 1 with the reason on the first failure. Waits are bounded
+by deadlines; HTTP calls by timeouts. Standard library only, plus PyYAML for `static`.
+"""
+
+import json
+import re
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+HTTP_TIMEOUT_S = 5
+DASHBOARD = "deploy/grafana/dashboards/vramgate.json"
+# A metric selector in PromQL as the dashboard writes them: always with braces.
+SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{")
+
+
+def fail(message):
+    print(f"compose-check: FAILED: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def say(message):
+    print(f"compose-check: {message}", file=sys.stderr)
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+        return response.status, response.read().decode()
+
+
+def poll(what, deadline_s, attempt):
+    """Calls attempt() until it returns a true value or deadline_s pass; returns that value."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while True:
+        try:
+            value = attempt()
+            if value:
+                return value
+        except Exception as error:  # a service still starting: connection refused, 503, bad JSON
+            last = error
+        if time.monotonic() >= deadline:
+            fail(f"{what} within {deadline_s} s (last error: {last})")
+        time.sleep(1)
+
+
+def dashboard_exprs(root):
+    dashboard = json.loads((root / DASHBOARD).read_text())
+    exprs = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            exprs.append(target["expr"])
+    return dashboard, exprs
+
+
+def static(root):
+    import yaml
+
+    dashboard, exprs = dashboard_exprs(root)
+    if not exprs:
+        fail(f"{DASHBOARD} queries nothing")
+    datasources = yaml.safe_load((root / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    uids = {d["uid"] for d in datasources["datasources"]}
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            uid = target.get("datasource", {}).get("uid")
+            if uid not in uids:
+                fail(f"panel '{panel['title']}' uses data source {uid}, not a provisioned one ({sorted(uids)})")
+            if not SELECTOR.search(target["expr"]):
+                fail(f"panel '{panel['title']}' has no metric selector with braces: {target['expr']}")
+    providers = yaml.safe_load((root / "deploy/grafana/provisioning/dashboards/vramgate.yml").read_text())
+    compose = yaml.safe_load((root / "docker-compose.yml").read_text())
+    mounts = compose["services"]["grafana"]["volumes"]
+    for provider in providers["providers"]:
+        path = provider["options"]["path"]
+        if f"./deploy/grafana/dashboards:{path}:ro" not in mounts:
+            fail(f"the dashboard provider reads {path}, which docker-compose.yml does not mount")
+    say(f"{DASHBOARD} parses: {len(dashboard['panels'])} panels, {len(exprs)} queries; provisioning matches")
+    # The CUDA worker image cannot be built here (no registry for its base, no GPU); it must do
+    # exactly what the CPU image, which is built and run, does.
+    cpu, cuda = (dockerfile_steps(root / f"docker/{name}.Dockerfile") for name in ("worker", "worker-cuda"))
+    if cpu != cuda:
+        diff = [f"{a!r} / {b!r}" for a, b in zip(cpu, cuda) if a != b] or ["different lengths"]
+        fail(f"docker/worker-cuda.Dockerfile differs from docker/worker.Dockerfile beyond base and device: {diff[0]}")
+    say(f"docker/worker-cuda.Dockerfile: the CPU image's {len(cpu)} steps on the CUDA base")
+
+
+def dockerfile_steps(path):
+    """A Dockerfile's instructions with the base image, NVIDIA's variables, the device and the
+    start period taken out: what the CPU and CUDA worker images must share."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    steps = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = re.sub(r"^FROM \S+", "FROM <base>", line)
+        line = re.sub(r"NVIDIA_\S+=\S+ ", "", line)
+        line = re.sub(r"VRAMGATE_WORKER_DEVICE=\S+", "VRAMGATE_WORKER_DEVICE=<device>", line)
+        steps.append(" ".join(re.sub(r"--start-period=\S+", "", line).split()))
+    return steps
+
+
+def outputs(path, count, status, kind=None):
+    """Every line of `watch --json` output is a result (status ok) or a dead letter of KIND."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if len(records) != count:
+        fail(f"{path}: {len(records)} records, expected {count}")
+    for record in records:
+        if status == "ok" and record.get("status") != "ok":
+            fail(f"{record.get('id')} did not reach the results topic as ok: {json.dumps(record)[:300]}")
+        if status == "dead_letter" and record.get("error", {}).get("kind") != kind:
+            fail(f"{record.get('id')} is not a dead letter of kind {kind}: {json.dumps(record)[:300]}")
+    say(f"{path}: {count} records, all {status}{' ' + kind if kind else ''}")
+
+
+def prometheus(url, jobs):
+    def scraped():
+        query = urllib.parse.urlencode({"query": "up"})
+        _, body = get(f"{url}/api/v1/query?{query}")
+        up = {r["metric"].get("job"): r["value"][1] for r in json.loads(body)["data"]["result"]}
+        return all(up.get(job) == "1" for job in jobs) and up
+
+    up = poll(f"Prometheus did not report up == 1 for {', '.join(jobs)}", 90, scraped)
+    say(f"Prometheus scrapes {', '.join(f'{job} (up {up[job]})' for job in jobs)}")
+
+
+def metrics(root, urls):
+    _, exprs = dashboard_exprs(root)
+    wanted = sorted({name for expr in exprs for name in SELECTOR.findall(expr)})
+    live = set()
+    for url in urls:
+        _, text = get(url)
+        live |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    # A labelled family (counter, gauge or histogram with labels) appears in /metrics only once a
+    # series exists: OOMs, rejections, retries and pauses have none in a run without them. Those
+    # must at least be registered under that name by the service's metrics module.
+    sources = {
+        "vramgate_gateway_": (root / "api-gateway/src/metrics.rs").read_text(),
+        "": (root / "ai-worker/src/metrics.rs").read_text(),
+    }
+    missing, declared = [], []
+    for name in wanted:
+        if name in live:
+            continue
+        prefix = "vramgate_gateway_" if name.startswith("vramgate_gateway_") else ""
+        base = re.sub(r"_(bucket|sum|count)$", "", name[len(prefix):])
+        if f'"{base}"' in sources[prefix] or f'"{prefix}{base}"' in sources[prefix]:
+            declared.append(name)
+        else:
+            missing.append(name)
+    if missing:
+        fail(f"the dashboard queries metrics no service serves or registers: {', '.join(missing)}")
+    say(f"{len(wanted) - len(declared)} of the dashboard's {len(wanted)} metrics are in the live /metrics; "
+        f"registered, no series yet (no such event in this run): {', '.join(declared) or 'none'}")
+
+
+def jaeger(url, service=None):
+    def services():
+        status, body = get(f"{url}/api/services")
+        names = json.loads(body).get("data") or []
+        return status == 200 and (service is None or service in names) and (names or ["(none yet)"])
+
+    names = poll(f"Jaeger did not list {service or 'its services'}", 90, services)
+    say(f"Jaeger answers; services: {', '.join(names)}")
+
+
+def main(argv):
+    if len(argv) < 2:
+        fail(__doc__)
+    command, args = argv[1], argv[2:]
+    if command == "static" and len(args) == 1:
+        static(Path(args[0]))
+    elif command == "outputs" and len(args) in (3, 4):
+        outputs(args[0], int(args[1]), *args[2:])
+    elif command == "prometheus" and len(args) >= 2:
+        prometheus(args[0], args[1:])
+    elif command == "metrics" and len(args) >= 2:
+        metrics(Path(args[0]), args[1:])
+    elif command == "jaeger" and len(args) in (1, 2):
+        jaeger(*args)
+    else:
+        fail(f"bad arguments: {' '.join(argv[1:])}\n{__doc__}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
