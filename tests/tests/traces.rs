@@ -355,3 +355,54 @@ async fn a_collector_that_goes_away_costs_spans_never_events() -> anyhow::Result
     assert!(jaeger.trace(&before[0].trace_id).await?.is_none(), "the restarted Jaeger is empty: in-memory storage");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_oom_shows_in_the_trace_with_the_batch_before_and_after() -> anyhow::Result<()> {
+    use vramgate_tests::oip_client::{infer, test_image};
+    let jaeger_process = JaegerProcess::start(26_741)?;
+    let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+    // As in worker_admission's OOM test: a cap the batch of 8 cannot fit in, and an estimate
+    // far too low, so admission lets all 8 in and the batch fails to allocate for real.
+    let extra = format!(
+        "memory_limit_bytes = 700000000\nmemory_host_allowance_bytes = 268435456\n{}\
+         [batching]\nwindow_ms = 500.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n",
+        telemetry_toml(&jaeger_process)
+    );
+    let low = "estimate = { base_bytes = 1000000.0, bytes_per_element = 1.0 }";
+    let worker = start_worker(&worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", low)])).await?;
+    let http = reqwest::Client::new();
+    let answers = futures::future::join_all((0..8).map(|i| {
+        let (http, url) = (http.clone(), worker.url.clone());
+        async move { infer(&http, &url, "pnet", "image", vec![1, 3, 1024, 1024], test_image(1024, 1024, i), None).await }
+    }))
+    .await;
+    for answer in answers {
+        assert_eq!(answer?.status, 200, "every request recovers from the OOM");
+    }
+    let mut traces = Vec::new();
+    for _ in 0..120 {
+        traces = jaeger.find("ai-worker", "error.type", "out_of_memory", 20).await?;
+        if !traces.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(!traces.is_empty(), "no trace shows the OOM; worker log:\n{}", worker.service.log_tail());
+    let trace = &traces[0];
+    let shown = vramgate_gateway::jaeger::render(trace);
+    let inferences: Vec<&Span> = trace.spans_named("inference").collect();
+    let failed = inferences
+        .iter()
+        .find(|s| tag_str(s, "error.type") == Some("out_of_memory"))
+        .unwrap_or_else(|| panic!("no failed inference:\n{shown}"));
+    let oom = failed.logs.iter().find(|l| l.fields.iter().any(|f| f.key == "event" && f.value == "oom"));
+    let field = |key: &str| {
+        oom.and_then(|l| l.fields.iter().find(|f| f.key == key))
+            .and_then(|f| f.value.as_i64().or_else(|| f.value.as_str()?.parse().ok()))
+    };
+    let (before, after) = (field("batch.size.before"), field("batch.size.after"));
+    assert!(before.is_some_and(|b| b >= 2), "the oom event names the batch size before:\n{shown}");
+    assert_eq!(after, before.map(|b| b / 2), "halved:\n{shown}");
+    assert!(inferences.iter().any(|s| s.tag("error.type").is_none()), "the retry that succeeded is in the trace too:\n{shown}");
+    Ok(())
+}
