@@ -11,6 +11,7 @@ pub mod consume;
 pub mod failure;
 pub mod health;
 pub mod input;
+pub mod load;
 pub mod metrics;
 pub mod pipeline;
 pub mod produce;
