@@ -136,13 +136,13 @@ pub struct P1 {
 }
 
 impl P1 {
-    /// The best static count: the fastest run that lost nothing (or the safe one).
-    pub fn best_static(&self) -> &Run {
+    /// The best static count: the fastest run that lost nothing; `None` when every one lost
+    /// requests (then no static count is safe for this burst).
+    pub fn best_static(&self) -> Option<&Run> {
         self.statics
             .iter()
             .filter(|r| r.failed == 0 && !r.crashed)
             .max_by(|x, y| x.throughput().total_cmp(&y.throughput()))
-            .unwrap_or(&self.safe)
     }
 }
 
@@ -193,12 +193,18 @@ pub fn print_p1(p1: &P1) {
             r.label, r.seconds, r.throughput(), r.ok, r.failed, r.ooms, r.peak_mib, r.crashed
         );
     }
-    let best = p1.best_static();
-    println!("best static count: {}", best.label);
+    let c = &p1.bytes;
+    let lossless = |r: &Run| if r.failed == 0 && !r.crashed { "" } else { " (it lost requests)" };
+    match p1.best_static() {
+        Some(best) => println!("best static count: {}; c/b = {:.2} (target >= 0.9)", best.label, c.throughput() / best.throughput()),
+        None => println!("best static count: none ran without losing requests"),
+    }
     println!(
-        "c/a = {:.2} (target >= 1.5), c/b = {:.2} (target >= 0.9), OOMs under byte admission: {}",
-        p1.bytes.throughput() / p1.safe.throughput(),
-        p1.bytes.throughput() / best.throughput(),
-        p1.bytes.ooms
+        "c/a = {:.2}{} (target >= 1.5); byte admission: {} failed, crashed {}, OOMs {}",
+        c.throughput() / p1.safe.throughput(),
+        lossless(&p1.safe),
+        c.failed,
+        c.crashed,
+        c.ooms
     )
 }
