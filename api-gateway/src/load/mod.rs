@@ -363,7 +363,7 @@ async fn sample_loop(
 async fn progress_loop(tally: Arc<Mutex<Tally>>, stop: Arc<AtomicBool>, expected: Option<u64>) {
     let target = if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
     let bars = MultiProgress::with_draw_target(target);
-    let style = ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos:>8}/{len:8} {per_sec:>12} eta {eta}")
+    let style = ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos:>8}/{len:8} {msg:>10} eta {eta}")
         .expect("a valid progress template")
         .progress_chars("=> ");
     let bar = |name: &str| {
@@ -373,18 +373,20 @@ async fn progress_loop(tally: Arc<Mutex<Tally>>, stop: Arc<AtomicBool>, expected
         b
     };
     let (sent_bar, done_bar, dead_bar) = (bar("sent"), bar("done"), bar("dead-lettered"));
+    let started = Instant::now();
     loop {
         let (sent, results, dead) = tally.lock().unwrap_or_else(|p| p.into_inner()).totals();
         let total = expected.unwrap_or(0).max(sent);
-        for b in [&sent_bar, &done_bar, &dead_bar] {
+        let seconds = started.elapsed().as_secs_f64().max(1e-3);
+        for (b, at) in [(&sent_bar, sent), (&done_bar, results + dead), (&dead_bar, dead)] {
             b.set_length(total);
+            b.set_position(at);
+            b.set_message(format!("{:.1}/s", at as f64 / seconds));
         }
-        sent_bar.set_position(sent);
-        done_bar.set_position(results + dead);
-        dead_bar.set_position(dead);
         if stop.load(Ordering::Relaxed) {
+            // `abandon`, not `finish`: finishing would draw every bar as complete.
             for b in [&sent_bar, &done_bar, &dead_bar] {
-                b.finish();
+                b.abandon();
             }
             return;
         }
