@@ -10,6 +10,7 @@ pub mod admission;
 pub mod config;
 pub mod events;
 pub mod oip;
+pub mod prom_text;
 pub mod shutdown;
 pub mod telemetry;
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! Every test creates its own topics and consumer group (names with a random suffix), so tests
 //! can run side by side on one broker without seeing each other's records.
 
+pub mod bench;
 pub mod ceiling;
 pub mod images;
 pub mod jaeger;

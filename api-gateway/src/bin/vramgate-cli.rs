@@ -87,6 +87,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Send a load (a rate or a burst) and account for every event: table, CSV, plot.
+    Load(vramgate_gateway::load::LoadArgs),
 }
 
 #[tokio::main]
@@ -105,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Watch { task, expect_ids, count, timeout_seconds, json } => {
             watch(&cli.brokers, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
         }
+        Command::Load(args) => vramgate_gateway::load::run(&cli.brokers, args).await,
     }
 }
 

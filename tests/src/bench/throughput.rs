@@ -1,0 +1,395 @@
+//! P4 and P2 of the pipeline benchmark, as functions that return their figures (the
+//! `throughput` and `pipeline` benches print them). Figures only; nothing is asserted about speed.
+//!
+//! **P4, gateway vs raw consume.** `VRAMGATE_BENCH_EVENTS` (default 100,000) tiny voice
+//! requests whose input file does not exist, in a topic of 3 partitions. Each takes the
+//! gateway's whole record path except the worker call: consume → parse → input check → dead
+//! letter produced and acknowledged → offset committed. The ceiling is a plain librdkafka
+//! consumer (rdkafka `BaseConsumer`, no group) reading the same records. The gateway runs with
+//! `config/gateway.toml` unchanged (only the broker, group, topics and input root are set). Its
+//! rate is timed from its first consumed record to the moment every offset is committed, so
+//! process start-up and the group join are outside both figures. Also printed: the gateway's
+//! CPU seconds per 1,000 records, its peak RSS under the whole backlog against its byte bounds
+//! (`max_held_bytes` + librdkafka's `queued.max.messages.kbytes`), and how many records ended
+//! in the dead-letter topic (must be all of them: lost = 0).
+//!
+//! **P2, raw loop → worker → whole pipeline.** For P-Net on a 320×320 image and Silero VAD on
+//! a 5 s clip: the plain libtorch loop (`ai-worker/examples/raw_loop.rs`, batch 1, one torch
+//! thread), the worker called directly over OIP with 8 requests in flight (the same tensor the
+//! gateway sends), and the whole pipeline: `VRAMGATE_BENCH_PIPELINE_EVENTS` (default 400)
+//! requests naming a PNG or WAV file, through Kafka, the gateway (defaults) and the same
+//! worker, timed from the first consumed record to the last result. On this CPU-only machine
+//! the gateway's conversion shares the cores with the model; on a GPU host it would not.
+//!
+//! The P2 part needs the raw loop example (`cargo build --release --examples`).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use crate::ceiling;
+use crate::images::{crowd, png, write};
+use crate::wav::{noise, write_wav, SampleFormat};
+use crate::{
+    brokers, delete_topics, env_or, gateway_base_env, image_task_env, proc_status_kib, producer, request_file,
+    scratch_dir, send_all,
+    start_gateway, uncommitted_records, unique, voice_task_env, TaskTopics,
+};
+
+const PARTITIONS: i32 = 3;
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// A process's `utime + stime` in seconds, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of stat; 12 and 13 after "pid (comm)".
+    (ticks(11) + ticks(12)) / clock_ticks()
+}
+
+/// `sysconf(_SC_CLK_TCK)`, read once through `getconf` (100 on every Linux this runs on).
+fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+/// Pids of local Kafka brokers (`kafka.Kafka` in their command line), to count their CPU.
+fn broker_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(b"kafka.Kafka".len()).any(|w| w == b"kafka.Kafka"))
+        })
+        .collect()
+}
+
+fn broker_cpu() -> f64 {
+    broker_pids().into_iter().map(cpu_seconds).sum()
+}
+
+/// Writes `count` tiny voice requests whose input is missing under `root`, as fast as the
+/// producer goes.
+fn produce_backlog(topic: &str, root: &Path, count: usize) -> anyhow::Result<()> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("linger.ms", "20")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()?;
+    for i in 0..count {
+        let id = format!("e{i}");
+        let value = format!(
+            r#"{{"id":"{id}","task":"voice","input":{{"uri":"file://{}/missing-{i}.wav"}}}}"#,
+            root.display()
+        );
+        let mut record = BaseRecord::to(topic).key(&id).payload(&value);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(10));
+                }
+                Err((e, _)) => anyhow::bail!("producing the backlog: {e}"),
+            }
+        }
+        producer.poll(Duration::ZERO);
+    }
+    producer.flush(Duration::from_secs(60))?;
+    Ok(())
+}
+
+fn topic_records(topic: &str) -> anyhow::Result<i64> {
+    let consumer: BaseConsumer = ClientConfig::new().set("bootstrap.servers", brokers()).create()?;
+    let mut total = 0;
+    for p in 0..PARTITIONS {
+        let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        total += high - low;
+    }
+    Ok(total)
+}
+
+/// A plain librdkafka consumer reading `count` records of `topic` from the beginning. Returns
+/// records per second timed from `assign` to the last record (as `kcat -C` would be timed,
+/// without its process start) and from the first record to the last (librdkafka's in-memory
+/// delivery rate once its prefetch is full), its CPU seconds and the broker's meanwhile.
+fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64, f64)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("raw"))
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    let assigned = Instant::now();
+    consumer.assign(&tpl)?;
+    let cpu_before = cpu_seconds(std::process::id());
+    let broker_before = broker_cpu();
+    let mut first = None;
+    let mut seen = 0usize;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while seen < count && Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(_)) => {
+                first.get_or_insert_with(Instant::now);
+                seen += 1;
+            }
+            Some(Err(e)) => anyhow::bail!("raw consumer: {e}"),
+            None => {}
+        }
+    }
+    let from_first = first.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
+    let from_assign = assigned.elapsed().as_secs_f64();
+    anyhow::ensure!(seen == count, "raw consumer read {seen} of {count} records");
+    let cpu = cpu_seconds(std::process::id()) - cpu_before;
+    let broker = broker_cpu() - broker_before;
+    Ok((seen as f64 / from_assign, seen as f64 / from_first, cpu, broker))
+}
+
+/// The gateway's side of P4.
+pub struct GatewayRun {
+    pub rate: f64,
+    pub cpu_per_1000: f64,
+    pub broker_cpu_per_1000: f64,
+    pub peak_rss: u64,
+    pub base_rss: u64,
+    pub bound: u64,
+    pub dead_letters: i64,
+    pub commits: f64,
+}
+
+async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyhow::Result<GatewayRun> {
+    let group = unique("bench-gw");
+    let mut env = gateway_base_env(&group, "http://127.0.0.1:9", root);
+    env.extend(voice_task_env(topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    let gateway = start_gateway(&env).await?;
+    let pid = gateway.pid();
+    let base_rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0) * 1024;
+    // The defaults of config/gateway.toml, which this run does not change.
+    let defaults = vramgate_gateway::config::GatewayConfig::default();
+    let bound = defaults.max_held_bytes + defaults.kafka.queue_max_kbytes * 1024;
+
+    // Wait for the first consumed record, then for every offset to be committed.
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let consumed = |s: &crate::metrics::Scrape| s.sum("vramgate_gateway_records_consumed_total", &[]);
+    let (started, cpu_start, broker_start) = loop {
+        let scrape = gateway.metrics().await?;
+        if consumed(&scrape) > 0.0 {
+            break (Instant::now(), cpu_seconds(pid), broker_cpu());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway consumed nothing; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    loop {
+        if uncommitted_records(&group, &topics.requests)? == 0 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway did not finish; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(pid) - cpu_start;
+    let broker = broker_cpu() - broker_start;
+    let peak_rss = proc_status_kib(pid, "VmHWM:").unwrap_or(0) * 1024;
+    let commits = gateway.metrics().await?.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]);
+    Ok(GatewayRun {
+        rate: count as f64 / elapsed,
+        cpu_per_1000: cpu / count as f64 * 1000.0,
+        broker_cpu_per_1000: broker / count as f64 * 1000.0,
+        peak_rss,
+        base_rss,
+        bound,
+        dead_letters: topic_records(&topics.dlq)?,
+        commits,
+    })
+}
+
+/// P2 for one case: raw loop, worker direct at 8 in flight, whole pipeline. Returns the three
+/// rates.
+async fn pipeline_case(
+    case: &ceiling::CeilingCase,
+    worker: &crate::Worker,
+    events: usize,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let data = case.data();
+    let raw = ceiling::raw_rate(case, &data, 4.0, 1)?.items_per_s;
+    let (direct, failed) = ceiling::worker_rate(&worker.url, case, &data, 8, 4.0).await?;
+    anyhow::ensure!(failed == 0, "{failed} direct calls failed");
+
+    // The same input as a file the gateway reads and converts to the same tensor shape.
+    let root = scratch_dir("bench-p2");
+    let (task, file) = match case.model {
+        ceiling::CeilingModel::Pnet => {
+            let (h, w) = (case.shape[2] as u32, case.shape[3] as u32);
+            ("image", write(&root, "input.png", &png(&crowd(w, h, 16.0, 1))))
+        }
+        ceiling::CeilingModel::SileroVad => {
+            let path = root.join("input.wav");
+            write_wav(&path, &noise(case.shape[1], 0.05, 1), 16_000, 1, SampleFormat::I16)?;
+            ("voice", path)
+        }
+    };
+    let topics = TaskTopics::create("bench-p2", PARTITIONS).await?;
+    let requests: Vec<(String, Vec<u8>)> = (0..events)
+        .map(|i| {
+            let id = format!("p2-{i}");
+            let value = request_file(&id, task, &file);
+            (id, value)
+        })
+        .collect();
+    send_all(&producer(), &topics.requests, &requests, 500).await?;
+    let group = unique("bench-p2");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    let (topic_env, other) = if task == "image" {
+        (image_task_env(&topics), "TASKS__VOICE__ENABLED")
+    } else {
+        (voice_task_env(&topics), "TASKS__IMAGE__ENABLED")
+    };
+    env.extend(topic_env);
+    env.push((other, "false".into()));
+    let gateway = start_gateway(&env).await?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let started = loop {
+        if gateway.metrics().await?.sum("vramgate_gateway_records_consumed_total", &[]) > 0.0 {
+            break Instant::now();
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the gateway consumed nothing; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    loop {
+        let done = gateway.metrics().await?.sum("vramgate_gateway_records_produced_total", &[]);
+        if done >= events as f64 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the pipeline did not finish; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let pipeline = events as f64 / started.elapsed().as_secs_f64();
+    let results = topic_records(&topics.results)?;
+    anyhow::ensure!(results == events as i64, "{results} results of {events}; log:\n{}", gateway.log_tail());
+    let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
+    Ok((raw, direct, pipeline))
+}
+
+/// One P2 row: a model and input through the raw loop, the worker direct, the whole pipeline.
+pub struct P2Row {
+    pub label: String,
+    pub unit: &'static str,
+    pub raw: f64,
+    pub direct: f64,
+    pub pipeline: f64,
+}
+
+/// P2 for P-Net on a 320×320 image and Silero VAD on a 5 s clip.
+pub async fn p2() -> anyhow::Result<Vec<P2Row>> {
+    let events: usize = env_or("VRAMGATE_BENCH_PIPELINE_EVENTS", 400);
+    let cases = [ceiling::CeilingCase::image(320, 320), ceiling::CeilingCase::clip(5)];
+    let options = ceiling::CeilingOptions { cases: cases.to_vec(), ..ceiling::CeilingOptions::from_env() };
+    let worker = ceiling::start_ceiling_worker(&options).await?;
+    let mut rows = Vec::new();
+    for case in &cases {
+        let (raw, direct, pipeline) = pipeline_case(case, &worker, events).await?;
+        rows.push(P2Row { label: format!("{} {}", case.model.name(), case.label), unit: case.model.unit(), raw, direct, pipeline });
+    }
+    Ok(rows)
+}
+
+/// Prints P2's rows.
+pub fn print_p2(rows: &[P2Row]) {
+    println!();
+    println!("P2  raw libtorch loop → worker direct (8 in flight) → whole pipeline through Kafka");
+    println!(
+        "    {:<22} {:>10} {:>10} {:>10} {:>14} {:>16}",
+        "model, input", "raw", "worker", "pipeline", "worker / raw", "pipeline / worker"
+    );
+    for r in rows {
+        println!(
+            "    {:<22} {:>10.1} {:>10.1} {:>10.1} {:>14.2} {:>16.2}   ({})",
+            r.label,
+            r.raw,
+            r.direct,
+            r.pipeline,
+            r.direct / r.raw,
+            r.pipeline / r.direct,
+            r.unit
+        );
+    }
+}
+
+/// P4's figures: the raw consumer's and the gateway's, on the same records.
+pub struct P4 {
+    pub count: usize,
+    /// Records/s from `assign` to the last record, and from the first record to the last.
+    pub raw: f64,
+    pub raw_streaming: f64,
+    pub raw_cpu: f64,
+    pub raw_broker: f64,
+    pub gateway: GatewayRun,
+}
+
+/// P4: `VRAMGATE_BENCH_EVENTS` (default 100,000) tiny events, the raw consumer then the gateway.
+pub async fn p4() -> anyhow::Result<P4> {
+    let count: usize = env_or("VRAMGATE_BENCH_EVENTS", 100_000);
+    let topics = TaskTopics::create("bench-p4", PARTITIONS).await?;
+    let root = scratch_dir("bench-p4");
+    let started = Instant::now();
+    produce_backlog(&topics.requests, &root, count)?;
+    eprintln!("P4: {count} tiny events produced in {:.1} s", started.elapsed().as_secs_f64());
+
+    let (raw, raw_streaming, raw_cpu, raw_broker) = raw_consume(&topics.requests, count)?;
+    let gateway = gateway_consume(&topics, &root, count).await?;
+    let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
+    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, gateway })
+}
+
+/// Prints P4's figures.
+pub fn print_p4(p4: &P4) {
+    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, gateway: gw } = p4;
+    let (count, raw, raw_streaming) = (*count, *raw, *raw_streaming);
+    println!();
+    println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
+    println!("    {count} tiny records, {PARTITIONS} partitions, one local broker, config/gateway.toml defaults");
+    let per_1000 = |cpu: f64| cpu / count as f64 * 1000.0;
+    println!(
+        "    raw consumer              {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+        raw,
+        per_1000(*raw_cpu),
+        per_1000(*raw_broker)
+    );
+    println!("      (first record to last: {raw_streaming:.0} records/s, librdkafka's prefetch already full)");
+    println!(
+        "    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+        gw.rate, gw.cpu_per_1000, gw.broker_cpu_per_1000
+    );
+    println!(
+        "    CPU at that rate          gateway {:.2} cores + broker {:.2} cores, of {} on this machine",
+        gw.rate * gw.cpu_per_1000 / 1000.0,
+        gw.rate * gw.broker_cpu_per_1000 / 1000.0,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("    ratio gateway / raw       {:>10.3}   (goal ≥ 0.5)", gw.rate / raw);
+    println!(
+        "    gateway RSS               start {:.0} MiB, peak {:.0} MiB under the backlog; byte bounds {:.0} MiB",
+        gw.base_rss as f64 / MIB,
+        gw.peak_rss as f64 / MIB,
+        gw.bound as f64 / MIB
+    );
+    println!("    commits                   {:.0}", gw.commits);
+    println!("    dead letters              {} of {count}   lost {}", gw.dead_letters, count as i64 - gw.dead_letters);
+}
