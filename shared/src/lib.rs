@@ -12,5 +12,6 @@ pub mod events;
 pub mod oip;
 pub mod shutdown;
 pub mod telemetry;
+pub mod worker_state;
 #[cfg(test)]
 mod test_rng;
