@@ -20,9 +20,12 @@ pub enum CallError {
     /// The call ran past its deadline (client timeout, 408, 504).
     #[error("worker call timed out: {message}")]
     TimedOut { message: String },
-    /// Down, unreachable or failing (connection errors, other 5xx): worth a later try.
+    /// Failing (other 5xx, a connection lost mid-call): worth a later try.
     #[error("worker unavailable: {message}")]
     Failed { message: String },
+    /// No connection could be made (refused, no route, DNS): the worker is down or gone.
+    #[error("worker unreachable: {message}")]
+    Unreachable { message: String },
     /// The worker answered 200 but with something we can't use: a bug on one side.
     #[error("worker answer unusable: {0}")]
     BadResponse(String),
@@ -30,7 +33,10 @@ pub enum CallError {
 
 impl CallError {
     pub fn is_retryable(&self) -> bool {
-        matches!(self, CallError::Throttled { .. } | CallError::TimedOut { .. } | CallError::Failed { .. })
+        matches!(
+            self,
+            CallError::Throttled { .. } | CallError::TimedOut { .. } | CallError::Failed { .. } | CallError::Unreachable { .. }
+        )
     }
 
     /// Whether the answer says the worker has more work than it can take: the signal that
@@ -59,6 +65,8 @@ pub struct InferCall {
     body: bytes::Bytes,
     header_len: Option<usize>,
     output_names: Vec<String>,
+    /// Input elements: what a worker's memory estimate is a function of.
+    elements: u64,
 }
 
 impl InferCall {
@@ -75,12 +83,17 @@ impl InferCall {
             body: body.into(),
             header_len,
             output_names: output_names.iter().map(|n| n.to_string()).collect(),
+            elements: input.shape.iter().map(|&d| d as u64).product(),
         }
     }
 
     /// Size of the encoded request body.
     pub fn body_len(&self) -> usize {
         self.body.len()
+    }
+
+    pub fn elements(&self) -> u64 {
+        self.elements
     }
 }
 
@@ -119,8 +132,14 @@ impl WorkerClient {
         &self.base
     }
 
-    /// Sends a prepared request to `model` and returns its output tensors.
-    pub async fn infer(&self, model: &str, call: &InferCall) -> Result<ModelOutput, CallError> {
+    /// Sends a prepared request to `model` and returns its output tensors; `observe` sees the
+    /// answer's headers, whatever its status (the worker's admission state rides on them).
+    pub async fn infer(
+        &self,
+        model: &str,
+        call: &InferCall,
+        observe: impl FnOnce(&reqwest::header::HeaderMap),
+    ) -> Result<ModelOutput, CallError> {
         let url = format!("{}/v2/models/{model}/infer", self.base);
         let mut request = self
             .http
@@ -133,6 +152,7 @@ impl WorkerClient {
         // `Bytes` clones share the buffer: a retry re-sends the same body without copying it.
         let response = request.body(call.body.clone()).send().await.map_err(|e| transport(&url, "calling", &e))?;
         let status = response.status();
+        observe(response.headers());
         let retry_after = response
             .headers()
             .get("retry-after")
@@ -180,6 +200,8 @@ fn transport(url: &str, doing: &str, e: &reqwest::Error) -> CallError {
     let message = format!("{doing} {url}: {}", error_chain(e));
     if e.is_timeout() {
         CallError::TimedOut { message }
+    } else if e.is_connect() {
+        CallError::Unreachable { message }
     } else {
         CallError::Failed { message }
     }
