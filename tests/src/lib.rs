@@ -6,6 +6,8 @@
 //! can run side by side on one broker without seeing each other's records.
 
 pub mod ceiling;
+pub mod dns;
+pub mod fleet;
 pub mod images;
 pub mod metrics;
 pub mod oip_client;
