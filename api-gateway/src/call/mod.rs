@@ -91,12 +91,37 @@ async fn permitted_call(
     avoid: Option<&str>,
     metrics: &Metrics,
 ) -> (Result<ModelOutput, CallError>, Duration, Duration, Option<String>) {
-    let Some(endpoint) = task.workers.choose(call.elements(), avoid) else {
-        let message = format!("no worker known for task {} (none listed, or none found in DNS)", task.name);
-        return (Err(CallError::Unreachable { message }), Duration::ZERO, Duration::ZERO, None);
-    };
     let permit_wait = Duration::from_millis(task.config.permit_wait_ms);
-    let (permit, waited) = endpoint.permits.acquire_within(permit_wait, || task.mark_congested()).await;
+    let mut waited = Duration::ZERO;
+    let mut choices = 0;
+    loop {
+        let Some(endpoint) = task.workers.choose(call.elements(), avoid) else {
+            let message = format!("no worker known for task {} (none listed, or none found in DNS)", task.name);
+            return (Err(CallError::Unreachable { message }), waited, Duration::ZERO, None);
+        };
+        let (permit, wait) = endpoint.permits.acquire_within(permit_wait, || task.mark_congested()).await;
+        waited += wait;
+        choices += 1;
+        // A worker ejected while this call waited for its permit is left for another in
+        // service (chosen again, at most once per worker).
+        if endpoint.is_ejected() && task.workers.another_in_service(&endpoint.url) && choices <= task.workers.count() {
+            continue;
+        }
+        let (result, took) = call_on(task, call, &endpoint, permit, attempt, metrics).await;
+        return (result, waited, took, Some(endpoint.url.clone()));
+    }
+}
+
+/// One call on `endpoint` under its `permit`; its answer adapts that worker's limit, state and
+/// health. Returns the answer and the time the call took.
+async fn call_on(
+    task: &Task,
+    call: &InferCall,
+    endpoint: &workers::Endpoint,
+    permit: permits::Permit<'_>,
+    attempt: u32,
+    metrics: &Metrics,
+) -> (Result<ModelOutput, CallError>, Duration) {
     let in_flight = metrics.worker_calls.with_label_values(&[&task.name]);
     in_flight.inc();
     let sent = endpoint.send(call.elements());
@@ -107,14 +132,13 @@ async fn permitted_call(
     in_flight.dec();
     let outcome = result.as_ref().map(|_| ());
     let ejected = endpoint.finish(sent, outcome);
-    task.workers.record(&endpoint, outcome, ejected);
+    task.workers.record(endpoint, outcome, ejected);
     match &result {
         Ok(_) => endpoint.permits.succeeded(&permit, took),
         Err(error) if error.is_overload() => endpoint.permits.overloaded(),
         Err(_) => {}
     }
-    drop(permit);
-    (result, waited, took, Some(endpoint.url.clone()))
+    (result, took)
 }
 
 /// A duration in milliseconds, to the microsecond: how every timing of a result is reported.

@@ -9,7 +9,7 @@
 //!   report less the unreported costs.
 //! - **Ejection.** A worker is taken out of service at once when no connection can be made
 //!   (refused, no route), and after [`EJECT_AFTER_FAILURES`] failures in a row (5xx, a
-//!   connection lost mid-call, a timeout). It stays out for a backoff of 1 s doubling to 30 s
+//!   connection lost mid-call, a timeout). It stays out for a backoff of 1 s doubling to 10 s
 //!   per ejection without a success in between, then is probed (`GET /vramgate/state`); a
 //!   probe that answers puts it back in service, one that fails doubles the backoff. A 503 or
 //!   429 never ejects: the worker is alive and says when to come back.
@@ -34,7 +34,7 @@ use crate::metrics::Metrics;
 pub const EJECT_AFTER_FAILURES: u32 = 3;
 /// First ejection; each further one without a success in between doubles it, up to the max.
 pub const EJECT_BACKOFF_BASE: Duration = Duration::from_secs(1);
-pub const EJECT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+pub const EJECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 static EJECT_LOG: LogLimit = LogLimit::new(20);
 
@@ -254,6 +254,11 @@ impl WorkerSet {
 
     pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
         self.endpoints.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// How many workers the set has.
+    pub fn count(&self) -> usize {
+        self.endpoints.read().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     pub fn urls(&self) -> Vec<String> {
