@@ -291,6 +291,11 @@ impl Engine {
         self.served.get(name).cloned()
     }
 
+    /// Every served model, by name.
+    pub fn models(&self) -> impl Iterator<Item = (&str, &Arc<Served>)> {
+        self.served.iter().map(|(name, served)| (name.as_str(), served))
+    }
+
     /// Copies the pool's state into the admission gauges; called when metrics are scraped,
     /// so the figures are exact at that moment and the request path writes no gauge.
     pub fn publish_admission(&self) {

@@ -200,6 +200,13 @@ impl MemoryEstimate {
         self.learned_max_elements.load(Ordering::Relaxed)
     }
 
+    /// The current line, `(base bytes, bytes per element)`: what callers are told with every
+    /// answer, so it must stay cheap (no copy of the probes).
+    pub fn terms(&self) -> (f64, f64) {
+        let line = self.line();
+        (line.base, line.per_element)
+    }
+
     pub fn view(&self) -> EstimateView {
         let line = self.line();
         EstimateView {

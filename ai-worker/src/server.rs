@@ -37,6 +37,8 @@ use crate::memory::{Budget, MemoryMonitor};
 use crate::metrics::Metrics;
 use crate::model::{self, InputTensor, Model, ModelError, TensorSpec};
 
+mod report;
+
 /// Shared by all handlers. `engine` is empty until start-up (loading, warming and memory
 /// calibration) finishes; readiness follows it.
 struct AppState {
@@ -218,7 +220,9 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v2/models/{name}/ready", get(model_ready))
         .route("/v2/models/{name}/versions/{version}/ready", get(model_ready_versioned))
         .route("/metrics", get(metrics))
+        .route(vramgate_shared::worker_state::STATE_PATH, get(report::state))
         .merge(guarded)
+        .layer(middleware::from_fn_with_state(state.clone(), report::stamp))
         .layer(middleware::from_fn(log_failures))
         .with_state(state)
 }

@@ -101,6 +101,9 @@ impl GatewayConfig {
         if self.enabled_tasks().next().is_none() {
             return Err("no task is enabled; enable at least one under [tasks]".into());
         }
+        if self.worker.dns.is_some() && !self.worker.urls.is_empty() {
+            return Err("worker.dns and worker.urls are both set; keep one".into());
+        }
         if !(0.0..1.0).contains(&self.resume_fraction) {
             return Err(format!("resume_fraction must be in [0, 1), got {}", self.resume_fraction));
         }
@@ -119,6 +122,13 @@ impl GatewayConfig {
             if !(0.0..=1.0).contains(&task.retry.jitter) {
                 return Err(format!("tasks.{name}.retry.jitter must be in [0, 1], got {}", task.retry.jitter));
             }
+            if task.worker_dns.is_some() && task.worker_urls.is_some() {
+                return Err(format!("tasks.{name} names both worker_dns and worker_urls; keep one"));
+            }
+            match task.workers(&self.worker) {
+                WorkerSource::Static(urls) => validate_urls(&urls, &format!("tasks.{name}'s workers"))?,
+                WorkerSource::Dns(dns) => dns.validate(&format!("tasks.{name}'s worker dns"))?,
+            }
             let topic = task.requests_topic(name);
             if let Some(other) = topics.insert(topic.clone(), name) {
                 return Err(format!("tasks {other} and {name} both read {topic}"));
@@ -126,6 +136,10 @@ impl GatewayConfig {
         }
         Ok(())
     }
+}
+
+fn optional_url_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+    Ok(Option::<Urls>::deserialize(d)?.map(Urls::into_list))
 }
 
 /// A map whose values may be strings, numbers or booleans, all kept as text.
@@ -196,8 +210,17 @@ impl Default for KafkaConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerEndpoint {
-    /// Base URL of the ai-worker, e.g. `http://127.0.0.1:8081`.
+    /// Base URL of the ai-worker, e.g. `http://127.0.0.1:8081`: a set of one, unless `urls` or
+    /// `dns` name more.
     pub url: String,
+    /// Several workers (one per GPU), in place of `url`: a list, or in the environment one
+    /// comma-separated string (`VRAMGATE_GATEWAY_WORKER__URLS=http://a:8081,http://b:8081`).
+    #[serde(deserialize_with = "url_list")]
+    pub urls: Vec<String>,
+    /// Workers found in DNS (e.g. a Kubernetes headless Service), in place of `url` and `urls`.
+    pub dns: Option<DnsConfig>,
+    /// How each request picks its worker among several.
+    pub routing: Routing,
     /// Limit for one worker call, connection included; also sent to the worker as its deadline.
     pub request_timeout_seconds: f64,
     /// Bearer token sent to workers that require one (`Authorization: Bearer …`; the worker's
@@ -207,8 +230,129 @@ pub struct WorkerEndpoint {
 
 impl Default for WorkerEndpoint {
     fn default() -> Self {
-        WorkerEndpoint { url: "http://127.0.0.1:8081".into(), request_timeout_seconds: 60.0, auth_token: None }
+        WorkerEndpoint {
+            url: "http://127.0.0.1:8081".into(),
+            urls: Vec::new(),
+            dns: None,
+            routing: Routing::Memory,
+            request_timeout_seconds: 60.0,
+            auth_token: None,
+        }
     }
+}
+
+/// Most workers one task calls: URLs listed, or addresses taken from one DNS answer.
+pub const MAX_WORKER_ENDPOINTS: usize = 64;
+
+/// How a request picks its worker among the task's workers (all of them: per-worker adaptive
+/// permits, ejection of failing workers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// The most free admission memory for the request's estimated size, from what each worker
+    /// last reported less what this gateway sent it since (see `call::route`).
+    Memory,
+    /// In turn, whatever their memory (for comparison).
+    RoundRobin,
+    /// The fewest of this gateway's calls in progress (for comparison).
+    LeastInFlight,
+}
+
+/// Workers found in DNS: every address `name` resolves to, on `port`, re-resolved every
+/// `refresh_seconds`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DnsConfig {
+    /// The name to resolve, e.g. `ai-worker.vramgate.svc.cluster.local` (a headless Service
+    /// answers with one address per ready pod).
+    pub name: String,
+    pub port: u16,
+    /// `http` or `https`.
+    pub scheme: String,
+    /// How often the name is resolved again (0.5 s to 1 h).
+    pub refresh_seconds: f64,
+    /// A DNS server (`ip:port`) asked directly over UDP for A records; unset: the system
+    /// resolver (`/etc/hosts`, `resolv.conf` and its search domains, as a pod's own lookups).
+    pub nameserver: Option<String>,
+    /// Most addresses taken from one answer (at most 64); the rest are ignored, with a warning.
+    pub max_endpoints: usize,
+}
+
+impl Default for DnsConfig {
+    fn default() -> Self {
+        DnsConfig {
+            name: String::new(),
+            port: 8081,
+            scheme: "http".into(),
+            refresh_seconds: 5.0,
+            nameserver: None,
+            max_endpoints: MAX_WORKER_ENDPOINTS,
+        }
+    }
+}
+
+impl DnsConfig {
+    pub fn refresh(&self) -> Duration {
+        seconds(self.refresh_seconds.clamp(0.5, 3600.0))
+    }
+
+    fn validate(&self, at: &str) -> Result<(), String> {
+        if self.name.trim().is_empty() {
+            return Err(format!("{at}.name is empty: name the DNS name whose addresses are the workers"));
+        }
+        if !matches!(self.scheme.as_str(), "http" | "https") {
+            return Err(format!("{at}.scheme must be http or https, got '{}'", self.scheme));
+        }
+        if !(1..=MAX_WORKER_ENDPOINTS).contains(&self.max_endpoints) {
+            return Err(format!("{at}.max_endpoints must be 1 to {MAX_WORKER_ENDPOINTS}, got {}", self.max_endpoints));
+        }
+        if let Some(ns) = &self.nameserver {
+            ns.parse::<std::net::SocketAddr>()
+                .map_err(|_| format!("{at}.nameserver must be ip:port (e.g. 10.96.0.10:53), got '{ns}'"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a task's workers come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkerSource {
+    Static(Vec<String>),
+    Dns(DnsConfig),
+}
+
+/// A list of URLs, or one comma-separated string (the environment's form).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Urls {
+    List(Vec<String>),
+    Text(String),
+}
+
+impl Urls {
+    fn into_list(self) -> Vec<String> {
+        let urls = match self {
+            Urls::List(list) => list,
+            Urls::Text(text) => text.split(',').map(str::to_string).collect(),
+        };
+        urls.into_iter().map(|u| u.trim().to_string()).filter(|u| !u.is_empty()).collect()
+    }
+}
+
+fn url_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    Ok(Urls::deserialize(d)?.into_list())
+}
+
+fn validate_urls(urls: &[String], at: &str) -> Result<(), String> {
+    if urls.len() > MAX_WORKER_ENDPOINTS {
+        return Err(format!("{at} names {} workers; at most {MAX_WORKER_ENDPOINTS}", urls.len()));
+    }
+    for url in urls {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(format!("{at}: '{url}' must start with http:// or https://"));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -271,6 +415,13 @@ pub struct TaskConfig {
     pub model: String,
     /// The worker for this task; default `worker.url`.
     pub worker_url: Option<String>,
+    /// Several workers for this task (like `worker.urls`); default the `[worker]` table's.
+    #[serde(deserialize_with = "optional_url_list")]
+    pub worker_urls: Option<Vec<String>>,
+    /// Workers found in DNS for this task (like `worker.dns`).
+    pub worker_dns: Option<DnsConfig>,
+    /// How this task picks a worker; default `worker.routing`.
+    pub routing: Option<Routing>,
     /// The bearer token for this task's worker; default `worker.auth_token`.
     pub worker_auth_token: Option<Secret>,
     /// Threads of this task's CPU pool (decode, resample, resize); 0 = one per core. Each task
@@ -299,6 +450,9 @@ impl Default for TaskConfig {
             converter: Converter::Wav,
             model: "silero_vad".into(),
             worker_url: None,
+            worker_urls: None,
+            worker_dns: None,
+            routing: None,
             worker_auth_token: None,
             cpu_threads: 0,
             gpu_permits: PermitConfig::default(),
@@ -322,6 +476,27 @@ impl TaskConfig {
 
     pub fn dlq_topic(&self, name: &str) -> String {
         self.dlq_topic.clone().unwrap_or_else(|| format!("{name}.dlq"))
+    }
+
+    /// This task's workers: its own `worker_dns`, `worker_urls` or `worker_url` if it names
+    /// any (in that order), else the `[worker]` table's `dns`, `urls` or `url`.
+    pub fn workers(&self, defaults: &WorkerEndpoint) -> WorkerSource {
+        if let Some(dns) = &self.worker_dns {
+            return WorkerSource::Dns(dns.clone());
+        }
+        if let Some(urls) = self.worker_urls.as_ref().filter(|u| !u.is_empty()) {
+            return WorkerSource::Static(urls.clone());
+        }
+        if let Some(url) = &self.worker_url {
+            return WorkerSource::Static(vec![url.clone()]);
+        }
+        if let Some(dns) = &defaults.dns {
+            return WorkerSource::Dns(dns.clone());
+        }
+        if !defaults.urls.is_empty() {
+            return WorkerSource::Static(defaults.urls.clone());
+        }
+        WorkerSource::Static(vec![defaults.url.clone()])
     }
 
     pub fn cpu_threads(&self) -> usize {
@@ -432,6 +607,32 @@ mod tests {
             task.enabled = false;
         }
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn workers_come_from_the_task_then_the_worker_table_and_lists_take_commas() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("VGGW_WORKER__URLS", "http://a:1, http://b:2,");
+            jail.set_env("VGGW_TASKS__IMAGE__WORKER_DNS__NAME", "workers.local");
+            let config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+            config.validate().expect("validates");
+            let urls = vec!["http://a:1".to_string(), "http://b:2".to_string()];
+            assert_eq!(config.tasks["voice"].workers(&config.worker), WorkerSource::Static(urls));
+            match config.tasks["image"].workers(&config.worker) {
+                WorkerSource::Dns(dns) => assert_eq!((dns.name.as_str(), dns.port), ("workers.local", 8081)),
+                other => panic!("{other:?}"),
+            }
+            Ok(())
+        });
+        let mut config = GatewayConfig::default();
+        config.worker.urls = vec!["gpu0:8081".into()];
+        assert!(config.validate().expect_err("no scheme").contains("http://"));
+        config.worker.urls = (0..=MAX_WORKER_ENDPOINTS).map(|i| format!("http://w{i}")).collect();
+        assert!(config.validate().expect_err("too many").contains("at most"));
+        config.worker.urls.clear();
+        config.worker.dns = Some(DnsConfig { name: "w".into(), nameserver: Some("10.0.0.1".into()), ..DnsConfig::default() });
+        assert!(config.validate().expect_err("no port").contains("ip:port"));
+        assert_eq!(GatewayConfig::default().tasks["voice"].workers(&WorkerEndpoint::default()), WorkerSource::Static(vec!["http://127.0.0.1:8081".into()]));
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Readiness: whether this gateway can do its job now. `GET /healthz` says the process is alive;
 //! `GET /readyz` answers 200 only when the broker is reachable with the configured credentials,
-//! every topic of every enabled task exists, and every worker says it is ready, and 503 with
-//! the failing checks otherwise (JSON: `{"ready": false, "checks": {"kafka": "…", …}}`).
+//! every topic of every enabled task exists, and every task has at least one worker that says it
+//! is ready, and 503 with the failing checks otherwise (JSON: `{"ready": false, "checks":
+//! {"kafka": "…", "worker http://…": "…", …}}`; each worker is listed, a task with none ready
+//! adds `"workers <task>"`).
 //!
 //! The checks run in the background every [`CHECK_INTERVAL`] (a metadata request and one
 //! `GET /v2/health/ready` per worker), so a probe never waits on the broker. An authentication
@@ -13,6 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+
+use crate::call::workers::WorkerSet;
 
 /// How often readiness is re-checked.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(5);
@@ -30,6 +34,8 @@ struct State {
     kafka: Option<Result<(), String>>,
     kafka_auth: Option<String>,
     workers: BTreeMap<String, Result<(), String>>,
+    /// Each task's worker URLs at the last check.
+    tasks: BTreeMap<String, Vec<String>>,
 }
 
 impl Health {
@@ -46,23 +52,33 @@ impl Health {
     pub fn report(&self) -> (bool, serde_json::Value) {
         let state = self.state();
         let mut checks = serde_json::Map::new();
-        let mut ready = true;
         let kafka = match (&state.kafka_auth, &state.kafka) {
             (Some(auth), _) => Err(format!("authentication failed: {auth}")),
             (None, None) => Err("not checked yet".to_string()),
             (None, Some(result)) => result.clone(),
         };
-        let mut put = |name: String, result: &Result<(), String>| {
-            ready &= result.is_ok();
-            let text = match result {
-                Ok(()) => "ok".to_string(),
-                Err(reason) => reason.clone(),
-            };
-            checks.insert(name, serde_json::Value::String(text));
+        let text = |result: &Result<(), String>| match result {
+            Ok(()) => "ok".to_string(),
+            Err(reason) => reason.clone(),
         };
-        put("kafka".into(), &kafka);
+        let mut ready = kafka.is_ok();
+        checks.insert("kafka".into(), text(&kafka).into());
+        // A worker down is reported; it makes the gateway unready only when its task has no
+        // other worker ready.
         for (url, result) in &state.workers {
-            put(format!("worker {url}"), result);
+            checks.insert(format!("worker {url}"), text(result).into());
+        }
+        for (task, urls) in &state.tasks {
+            let up = urls.iter().filter(|u| state.workers.get(*u).is_some_and(|r| r.is_ok())).count();
+            if up == 0 {
+                ready = false;
+                let reason = if urls.is_empty() {
+                    "no worker known (none listed, or none found in DNS)".to_string()
+                } else {
+                    format!("none of its {} workers is ready", urls.len())
+                };
+                checks.insert(format!("workers {task}"), reason.into());
+            }
         }
         (ready, serde_json::json!({"ready": ready, "checks": checks}))
     }
@@ -74,7 +90,7 @@ pub async fn run_checks<C: ConsumerContext + 'static>(
     health: Arc<Health>,
     consumer: Arc<BaseConsumer<C>>,
     topics: Vec<String>,
-    workers: Vec<String>,
+    sets: Vec<Arc<WorkerSet>>,
 ) {
     let http = match reqwest::Client::builder().timeout(CHECK_TIMEOUT).build() {
         Ok(http) => http,
@@ -108,7 +124,11 @@ pub async fn run_checks<C: ConsumerContext + 'static>(
             Err(e) => Err(format!("metadata request failed: {e}")),
         };
         let mut results = BTreeMap::new();
-        for url in &workers {
+        let tasks: BTreeMap<String, Vec<String>> = sets.iter().map(|s| (s.task.clone(), s.urls())).collect();
+        let mut workers: Vec<&String> = tasks.values().flatten().collect();
+        workers.sort();
+        workers.dedup();
+        for url in workers {
             let probe = format!("{url}/v2/health/ready");
             let result = match http.get(&probe).send().await {
                 Ok(r) if r.status().is_success() => Ok(()),
@@ -124,6 +144,7 @@ pub async fn run_checks<C: ConsumerContext + 'static>(
             }
             state.kafka = Some(kafka);
             state.workers = results;
+            state.tasks = tasks;
         }
         tokio::time::sleep(CHECK_INTERVAL).await;
     }
@@ -140,13 +161,21 @@ mod tests {
         assert!(!ready, "not ready before the first check: {report}");
         health.state().kafka = Some(Ok(()));
         health.state().workers.insert("http://w".into(), Ok(()));
-        assert!(health.report().0);
+        health.state().tasks.insert("voice".into(), vec!["http://w".into(), "http://v".into()]);
+        health.state().workers.insert("http://v".into(), Err("down".into()));
+        let (ready, report) = health.report();
+        assert!(ready, "one worker of the task is enough: {report}");
+        assert_eq!(report["checks"]["worker http://v"], "down");
         health.set_kafka_auth_error("SASL authentication error".into());
         let (ready, report) = health.report();
         assert!(!ready);
         assert!(report["checks"]["kafka"].as_str().is_some_and(|s| s.contains("authentication failed")), "{report}");
         health.state().kafka_auth = None;
         health.state().workers.insert("http://w".into(), Err("down".into()));
-        assert!(!health.report().0);
+        let (ready, report) = health.report();
+        assert!(!ready);
+        assert!(report["checks"]["workers voice"].as_str().is_some_and(|s| s.contains("none of its 2")), "{report}");
+        health.state().tasks.insert("voice".into(), vec![]);
+        assert!(!health.report().0, "a task without workers is not ready");
     }
 }

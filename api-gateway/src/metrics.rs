@@ -33,6 +33,14 @@ pub struct Metrics {
     pub produce_retries: prometheus::IntCounter,
     pub produce_retry_seconds: prometheus::Counter,
     pub outputs_rejected: IntCounterVec,
+    pub workers: IntGaugeVec,
+    pub worker_requests: IntCounterVec,
+    pub worker_throttled: IntCounterVec,
+    pub worker_failures: IntCounterVec,
+    pub worker_ejections: IntCounterVec,
+    pub worker_free: IntGaugeVec,
+    pub worker_permits: IntGaugeVec,
+    pub worker_ejected: IntGaugeVec,
 }
 
 impl Metrics {
@@ -79,7 +87,28 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(produce_retry_seconds.clone())).expect("unique metric");
+        let per_worker = ["task", "worker"];
         Arc::new(Metrics {
+            workers: gauge("workers", "Workers the task knows (listed, or found in DNS)", &["task"]),
+            worker_requests: counter("worker_requests_total", "Calls made to each worker", &per_worker),
+            worker_throttled: counter("worker_throttled_total", "503/429 answers of each worker", &per_worker),
+            worker_failures: counter(
+                "worker_failures_total",
+                "Failed calls of each worker: 5xx, timeouts, connections refused or lost",
+                &per_worker,
+            ),
+            worker_ejections: counter(
+                "worker_ejections_total",
+                "Times each worker was taken out of service after failing",
+                &per_worker,
+            ),
+            worker_free: gauge(
+                "worker_free_estimate",
+                "Admission room this gateway expects at each worker (bytes, or requests in count admission): its last report less the calls sent since",
+                &per_worker,
+            ),
+            worker_permits: gauge("worker_permit_limit", "Adaptive limit of concurrent calls to each worker", &per_worker),
+            worker_ejected: gauge("worker_ejected", "1 while a worker is out of service", &per_worker),
             produce_retries,
             produce_retry_seconds,
             outputs_rejected: counter(

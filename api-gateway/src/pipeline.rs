@@ -40,7 +40,7 @@ pub async fn run(
 
     let mut tasks = Vec::new();
     for (name, task_config) in config.enabled_tasks() {
-        tasks.push(Arc::new(Task::new(name, task_config, &config.worker)?));
+        tasks.push(Arc::new(Task::new(name, task_config, &config.worker, metrics.clone())?));
     }
     let by_topic: HashMap<String, Arc<Task>> =
         tasks.iter().map(|t| (t.requests_topic.clone(), t.clone())).collect();
@@ -98,15 +98,16 @@ pub async fn run(
     let consumer = Arc::new(consumer);
     let checks = {
         let mut topics: Vec<String> = Vec::new();
-        let mut workers: Vec<String> = Vec::new();
         for task in &tasks {
             topics.extend([task.requests_topic.clone(), task.results_topic.clone(), task.dlq_topic.clone()]);
-            if !workers.iter().any(|w| w == task.worker.url()) {
-                workers.push(task.worker.url().to_string());
-            }
         }
+        let workers = tasks.iter().map(|t| t.workers.clone()).collect();
         tokio::spawn(health::run_checks(health.clone(), consumer.clone(), topics, workers))
     };
+    let discovery: Vec<_> = tasks
+        .iter()
+        .map(|t| tokio::spawn(crate::call::discovery::maintain(t.workers.clone(), t.worker_source.clone())))
+        .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let stop_commits = Arc::new(AtomicBool::new(false));
     let committer = {
@@ -137,6 +138,7 @@ pub async fn run(
         .context("joining the fetch thread")?
         .map_err(|_| anyhow::anyhow!("the fetch thread panicked"))?;
     checks.abort();
+    discovery.iter().for_each(|d| d.abort());
     stop_commits.store(true, Ordering::SeqCst);
     tokio::task::spawn_blocking(move || committer.join())
         .await
@@ -149,7 +151,8 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     let m = &shared.metrics;
     m.held_bytes.set(i64::try_from(shared.budget.used()).unwrap_or(i64::MAX));
     for task in tasks {
-        m.permit_limit.with_label_values(&[&task.name]).set(task.permits.limit() as i64);
+        m.permit_limit.with_label_values(&[&task.name]).set(task.workers.permit_limit() as i64);
+        task.workers.publish();
     }
     for (tp, n) in shared.offsets.lock().pending() {
         m.pending.with_label_values(&[&tp.0, &tp.1.to_string()]).set(n as i64);

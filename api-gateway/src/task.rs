@@ -1,12 +1,14 @@
-//! One row of the task table at run time: its topics, CPU pool, GPU permits and worker.
+//! One row of the task table at run time: its topics, CPU pool and workers (each with its own
+//! GPU permits).
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context;
 
-use crate::config::{TaskConfig, WorkerEndpoint};
-use crate::call::permits::AdaptivePermits;
-use crate::call::client::WorkerClient;
+use crate::call::workers::WorkerSet;
+use crate::config::{TaskConfig, WorkerEndpoint, WorkerSource};
+use crate::metrics::Metrics;
 
 pub struct Task {
     pub name: String,
@@ -16,17 +18,18 @@ pub struct Task {
     pub dlq_topic: String,
     /// This task's own CPU pool: a burst of one type never queues behind another's conversions.
     pub pool: rayon::ThreadPool,
-    pub permits: AdaptivePermits,
     /// Set when a record waited past `permit_wait_ms` for a permit: the fetch loop pauses this
     /// task's partitions until the waiters are served.
     congested: AtomicBool,
-    pub worker: WorkerClient,
+    /// The task's workers, and where they come from (kept current by `call::discovery`).
+    pub workers: Arc<WorkerSet>,
+    pub worker_source: WorkerSource,
     /// What this task does to a request before and after the worker call.
     pub converter: Box<dyn crate::tasks::Converter>,
 }
 
 impl Task {
-    pub fn new(name: &str, config: &TaskConfig, worker: &WorkerEndpoint) -> anyhow::Result<Self> {
+    pub fn new(name: &str, config: &TaskConfig, worker: &WorkerEndpoint, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
         let threads = config.cpu_threads();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -36,9 +39,15 @@ impl Task {
             })
             .build()
             .with_context(|| format!("starting the {name} cpu pool"))?;
-        let url = config.worker_url.as_deref().unwrap_or(&worker.url);
         let timeout = config.request_timeout_seconds.unwrap_or(worker.request_timeout_seconds);
-        let p = &config.gpu_permits;
+        let token = config.worker_auth_token.as_ref().or(worker.auth_token.as_ref()).cloned();
+        let routing = config.routing.unwrap_or(worker.routing);
+        let workers =
+            WorkerSet::new(name, &config.model, routing, timeout, token, config.gpu_permits.clone(), metrics);
+        let worker_source = config.workers(worker);
+        if let WorkerSource::Static(urls) = &worker_source {
+            workers.replace(urls)?;
+        }
         Ok(Task {
             name: name.to_string(),
             requests_topic: config.requests_topic(name),
@@ -46,10 +55,10 @@ impl Task {
             dlq_topic: config.dlq_topic(name),
             config: config.clone(),
             pool,
-            permits: AdaptivePermits::new(p.initial, p.min, p.max),
             congested: AtomicBool::new(false),
             converter: crate::tasks::converter(config),
-            worker: WorkerClient::new(url, timeout, config.worker_auth_token.as_ref().or(worker.auth_token.as_ref()))?,
+            workers: Arc::new(workers),
+            worker_source,
         })
     }
 
@@ -64,8 +73,8 @@ impl Task {
         if !self.congested.load(Ordering::Relaxed) {
             return false;
         }
-        let resume_at = (self.permits.limit() as f64 * resume_fraction).floor() as usize;
-        if self.permits.waiting() <= resume_at {
+        let resume_at = (self.workers.permit_limit() as f64 * resume_fraction).floor() as usize;
+        if self.workers.waiting() <= resume_at {
             self.congested.store(false, Ordering::Relaxed);
             return false;
         }

@@ -303,6 +303,13 @@ impl BytePool {
             .fold(0u64, |sum, w| sum.saturating_add(w.bytes))
     }
 
+    /// Capacity, bytes in use, requests queued and bytes they ask for, read at one moment.
+    pub fn figures(&self) -> (u64, u64, usize, u64) {
+        let state = lock(&self.shared);
+        let queued_bytes = state.waiters.iter().fold(0u64, |sum, w| sum.saturating_add(w.bytes));
+        (state.capacity, state.in_use, state.waiters.len(), queued_bytes)
+    }
+
     /// The largest `in_use` seen since the pool was made or the mark was last reset.
     pub fn high_water_mark(&self) -> u64 {
         lock(&self.shared).high_water

@@ -13,5 +13,6 @@ pub mod oip;
 pub mod prom_text;
 pub mod shutdown;
 pub mod telemetry;
+pub mod worker_state;
 #[cfg(test)]
 mod test_rng;

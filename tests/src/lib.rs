@@ -7,6 +7,8 @@
 
 pub mod bench;
 pub mod ceiling;
+pub mod dns;
+pub mod fleet;
 pub mod images;
 pub mod jaeger;
 pub mod metrics;

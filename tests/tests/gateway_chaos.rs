@@ -4,41 +4,15 @@
 //! gateway crash bounded by the records it held.
 
 use std::collections::{BTreeMap, HashSet};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use vramgate_tests::images::{self, crowd, jpeg, picture, png};
-use vramgate_tests::wav::{compose, write_wav, SampleFormat};
+use vramgate_tests::fleet::{image_event, voice_event};
 use vramgate_tests::{
     gateway_base_env,
-    image_task_env, producer, request_file, request_inline, scratch_dir, send_all, start_gateway, start_worker,
+    image_task_env, producer, scratch_dir, send_all, start_gateway, start_worker,
     start_worker_on, uncommitted_records, unique, voice_task_env, worker_config, ById, Collector, Gateway, TaskTopics,
     PNET_MODEL, VAD_MODEL,
 };
-
-/// A voice clip of 0.5–2 s of low noise (no espeak: many clips, made fast), at one of a few
-/// rates, written under `root`; returns the request.
-fn voice_event(root: &Path, id: &str, i: usize) -> Vec<u8> {
-    let seconds = 0.5 + 1.5 * ((i * 37) % 100) as f64 / 100.0;
-    let rate = [16_000, 8_000, 22_050, 16_000][i % 4];
-    let clip = compose(None, seconds / 2.0, seconds / 2.0, rate, 1, i as u64);
-    let path = root.join(format!("clip-{i}.wav"));
-    write_wav(&path, &clip.samples, rate, 1, SampleFormat::I16).expect("write wav");
-    request_file(id, "voice", &path)
-}
-
-/// A small image, 64–240 px a side, PNG or JPEG, inline or as a file; returns the request.
-fn image_event(root: &Path, id: &str, i: usize) -> Vec<u8> {
-    let w = 64 + ((i * 53) % 177) as u32;
-    let h = 64 + ((i * 91) % 177) as u32;
-    let img = if i % 3 == 0 { picture(w, h, i as u64) } else { crowd(w, h, 16.0 * w.max(h) as f32 / 320.0, i as u64) };
-    let (bytes, ext) = if i % 2 == 0 { (png(&img), "png") } else { (jpeg(&img, 85), "jpg") };
-    if i % 4 < 2 {
-        request_inline(id, "image", &bytes)
-    } else {
-        request_file(id, "image", &images::write(root, &format!("img-{i}.{ext}"), &bytes))
-    }
-}
 
 /// What happened to the ids: how many never came out, came out more than once, and the dead
 /// letters by kind.
@@ -113,7 +87,7 @@ async fn the_worker_killed_twice_mid_stream_loses_no_event() {
     let (mut voice_records, mut image_records, mut ids) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..500 {
         let id = unique(&format!("v{i}"));
-        voice_records.push((id.clone(), voice_event(&root, &id, i)));
+        voice_records.push((id.clone(), voice_event(&root, &id, i, 2.0)));
         ids.push(id);
         let id = unique(&format!("i{i}"));
         image_records.push((id.clone(), image_event(&root, &id, i)));
@@ -212,7 +186,7 @@ async fn the_gateway_killed_mid_stream_loses_no_event_and_repeats_at_most_what_i
     let mut records = Vec::new();
     for i in 0..EVENTS {
         let id = unique(&format!("v{i}"));
-        records.push((id.clone(), voice_event(&root, &id, i)));
+        records.push((id.clone(), voice_event(&root, &id, i, 2.0)));
     }
     let ids: Vec<String> = records.iter().map(|(id, _)| id.clone()).collect();
     send_all(&producer(), &voice.requests, &records, 256).await.expect("send");

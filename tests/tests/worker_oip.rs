@@ -54,3 +54,39 @@ async fn bad_requests_get_a_status_and_a_message_and_the_worker_keeps_serving() 
     let body: serde_json::Value = response.json().await.expect("json answer");
     assert_eq!(body["outputs"][0]["shape"], serde_json::json!([1, 2]), "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_carries_the_admission_state_and_the_state_endpoint_has_it_all() {
+    use vramgate_shared::worker_state::{self, Admission, Unit, WorkerState};
+    let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
+    let http = reqwest::Client::new();
+    let state: WorkerState = http
+        .get(format!("{}{}", worker.url, worker_state::STATE_PATH))
+        .send()
+        .await
+        .expect("state answers")
+        .json()
+        .await
+        .expect("state is json");
+    assert_eq!(state.admission.unit, Unit::Bytes);
+    assert!(state.admission.budget > 0 && state.admission.admitted == 0, "{state:?}");
+    let estimate = state.models.get("silero_vad").expect("the model's estimate");
+    assert!(estimate.bytes(1024) > 1, "{estimate:?}");
+
+    let infer = format!("{}/v2/models/silero_vad/infer", worker.url);
+    let ok = serde_json::json!({"inputs": [{"name": "audio", "shape": [1, 1024], "datatype": "FP32", "data": vec![0.0f32; 1024]}]});
+    let bad = serde_json::json!({"inputs": [{"name": "audio", "shape": [4], "datatype": "FP32", "data": [0.0, 0.0, 0.0, 0.0]}]});
+    for (body, status) in [(ok, 200), (bad, 400)] {
+        let response = http.post(&infer).json(&body).send().await.expect("send");
+        assert_eq!(response.status().as_u16(), status);
+        let headers = response.headers();
+        let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let admission = Admission::from_headers(get).expect("admission headers on every answer");
+        // Read after the request gave its bytes back.
+        assert_eq!((admission.budget, admission.admitted), (state.admission.budget, 0), "{admission:?}");
+        let line = get(worker_state::HEADER_ESTIMATE).and_then(worker_state::parse_estimate_header);
+        // Online corrections only ever raise the line.
+        let raised_or_same = line.is_some_and(|l| l.bytes(1024) >= estimate.bytes(1024));
+        assert!(raised_or_same, "estimate header {:?}, state {estimate:?}", get(worker_state::HEADER_ESTIMATE));
+    }
+}

@@ -22,9 +22,12 @@ pub enum CallError {
     /// The call ran past its deadline (client timeout, 408, 504).
     #[error("worker call timed out: {message}")]
     TimedOut { message: String },
-    /// Down, unreachable or failing (connection errors, other 5xx): worth a later try.
+    /// Failing (other 5xx, a connection lost mid-call): worth a later try.
     #[error("worker unavailable: {message}")]
     Failed { message: String },
+    /// No connection could be made (refused, no route, DNS): the worker is down or gone.
+    #[error("worker unreachable: {message}")]
+    Unreachable { message: String },
     /// The worker answered 200 but with something we can't use: a bug on one side.
     #[error("worker answer unusable: {0}")]
     BadResponse(String),
@@ -38,12 +41,16 @@ impl CallError {
             CallError::Throttled { .. } => "throttled",
             CallError::TimedOut { .. } => "timeout",
             CallError::Failed { .. } => "unavailable",
+            CallError::Unreachable { .. } => "unreachable",
             CallError::BadResponse(_) => "bad_response",
         }
     }
 
     pub fn is_retryable(&self) -> bool {
-        matches!(self, CallError::Throttled { .. } | CallError::TimedOut { .. } | CallError::Failed { .. })
+        matches!(
+            self,
+            CallError::Throttled { .. } | CallError::TimedOut { .. } | CallError::Failed { .. } | CallError::Unreachable { .. }
+        )
     }
 
     /// Whether the answer says the worker has more work than it can take: the signal that
@@ -72,6 +79,8 @@ pub struct InferCall {
     body: bytes::Bytes,
     header_len: Option<usize>,
     output_names: Vec<String>,
+    /// Input elements: what a worker's memory estimate is a function of.
+    elements: u64,
 }
 
 impl InferCall {
@@ -88,12 +97,17 @@ impl InferCall {
             body: body.into(),
             header_len,
             output_names: output_names.iter().map(|n| n.to_string()).collect(),
+            elements: input.shape.iter().map(|&d| d as u64).product(),
         }
     }
 
     /// Size of the encoded request body.
     pub fn body_len(&self) -> usize {
         self.body.len()
+    }
+
+    pub fn elements(&self) -> u64 {
+        self.elements
     }
 }
 
@@ -139,8 +153,16 @@ impl WorkerClient {
     }
 
     /// Sends a prepared request to `model` and returns its output tensors, in a CLIENT span
-    /// whose trace context the request carries (`traceparent`), so the worker continues it.
-    pub async fn infer(&self, model: &str, call: &InferCall, attempt: u32) -> Result<ModelOutput, CallError> {
+    /// whose trace context the request carries (`traceparent`), so the worker continues it;
+    /// `observe` sees the answer's headers, whatever its status (the worker's admission state
+    /// rides on them).
+    pub async fn infer(
+        &self,
+        model: &str,
+        call: &InferCall,
+        attempt: u32,
+        observe: impl FnOnce(&reqwest::header::HeaderMap),
+    ) -> Result<ModelOutput, CallError> {
         let url = format!("{}/v2/models/{model}/infer", self.base);
         let span = tracing::info_span!(
             "POST",
@@ -154,7 +176,7 @@ impl WorkerClient {
             otel.status_code = tracing::field::Empty,
             error.type = tracing::field::Empty,
         );
-        let result = self.send(&url, call, context::headers_of(&span)).instrument(span.clone()).await;
+        let result = self.send(&url, call, context::headers_of(&span), observe).instrument(span.clone()).await;
         if let Err(error) = &result {
             span.record("otel.status_code", "ERROR");
             span.record("error.type", error.kind());
@@ -162,7 +184,13 @@ impl WorkerClient {
         result
     }
 
-    async fn send(&self, url: &str, call: &InferCall, trace: Option<(String, Option<String>)>) -> Result<ModelOutput, CallError> {
+    async fn send(
+        &self,
+        url: &str,
+        call: &InferCall,
+        trace: Option<(String, Option<String>)>,
+        observe: impl FnOnce(&reqwest::header::HeaderMap),
+    ) -> Result<ModelOutput, CallError> {
         let mut request = self
             .http
             .post(url)
@@ -181,6 +209,7 @@ impl WorkerClient {
         let response = request.body(call.body.clone()).send().await.map_err(|e| transport(url, "calling", &e))?;
         let status = response.status();
         tracing::Span::current().record("http.response.status_code", status.as_u16());
+        observe(response.headers());
         let retry_after = response
             .headers()
             .get("retry-after")
@@ -228,6 +257,8 @@ fn transport(url: &str, doing: &str, e: &reqwest::Error) -> CallError {
     let message = format!("{doing} {url}: {}", error_chain(e));
     if e.is_timeout() {
         CallError::TimedOut { message }
+    } else if e.is_connect() {
+        CallError::Unreachable { message }
     } else {
         CallError::Failed { message }
     }

@@ -1,13 +1,21 @@
-//! Calling workers, as layers around one HTTP call: the task's adaptive GPU permits
-//! ([`permits`]) around the OIP client ([`client`]), and the retry policy ([`retry`]) around
-//! both. [`call_worker`] composes them; each layer is tested on its own.
+//! Calling workers, as layers around one HTTP call: the choice of a worker among the task's
+//! ([`workers`], by the policy in [`route`]; the set kept current by [`discovery`]), that
+//! worker's adaptive GPU permits ([`permits`]) around the OIP client ([`client`]), and the
+//! retry policy ([`retry`]) around all of it. [`call_worker`] composes them; each layer is
+//! tested on its own.
 //!
 //! The permit is held only during a call, never while backing off, and each answer adjusts the
-//! task's permit limit (+1 after a steady full round, ×0.9 on an overload answer).
+//! permit limit of the worker that gave it (+1 after a steady full round, ×0.9 on an overload
+//! answer). A call that fails on one worker is retried on another at once when another is in
+//! service (the failed one is avoided, and ejected after a streak); the record still gets one
+//! answer, so one result, whichever worker gives it.
 
 pub mod client;
+pub mod discovery;
 pub mod permits;
 pub mod retry;
+pub mod route;
+pub mod workers;
 
 use std::time::{Duration, Instant};
 
@@ -39,9 +47,10 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
     let mut calls = 0u32;
     let mut wait_ms = 0.0;
     let mut inference_ms = 0.0;
+    let mut failed_on: Option<String> = None;
     loop {
         calls += 1;
-        let (result, waited, took) = permitted_call(task, call, calls, metrics).await;
+        let (result, waited, took, worker) = permitted_call(task, call, calls, failed_on.as_deref(), metrics).await;
         wait_ms += ms(waited);
         inference_ms += ms(took);
         let error = match result {
@@ -53,9 +62,15 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
             CallError::Throttled { retry_after, .. } => *retry_after,
             _ => None,
         };
+        // A worker that failed (not one that is merely busy) is no reason to wait when another
+        // can take the call now.
+        let elsewhere = matches!(error, CallError::Failed { .. } | CallError::TimedOut { .. } | CallError::Unreachable { .. })
+            && worker.as_deref().is_some_and(|url| task.workers.another_in_service(url));
+        failed_on = worker;
         match policy.next(error, calls, Instant::now()) {
             Decision::GiveUp(failure) => return Err(failure),
             Decision::Retry { delay, reason } => {
+                let delay = if elsewhere { Duration::ZERO } else { delay };
                 metrics.retries.with_label_values(&[&task.name, reason]).inc();
                 if RETRY_LOG.allow() {
                     let error = bounded(&shown, LOG_FIELD_MAX_BYTES);
@@ -79,34 +94,71 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
     }
 }
 
-/// The permit layer: one call under one of the task's permits, whose answer adapts the limit.
-/// Returns the answer, the time waited for the permit and the time the call took.
+/// The worker and permit layer: chooses a worker (avoiding `avoid`, the one that failed the
+/// previous attempt), makes one call under one of its permits, and lets the answer adapt that
+/// worker's limit, state and health. Returns the answer, the time waited for the permit, the
+/// time the call took and the worker's URL.
 async fn permitted_call(
     task: &Task,
     call: &InferCall,
     attempt: u32,
+    avoid: Option<&str>,
     metrics: &Metrics,
-) -> (Result<ModelOutput, CallError>, Duration, Duration) {
+) -> (Result<ModelOutput, CallError>, Duration, Duration, Option<String>) {
     let permit_wait = Duration::from_millis(task.config.permit_wait_ms);
-    let waiting = tracing::info_span!(
-        "gpu_permit_wait",
-        task = %task.name,
-        permit.limit = task.permits.limit(),
-        permit.waiting = task.permits.waiting(),
-    );
-    let (permit, waited) = task.permits.acquire_within(permit_wait, || task.mark_congested()).instrument(waiting).await;
+    let mut waited = Duration::ZERO;
+    let mut choices = 0;
+    loop {
+        let Some(endpoint) = task.workers.choose(call.elements(), avoid) else {
+            let message = format!("no worker known for task {} (none listed, or none found in DNS)", task.name);
+            return (Err(CallError::Unreachable { message }), waited, Duration::ZERO, None);
+        };
+        let waiting = tracing::info_span!(
+            "gpu_permit_wait",
+            task = %task.name,
+            worker = %endpoint.url,
+            permit.limit = endpoint.permits.limit(),
+            permit.waiting = endpoint.permits.waiting(),
+        );
+        let (permit, wait) = endpoint.permits.acquire_within(permit_wait, || task.mark_congested()).instrument(waiting).await;
+        waited += wait;
+        choices += 1;
+        // A worker ejected while this call waited for its permit is left for another in
+        // service (chosen again, at most once per worker).
+        if endpoint.is_ejected() && task.workers.another_in_service(&endpoint.url) && choices <= task.workers.count() {
+            continue;
+        }
+        let (result, took) = call_on(task, call, &endpoint, permit, attempt, metrics).await;
+        return (result, waited, took, Some(endpoint.url.clone()));
+    }
+}
+
+/// One call on `endpoint` under its `permit`; its answer adapts that worker's limit, state and
+/// health. Returns the answer and the time the call took.
+async fn call_on(
+    task: &Task,
+    call: &InferCall,
+    endpoint: &workers::Endpoint,
+    permit: permits::Permit<'_>,
+    attempt: u32,
+    metrics: &Metrics,
+) -> (Result<ModelOutput, CallError>, Duration) {
     let in_flight = metrics.worker_calls.with_label_values(&[&task.name]);
     in_flight.inc();
+    let sent = endpoint.send(call.elements());
     let started = Instant::now();
-    let result = task.worker.infer(&task.config.model, call, attempt).await;
+    let result = endpoint.client.infer(&task.config.model, call, attempt, |headers| endpoint.observe(headers)).await;
     let took = started.elapsed();
     in_flight.dec();
+    let outcome = result.as_ref().map(|_| ());
+    let ejected = endpoint.finish(sent, outcome);
+    task.workers.record(endpoint, outcome, ejected);
     match &result {
-        Ok(_) => task.permits.succeeded(&permit, took),
-        Err(error) if error.is_overload() => task.permits.overloaded(),
+        Ok(_) => endpoint.permits.succeeded(&permit, took),
+        Err(error) if error.is_overload() => endpoint.permits.overloaded(),
         Err(_) => {}
     }
-    (result, waited, took)
+    (result, took)
 }
 
 /// A duration in milliseconds, to the microsecond: how every timing of a result is reported.

@@ -76,7 +76,9 @@ pub fn call_failure(error: CallError) -> Failure {
         CallError::Rejected { status: 413 | 507, .. } => ErrorKind::InputTooLarge,
         CallError::Rejected { .. } => ErrorKind::WorkerRejected,
         CallError::TimedOut { .. } => ErrorKind::Timeout,
-        CallError::Throttled { .. } | CallError::Failed { .. } => ErrorKind::WorkerUnavailable,
+        CallError::Throttled { .. } | CallError::Failed { .. } | CallError::Unreachable { .. } => {
+            ErrorKind::WorkerUnavailable
+        }
         CallError::BadResponse(_) => ErrorKind::Internal,
     };
     Failure::new(kind, Stage::Infer, error.to_string())
