@@ -28,7 +28,7 @@
 //! `min(cap, free now + what we hold above our start-up footprint) − reserve`. Memory another
 //! process takes shrinks it; it grows back when that memory is freed.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::cuda_memory;
 use crate::model::ComputeDevice;
@@ -203,6 +203,14 @@ impl MemoryMonitor {
                 // SAFETY: setrlimit reads the struct we pass and touches no other memory.
                 let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &rlimit) };
                 anyhow::ensure!(rc == 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
+                // The cap counts address space, and heap address space never shrinks: with
+                // tensors up to 32 MiB kept in the heap for speed, the heap's high-water mark
+                // and its fragmentation would use up the cap until even one request no longer
+                // fits (and a Rust allocation failing then aborts the process). Under the cap
+                // every tensor over 256 KiB is its own mapping again, returned when freed:
+                // slower on CPU, but the cap then bounds what requests hold, as it emulates.
+                SERVE_MMAP_THRESHOLD.store(MEASURE_MMAP_THRESHOLD, Ordering::Relaxed);
+                serving_mmap_threshold();
                 tracing::info!(
                     address_space_bytes = vm_size, limit_bytes = limit, host_allowance_bytes = host_allowance,
                     "memory cap applied (RLIMIT_AS)"
@@ -334,8 +342,9 @@ pub fn tune_allocator() {
     }
 }
 
-/// The mmap threshold while serving: glibc's largest (see [`tune_allocator`]).
-const SERVE_MMAP_THRESHOLD: i32 = 32 * 1024 * 1024;
+/// The mmap threshold while serving: glibc's largest (see [`tune_allocator`]); under the CPU
+/// memory cap, [`MEASURE_MMAP_THRESHOLD`] instead (see [`MemoryMonitor::apply_limit`]).
+static SERVE_MMAP_THRESHOLD: AtomicI32 = AtomicI32::new(32 * 1024 * 1024);
 /// The mmap threshold during a measured batch: every tensor its own mapping, so the batch's
 /// peak is exact and does not depend on the heap's history.
 const MEASURE_MMAP_THRESHOLD: i32 = 256 * 1024;
@@ -343,7 +352,7 @@ const MEASURE_MMAP_THRESHOLD: i32 = 256 * 1024;
 fn serving_mmap_threshold() {
     // SAFETY: mallopt only sets an allocator parameter (under glibc's own lock).
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD.load(Ordering::Relaxed));
     }
 }
 
