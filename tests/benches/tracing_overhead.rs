@@ -12,8 +12,9 @@
 //! `VRAMGATE_BENCH_ROUNDS` (default 2 pairs). Run with `scripts/bench tracing`.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use vramgate_tests::bench::throughput::rate_until_produced;
 use vramgate_tests::jaeger::JaegerProcess;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
@@ -38,22 +39,7 @@ async fn run(topics: &TaskTopics, root: &Path, worker: &str, events: usize, otlp
         env.push(("TELEMETRY__OTLP_ENDPOINT", endpoint.to_string()));
     }
     let gateway = start_gateway(&env).await?;
-    let deadline = Instant::now() + Duration::from_secs(900);
-    let started = loop {
-        if gateway.metrics().await?.sum("vramgate_gateway_records_consumed_total", &[]) > 0.0 {
-            break Instant::now();
-        }
-        anyhow::ensure!(Instant::now() < deadline, "nothing consumed; log:\n{}", gateway.log_tail());
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
-    loop {
-        if gateway.metrics().await?.sum("vramgate_gateway_records_produced_total", &[]) >= events as f64 {
-            break;
-        }
-        anyhow::ensure!(Instant::now() < deadline, "did not finish; log:\n{}", gateway.log_tail());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let rate = events as f64 / started.elapsed().as_secs_f64();
+    let rate = rate_until_produced(&gateway, events, Duration::from_secs(900)).await?;
     if otlp.is_some() {
         let scrape = gateway.metrics().await?;
         let exported = scrape.sum("vramgate_gateway_trace_spans_exported_total", &[]);

@@ -264,7 +264,17 @@ async fn pipeline_case(
     env.extend(topic_env);
     env.push((other, "false".into()));
     let gateway = start_gateway(&env).await?;
-    let deadline = Instant::now() + Duration::from_secs(600);
+    let pipeline = rate_until_produced(&gateway, events, Duration::from_secs(600)).await?;
+    let results = topic_records(&topics.results)?;
+    anyhow::ensure!(results == events as i64, "{results} results of {events}; log:\n{}", gateway.log_tail());
+    let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
+    Ok((raw, direct, pipeline))
+}
+
+/// Records a second through a freshly started `gateway`, from its first consumed record until
+/// it has produced `events` outputs; an error past `limit`.
+pub async fn rate_until_produced(gateway: &crate::Gateway, events: usize, limit: Duration) -> anyhow::Result<f64> {
+    let deadline = Instant::now() + limit;
     let started = loop {
         if gateway.metrics().await?.sum("vramgate_gateway_records_consumed_total", &[]) > 0.0 {
             break Instant::now();
@@ -280,11 +290,7 @@ async fn pipeline_case(
         anyhow::ensure!(Instant::now() < deadline, "the pipeline did not finish; log:\n{}", gateway.log_tail());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let pipeline = events as f64 / started.elapsed().as_secs_f64();
-    let results = topic_records(&topics.results)?;
-    anyhow::ensure!(results == events as i64, "{results} results of {events}; log:\n{}", gateway.log_tail());
-    let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
-    Ok((raw, direct, pipeline))
+    Ok(events as f64 / started.elapsed().as_secs_f64())
 }
 
 /// One P2 row: a model and input through the raw loop, the worker direct, the whole pipeline.
