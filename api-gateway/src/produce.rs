@@ -63,12 +63,14 @@ pub fn is_permanent(error: &KafkaError) -> bool {
 }
 
 /// Produces `out` keyed like `source`, under a PRODUCER span `send <topic>` whose trace
-/// context it carries, retrying transient errors with backoff until the broker acknowledges.
-/// Returns a permanent error.
+/// context it carries (with tracing off: the context `source` carried, when it was valid),
+/// retrying transient errors with backoff until the broker acknowledges. Returns a permanent
+/// error.
 pub async fn deliver(
     producer: &FutureProducer<KafkaEvents>,
     metrics: &Metrics,
     source: &OwnedMessage,
+    carried: &Carried,
     out: &Outgoing<'_>,
 ) -> Result<(), KafkaError> {
     let span = tracing::info_span!(
@@ -83,8 +85,8 @@ pub async fn deliver(
         otel.status_description = tracing::field::Empty,
         error.type = tracing::field::Empty,
     );
-    let trace = context::headers_of(&span).or_else(|| match Carried::from_headers(kafka_headers(source)) {
-        Carried::Parent(parent) => Some(context::to_headers(&parent)),
+    let trace = context::headers_of(&span).or_else(|| match carried {
+        Carried::Parent(parent) => Some(context::to_headers(parent)),
         _ => None,
     });
     let mut headers = OwnedHeaders::new();

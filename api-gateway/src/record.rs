@@ -96,11 +96,20 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
         otel.status_description = tracing::field::Empty,
         error.type = tracing::field::Empty,
     );
-    Carried::from_headers(produce::kafka_headers(&message)).adopt(&span);
-    handle_in_span(shared, task, message, ticket, held).instrument(span).await
+    // Read once: the span continues it, and with tracing off the outputs carry it.
+    let carried = Carried::from_headers(produce::kafka_headers(&message));
+    carried.adopt(&span);
+    handle_in_span(shared, task, message, carried, ticket, held).instrument(span).await
 }
 
-async fn handle_in_span(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, mut held: Held) {
+async fn handle_in_span(
+    shared: Arc<Shared>,
+    task: Arc<Task>,
+    message: OwnedMessage,
+    carried: Carried,
+    ticket: Ticket,
+    mut held: Held,
+) {
     let _in_flight = InFlight { shared: &shared, task: &task.name };
     if !shared.offsets.is_current(&ticket) {
         // Revoked before it started: the partition's new owner reads it from the last commit.
@@ -157,7 +166,7 @@ async fn handle_in_span(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMess
             (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, Written::DeadLetter(letter))
         }
     };
-    match produce::deliver(&shared.producer, &shared.metrics, &message, &out).await {
+    match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, &out).await {
         Ok(()) => shared.metrics.produced.with_label_values(&[&task.name, written.label()]).inc(),
         Err(error) => {
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
@@ -182,7 +191,7 @@ async fn handle_in_span(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMess
                 &error,
             );
             tracing::error!(error = %error, topic = out.topic, bytes = out.payload.len(), "output refused by the broker; writing a trimmed dead letter");
-            match produce::deliver(&shared.producer, &shared.metrics, &message, &trimmed).await {
+            match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, &trimmed).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
                     if matches!(written, Written::Result(_)) {
