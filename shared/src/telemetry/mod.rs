@@ -144,26 +144,33 @@ pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
     Telemetry { provider }
 }
 
+/// A standard variable's value, when set and not blank.
+fn env_value(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Whether an `OTEL_EXPORTER_OTLP_*ENDPOINT` variable names the collector (it then wins over
+/// the config file's `otlp_endpoint`).
+fn env_names_endpoint() -> bool {
+    env_value("OTEL_EXPORTER_OTLP_ENDPOINT").is_some() || env_value("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
+}
+
 /// Whether the environment or `config` asks for export.
 fn export_wanted(config: &TelemetryConfig) -> bool {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+    if env_value("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
         return false;
     }
-    if env("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none")) {
+    if env_value("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none")) {
         return false;
     }
-    env("OTEL_EXPORTER_OTLP_ENDPOINT").is_some() || env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some() || config.otlp_endpoint.is_some()
+    env_names_endpoint() || config.otlp_endpoint.is_some()
 }
 
 fn tracer_provider(service: &Service<'_>, config: &TelemetryConfig) -> Option<SdkTracerProvider> {
     if !export_wanted(config) {
         return None;
     }
-    let env_endpoint = ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-        .iter()
-        .any(|k| std::env::var(k).is_ok_and(|v| !v.trim().is_empty()));
-    let endpoint = (!env_endpoint)
+    let endpoint = (!env_names_endpoint())
         .then(|| config.otlp_endpoint.as_ref().map(|e| format!("{}/v1/traces", e.trim_end_matches('/'))))
         .flatten();
     let timeout = Duration::from_millis(config.export_timeout_ms);
@@ -347,6 +354,33 @@ pub fn bounded(s: &str, max: usize) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The only test in this crate that touches the `OTEL_*` variables (they are process-wide).
+    #[test]
+    fn export_follows_the_standard_variables_then_the_config() {
+        let vars = ["OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"];
+        for v in vars {
+            std::env::remove_var(v);
+        }
+        let mut config = TelemetryConfig::default();
+        assert!(!export_wanted(&config), "off without an endpoint");
+        config.otlp_endpoint = Some("http://127.0.0.1:4318".into());
+        assert!(export_wanted(&config) && !env_names_endpoint(), "the config file's endpoint");
+        std::env::set_var("OTEL_SDK_DISABLED", "true");
+        assert!(!export_wanted(&config), "OTEL_SDK_DISABLED wins");
+        std::env::remove_var("OTEL_SDK_DISABLED");
+        std::env::set_var("OTEL_TRACES_EXPORTER", "none");
+        assert!(!export_wanted(&config), "OTEL_TRACES_EXPORTER=none wins");
+        std::env::remove_var("OTEL_TRACES_EXPORTER");
+        config.otlp_endpoint = None;
+        std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", "  ");
+        assert!(!export_wanted(&config), "a blank variable is unset");
+        std::env::set_var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4318/v1/traces");
+        assert!(export_wanted(&config) && env_names_endpoint(), "a variable's endpoint, over the file's");
+        for v in vars {
+            std::env::remove_var(v);
+        }
+    }
 
     #[test]
     fn lets_through_the_rate_then_counts_the_rest() {
