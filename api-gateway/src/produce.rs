@@ -36,8 +36,12 @@ static RETRY_LOG: LogLimit = LogLimit::new(5);
 /// An output ready to produce.
 pub struct Outgoing<'a> {
     pub topic: &'a str,
+    /// Its PRODUCER span's name, `send <topic>` (made once per task, not per record).
+    pub span_name: &'a str,
     pub payload: Vec<u8>,
-    pub headers: Vec<(String, Vec<u8>)>,
+    /// Built once, in librdkafka's own form: the first attempt hands them over as they are,
+    /// and only a retry copies them back out of the refused message.
+    pub headers: OwnedHeaders,
 }
 
 /// Whether retrying cannot help: the record or the topic is wrong, not the moment.
@@ -71,16 +75,17 @@ pub async fn deliver(
     metrics: &Metrics,
     source: &OwnedMessage,
     carried: &Carried,
-    out: &Outgoing<'_>,
+    out: Outgoing<'_>,
 ) -> Result<(), KafkaError> {
+    let Outgoing { topic, span_name, payload, mut headers } = out;
     let span = tracing::info_span!(
         "send",
-        otel.name = format!("send {}", out.topic),
+        otel.name = span_name,
         otel.kind = "producer",
         messaging.system = "kafka",
         messaging.operation.type = "send",
-        messaging.destination.name = out.topic,
-        messaging.message.body.size = out.payload.len(),
+        messaging.destination.name = topic,
+        messaging.message.body.size = payload.len(),
         otel.status_code = tracing::field::Empty,
         otel.status_description = tracing::field::Empty,
         error.type = tracing::field::Empty,
@@ -89,14 +94,14 @@ pub async fn deliver(
         Carried::Parent(parent) => Some(context::to_headers(parent)),
         _ => None,
     });
-    let mut headers = OwnedHeaders::new();
     if let Some((parent, state)) = &trace {
         headers = headers.insert(Header { key: "traceparent", value: Some(parent.as_bytes()) });
         if let Some(state) = state {
             headers = headers.insert(Header { key: "tracestate", value: Some(state.as_bytes()) });
         }
     }
-    let result = send_until_acknowledged(producer, metrics, source, out, headers).instrument(span.clone()).await;
+    let result =
+        send_until_acknowledged(producer, metrics, source, topic, &payload, headers).instrument(span.clone()).await;
     if let Err(error) = &result {
         span.record("otel.status_code", "ERROR");
         span.record("error.type", "output_rejected");
@@ -114,21 +119,27 @@ async fn send_until_acknowledged(
     producer: &FutureProducer<KafkaEvents>,
     metrics: &Metrics,
     source: &OwnedMessage,
-    out: &Outgoing<'_>,
-    mut headers: OwnedHeaders,
+    topic: &str,
+    payload: &[u8],
+    headers: OwnedHeaders,
 ) -> Result<(), KafkaError> {
-    for (key, value) in &out.headers {
-        headers = headers.insert(Header { key, value: Some(value) });
-    }
+    let mut headers = Some(headers);
     let mut delay = Duration::from_millis(200);
     loop {
-        let mut record = FutureRecord::to(out.topic).payload(&out.payload).headers(headers.clone());
+        let mut record = FutureRecord::to(topic).payload(payload);
+        if let Some(headers) = headers.take() {
+            record = record.headers(headers);
+        }
         if let Some(key) = source.key() {
             record = record.key(key);
         }
         let error = match producer.send(record, Duration::from_secs(30)).await {
             Ok(_) => return Ok(()),
-            Err((e, _)) => e,
+            Err((e, refused)) => {
+                // The refused message carries the headers back: the next attempt takes them.
+                headers = refused.headers().cloned();
+                e
+            }
         };
         if is_permanent(&error) {
             return Err(error);
@@ -136,7 +147,7 @@ async fn send_until_acknowledged(
         metrics.produce_retries.inc();
         metrics.produce_retry_seconds.inc_by(delay.as_secs_f64());
         if RETRY_LOG.allow() {
-            tracing::warn!(error = %error, topic = out.topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
+            tracing::warn!(error = %error, topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_secs(10));
@@ -158,6 +169,7 @@ pub enum Refused<'a> {
 #[allow(clippy::too_many_arguments)]
 pub fn trimmed_dead_letter<'a>(
     dlq_topic: &'a str,
+    dlq_span: &'a str,
     source: &OwnedMessage,
     id: Option<&str>,
     task: Option<&str>,
@@ -191,18 +203,18 @@ pub fn trimmed_dead_letter<'a>(
         },
     };
     let value_bytes = source.payload().map_or(0, <[u8]>::len);
-    let headers = vec![
-        ("kafka_dlt-original-topic".into(), source.topic().as_bytes().to_vec()),
-        ("kafka_dlt-original-partition".into(), source.partition().to_be_bytes().to_vec()),
-        ("kafka_dlt-original-offset".into(), source.offset().to_be_bytes().to_vec()),
-        ("kafka_dlt-exception-fqcn".into(), kind.as_str().as_bytes().to_vec()),
-        ("vramgate-error-kind".into(), kind.as_str().as_bytes().to_vec()),
-        ("vramgate-output-trimmed".into(), b"true".to_vec()),
-        ("vramgate-original-value-bytes".into(), value_bytes.to_string().into_bytes()),
-        ("vramgate-refused-output-bytes".into(), refused_bytes.to_string().into_bytes()),
-    ];
+    let headers = OwnedHeaders::new_with_capacity(10)
+        .insert(Header { key: "kafka_dlt-original-topic", value: Some(source.topic()) })
+        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&source.partition().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&source.offset().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
+        .insert(Header { key: "vramgate-error-kind", value: Some(kind.as_str()) })
+        .insert(Header { key: "vramgate-output-trimmed", value: Some("true") })
+        .insert(Header { key: "vramgate-original-value-bytes", value: Some(&value_bytes.to_string()) })
+        .insert(Header { key: "vramgate-refused-output-bytes", value: Some(&refused_bytes.to_string()) });
     Outgoing {
         topic: dlq_topic,
+        span_name: dlq_span,
         payload: serde_json::to_vec(&letter).expect("dead letters always serialise"),
         headers,
     }
@@ -238,18 +250,18 @@ mod tests {
             None,
         );
         let error = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
-        let out = trimmed_dead_letter("t.dlq", &source, Some(&id), Some("voice"), Refused::Result, "t.dlq", 2_700_000, &error);
+        let out = trimmed_dead_letter("t.dlq", "send t.dlq", &source, Some(&id), Some("voice"), Refused::Result, "t.dlq", 2_700_000, &error);
         assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());
         let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
         assert_eq!(letter.error.kind, ErrorKind::OutputRejected);
         assert_eq!(letter.id.as_deref().map(str::len), Some(TRIMMED_ID_BYTES));
         assert_eq!((letter.source.partition, letter.source.offset), (3, 42));
         assert!(letter.source.value_b64.is_none());
-        let header = |k: &str| out.headers.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+        let header = |k: &str| out.headers.iter().find(|h| h.key == k).and_then(|h| h.value.map(<[u8]>::to_vec));
         assert_eq!(header("vramgate-original-value-bytes"), Some(b"2000000".to_vec()));
         let reason = "x".repeat(100_000);
         let refused = Refused::DeadLetter { kind: ErrorKind::InvalidRequest, stage: Stage::Parse, message: &reason };
-        let out = trimmed_dead_letter("t.dlq", &source, None, None, refused, "t.dlq", 2_700_000, &error);
+        let out = trimmed_dead_letter("t.dlq", "send t.dlq", &source, None, None, refused, "t.dlq", 2_700_000, &error);
         let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
         assert_eq!((letter.error.kind, letter.error.stage), (ErrorKind::InvalidRequest, Stage::Parse), "keeps its reason");
         assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::FutureExt;
-use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use tracing::Instrument;
 use vramgate_shared::telemetry::context::{self, Carried};
@@ -53,20 +53,20 @@ pub struct Shared {
 /// Counts a record in flight until it is dropped, whatever path the record takes.
 struct InFlight<'a> {
     shared: &'a Shared,
-    task: &'a str,
+    task: &'a Task,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.shared.metrics.in_flight.with_label_values(&[self.task]).dec();
+        self.task.hot.in_flight.dec();
     }
 }
 
 /// Called by the fetch loop for each record, before it spawns [`handle`]: counts and charges it.
 pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, Held) {
-    shared.metrics.consumed.with_label_values(&[&task.name]).inc();
-    shared.metrics.in_flight.with_label_values(&[&task.name]).inc();
+    task.hot.consumed.inc();
+    task.hot.in_flight.inc();
     shared.in_flight.fetch_add(1, Ordering::SeqCst);
     let raw = message.payload().map_or(0, <[u8]>::len) + message.key().map_or(0, <[u8]>::len);
     let held = shared.budget.hold(raw as u64 + RECORD_OVERHEAD_BYTES);
@@ -80,7 +80,7 @@ pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, H
 pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held) {
     let span = tracing::info_span!(
         "process",
-        otel.name = format!("process {}", message.topic()),
+        otel.name = task.hot.process_span.as_str(),
         otel.kind = "consumer",
         messaging.system = "kafka",
         messaging.operation.type = "process",
@@ -110,7 +110,7 @@ async fn handle_in_span(
     ticket: Ticket,
     mut held: Held,
 ) {
-    let _in_flight = InFlight { shared: &shared, task: &task.name };
+    let _in_flight = InFlight { shared: &shared, task: &task };
     if !shared.offsets.is_current(&ticket) {
         // Revoked before it started: the partition's new owner reads it from the last commit.
         shared.metrics.stale.inc();
@@ -143,7 +143,12 @@ async fn handle_in_span(
                 shared.metrics.log_suppressed.with_label_values(&["result"]).inc();
             }
             let payload = serde_json::to_vec(&result).expect("result events always serialise");
-            let out = Outgoing { topic: task.results_topic.as_str(), payload, headers: Vec::new() };
+            let out = Outgoing {
+                topic: task.results_topic.as_str(),
+                span_name: task.hot.send_result_span.as_str(),
+                payload,
+                headers: OwnedHeaders::new_with_capacity(2),
+            };
             (out, Written::Result(result))
         }
         Err(rejection) => {
@@ -163,11 +168,21 @@ async fn handle_in_span(
             let headers = dead_letter_headers(&message, &rejection.failure);
             let letter = dead_letter(&message, rejection);
             let payload = serde_json::to_vec(&letter).expect("dead letters always serialise");
-            (Outgoing { topic: task.dlq_topic.as_str(), payload, headers }, Written::DeadLetter(letter))
+            let out = Outgoing {
+                topic: task.dlq_topic.as_str(),
+                span_name: task.hot.send_dead_letter_span.as_str(),
+                payload,
+                headers,
+            };
+            (out, Written::DeadLetter(letter))
         }
     };
-    match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, &out).await {
-        Ok(()) => shared.metrics.produced.with_label_values(&[&task.name, written.label()]).inc(),
+    let (out_topic, out_bytes) = (out.topic, out.payload.len());
+    match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, out).await {
+        Ok(()) => match written {
+            Written::Result(_) => task.hot.produced_result.inc(),
+            Written::DeadLetter(_) => task.hot.produced_dead_letter.inc(),
+        },
         Err(error) => {
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
             // not ours): a trimmed dead letter stands in for the output, so the partition
@@ -182,28 +197,30 @@ async fn handle_in_span(
             };
             let trimmed = produce::trimmed_dead_letter(
                 &task.dlq_topic,
+                &task.hot.send_dead_letter_span,
                 &message,
                 id,
                 task_name,
                 refused,
-                out.topic,
-                out.payload.len(),
+                out_topic,
+                out_bytes,
                 &error,
             );
-            tracing::error!(error = %error, topic = out.topic, bytes = out.payload.len(), "output refused by the broker; writing a trimmed dead letter");
-            match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, &trimmed).await {
+            tracing::error!(error = %error, topic = out_topic, bytes = out_bytes, "output refused by the broker; writing a trimmed dead letter");
+            let trimmed_topic = trimmed.topic;
+            match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, trimmed).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
                     if matches!(written, Written::Result(_)) {
                         shared.metrics.dead_letters.with_label_values(&[&task.name, "output_rejected"]).inc();
                     }
-                    shared.metrics.produced.with_label_values(&[&task.name, "dead_letter"]).inc();
+                    task.hot.produced_dead_letter.inc();
                 }
                 Err(error) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "lost"]).inc();
                     tracing::error!(
                         error = %error,
-                        topic = trimmed.topic,
+                        topic = trimmed_topic,
                         partition = message.partition(),
                         offset = message.offset(),
                         "the trimmed dead letter was refused too; committing past this record"
@@ -219,16 +236,6 @@ async fn handle_in_span(
 enum Written {
     Result(ResultEvent),
     DeadLetter(DeadLetterEvent),
-}
-
-impl Written {
-    /// The `outcome` label of `records_produced_total`.
-    fn label(&self) -> &'static str {
-        match self {
-            Written::Result(_) => "result",
-            Written::DeadLetter(_) => "dead_letter",
-        }
-    }
 }
 
 /// A failure plus what was known about the request when it happened.
@@ -461,17 +468,17 @@ fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent 
     }
 }
 
-/// The headers Spring Kafka's dead-letter publisher writes, so existing tooling reads ours.
-fn dead_letter_headers(message: &OwnedMessage, failure: &Failure) -> Vec<(String, Vec<u8>)> {
-    vec![
-        ("kafka_dlt-original-topic".into(), message.topic().as_bytes().to_vec()),
-        ("kafka_dlt-original-partition".into(), message.partition().to_be_bytes().to_vec()),
-        ("kafka_dlt-original-offset".into(), message.offset().to_be_bytes().to_vec()),
-        ("kafka_dlt-exception-fqcn".into(), failure.kind.as_str().as_bytes().to_vec()),
-        ("kafka_dlt-exception-message".into(), failure.message.as_bytes().to_vec()),
-        ("kafka_dlt-exception-stage".into(), failure.stage.as_str().as_bytes().to_vec()),
-        ("vramgate-error-kind".into(), failure.kind.as_str().as_bytes().to_vec()),
-    ]
+/// The headers Spring Kafka's dead-letter publisher writes, so existing tooling reads ours
+/// (room left for the trace context `produce::deliver` adds).
+fn dead_letter_headers(message: &OwnedMessage, failure: &Failure) -> OwnedHeaders {
+    OwnedHeaders::new_with_capacity(9)
+        .insert(Header { key: "kafka_dlt-original-topic", value: Some(message.topic()) })
+        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&message.partition().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&message.offset().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(failure.kind.as_str()) })
+        .insert(Header { key: "kafka_dlt-exception-message", value: Some(failure.message.as_str()) })
+        .insert(Header { key: "kafka_dlt-exception-stage", value: Some(failure.stage.as_str()) })
+        .insert(Header { key: "vramgate-error-kind", value: Some(failure.kind.as_str()) })
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
+use prometheus::{IntCounter, IntGauge};
+
 use crate::call::workers::WorkerSet;
 use crate::config::{TaskConfig, WorkerEndpoint, WorkerSource};
 use crate::metrics::Metrics;
@@ -26,6 +28,35 @@ pub struct Task {
     pub worker_source: WorkerSource,
     /// What this task does to a request before and after the worker call.
     pub converter: Box<dyn crate::tasks::Converter>,
+    /// Made once here rather than for every record on the hot path.
+    pub hot: Hot,
+}
+
+/// What every record of a task names or counts, resolved once: span names (`process <topic>`,
+/// `send <topic>`) and the task's metric children (a labelled lookup hashes its labels and
+/// takes a lock on every call).
+pub struct Hot {
+    pub process_span: String,
+    pub send_result_span: String,
+    pub send_dead_letter_span: String,
+    pub consumed: IntCounter,
+    pub in_flight: IntGauge,
+    pub produced_result: IntCounter,
+    pub produced_dead_letter: IntCounter,
+}
+
+impl Hot {
+    fn new(name: &str, requests: &str, results: &str, dlq: &str, metrics: &Metrics) -> Self {
+        Hot {
+            process_span: format!("process {requests}"),
+            send_result_span: format!("send {results}"),
+            send_dead_letter_span: format!("send {dlq}"),
+            consumed: metrics.consumed.with_label_values(&[name]),
+            in_flight: metrics.in_flight.with_label_values(&[name]),
+            produced_result: metrics.produced.with_label_values(&[name, "result"]),
+            produced_dead_letter: metrics.produced.with_label_values(&[name, "dead_letter"]),
+        }
+    }
 }
 
 impl Task {
@@ -42,6 +73,9 @@ impl Task {
         let timeout = config.request_timeout_seconds.unwrap_or(worker.request_timeout_seconds);
         let token = config.worker_auth_token.as_ref().or(worker.auth_token.as_ref()).cloned();
         let routing = config.routing.unwrap_or(worker.routing);
+        let (requests_topic, results_topic, dlq_topic) =
+            (config.requests_topic(name), config.results_topic(name), config.dlq_topic(name));
+        let hot = Hot::new(name, &requests_topic, &results_topic, &dlq_topic, &metrics);
         let workers =
             WorkerSet::new(name, &config.model, routing, timeout, token, config.gpu_permits.clone(), metrics);
         let worker_source = config.workers(worker);
@@ -50,15 +84,16 @@ impl Task {
         }
         Ok(Task {
             name: name.to_string(),
-            requests_topic: config.requests_topic(name),
-            results_topic: config.results_topic(name),
-            dlq_topic: config.dlq_topic(name),
+            requests_topic,
+            results_topic,
+            dlq_topic,
             config: config.clone(),
             pool,
             congested: AtomicBool::new(false),
             converter: crate::tasks::converter(config),
             workers: Arc::new(workers),
             worker_source,
+            hot,
         })
     }
 
