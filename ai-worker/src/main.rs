@@ -25,7 +25,7 @@ async fn serve() -> anyhow::Result<()> {
     // The worker's own loader: the same layering, plus redaction of secrets and the checks
     // between keys (see `config`).
     let config = WorkerConfig::load(args.config.as_deref()).context("reading ai-worker config")?;
-    let service = telemetry::Service { name: "ai-worker", version: env!("CARGO_PKG_VERSION") };
+    let service = telemetry::Service { name: "ai-worker", version: env!("CARGO_PKG_VERSION"), log_spans: &["POST /v2/models/{model}/infer"] };
     let telemetry = telemetry::init(service, &config.telemetry);
     anyhow::ensure!(!config.models.is_empty(), "no models configured: add [[models]] to the config file");
     let listener = tokio::net::TcpListener::bind(config.listen)

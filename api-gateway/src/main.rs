@@ -27,7 +27,7 @@ async fn main() -> anyhow::Result<()> {
     let config: GatewayConfig =
         vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
             .context("reading api-gateway config")?;
-    let service = telemetry::Service { name: "api-gateway", version: env!("CARGO_PKG_VERSION") };
+    let service = telemetry::Service { name: "api-gateway", version: env!("CARGO_PKG_VERSION"), log_spans: &["process"] };
     let telemetry = telemetry::init(service, &config.telemetry);
     let outcome = vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await;
     // The spans of the last records and the drain, before the process goes.

@@ -97,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Produce { task, topic, inline, ext, id_prefix, headers, paths } => {
             let topic = topic.unwrap_or_else(|| format!("{task}.requests"));
-            let service = telemetry::Service { name: "vramgate-cli", version: env!("CARGO_PKG_VERSION") };
+            let service = telemetry::Service { name: "vramgate-cli", version: env!("CARGO_PKG_VERSION"), log_spans: &["send"] };
             let tracing = telemetry::init(service, &telemetry::TelemetryConfig::default());
             let sent = produce(&cli.brokers, &topic, &task, inline, &ext, &id_prefix, &headers, &paths).await;
             tracing.shutdown();

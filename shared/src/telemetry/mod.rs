@@ -3,7 +3,11 @@
 //! Logs go to stderr through `tracing`; `RUST_LOG` filters them (default `info`), and
 //! `VRAMGATE_LOG_FORMAT=json` switches to one JSON object per line for log shippers, each line
 //! inside a span carrying that span's `trace_id` and `span_id`. Colours only when stderr is a
-//! terminal, so log files carry no escape codes.
+//! terminal, so log files carry no escape codes. A log line carries the fields of the request's
+//! outer span only (the service's [`Service::log_spans`], e.g. the gateway's `process`), less
+//! the `otel.*` fields meant for the exporter: the fields of every span are formatted when it
+//! is made, whether a line is ever logged in it or not, and for the nested spans of every
+//! record that was a tenth of the gateway's CPU.
 //!
 //! Traces: `tracing` spans are exported over OTLP (HTTP/protobuf) when an endpoint is
 //! configured, through the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
@@ -111,10 +115,13 @@ impl Telemetry {
     }
 }
 
-/// The service's identity in traces.
+/// The service's identity in traces, and the spans its log lines name.
 pub struct Service<'a> {
     pub name: &'a str,
     pub version: &'a str,
+    /// Names of the spans whose fields log lines carry: where a request's work begins. The
+    /// spans nested in them are exported as traces but left out of logs.
+    pub log_spans: &'static [&'static str],
 }
 
 static DISPATCH: OnceLock<WeakDispatch> = OnceLock::new();
@@ -127,10 +134,12 @@ pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
     let ansi = std::io::stderr().is_terminal();
     let provider = tracer_provider(&service, config);
     let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("vramgate")));
+    let log_spans = service.log_spans;
+    let logged = tracing_subscriber::filter::filter_fn(move |meta| !meta.is_span() || log_spans.contains(&meta.name()));
     let logs = if json {
-        fmt::layer().with_writer(std::io::stderr).event_format(JsonLines).boxed()
+        fmt::layer().with_writer(std::io::stderr).fmt_fields(LogFields).event_format(JsonLines).with_filter(logged).boxed()
     } else {
-        fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).boxed()
+        fmt::layer().with_writer(std::io::stderr).fmt_fields(LogFields).with_ansi(ansi).with_filter(logged).boxed()
     };
     let installed = tracing_subscriber::registry().with(filter).with(otel).with(logs).try_init();
     if installed.is_err() {
@@ -263,6 +272,53 @@ where
     }
 }
 
+/// Span (and text-format event) fields as `name=value`, leaving out the `otel.*` fields, which
+/// only steer the exporter (span name, kind, status) and repeat what the line says.
+struct LogFields;
+
+impl<'w> FormatFields<'w> for LogFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(&self, writer: Writer<'w>, fields: R) -> std::fmt::Result {
+        let mut visitor = LogFieldVisitor { writer, first: true, result: Ok(()) };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct LogFieldVisitor<'w> {
+    writer: Writer<'w>,
+    first: bool,
+    result: std::fmt::Result,
+}
+
+impl Visit for LogFieldVisitor<'_> {
+    /// Plain text (no space, quote, backslash or control byte) is written as it is: a str's
+    /// `Debug` escapes it char by char, which is most of what formatting a span costs.
+    fn record_str(&mut self, field: &Field, value: &str) {
+        let plain = !value.is_empty() && !value.bytes().any(|b| b <= b' ' || b == b'"' || b == b'\\' || b == 0x7f);
+        if !plain || field.name() == "message" {
+            return self.record_debug(field, &value);
+        }
+        if self.result.is_err() || field.name().starts_with("otel.") {
+            return;
+        }
+        let separator = if std::mem::take(&mut self.first) { "" } else { " " };
+        self.result = write!(self.writer, "{separator}{}={value}", field.name());
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let name = field.name();
+        if self.result.is_err() || name.starts_with("otel.") {
+            return;
+        }
+        let separator = if std::mem::take(&mut self.first) { "" } else { " " };
+        self.result = if name == "message" {
+            write!(self.writer, "{separator}{value:?}")
+        } else {
+            write!(self.writer, "{separator}{name}={value:?}")
+        };
+    }
+}
+
 struct JsonFields<'a>(&'a mut serde_json::Map<String, serde_json::Value>);
 
 impl Visit for JsonFields<'_> {
@@ -354,6 +410,37 @@ pub fn bounded(s: &str, max: usize) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_fields_leave_out_otel_fields_and_quote_only_what_needs_it() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let sink = written.clone();
+        let make = move || Sink(sink.clone());
+        let layer = fmt::layer().with_writer(make).with_ansi(false).without_time().fmt_fields(LogFields);
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("process", otel.name = "process t", task = "voice", offset = 42_i64, note = "two words");
+            let _entered = span.enter();
+            tracing::info!(kind = "x\"y", "dead-lettering record");
+        });
+        let text = String::from_utf8(written.lock().expect("lock").clone()).expect("utf-8");
+        assert!(text.contains("process{task=voice offset=42 note=\"two words\"}"), "{text}");
+        assert!(!text.contains("otel.name"), "{text}");
+        assert!(text.contains("dead-lettering record kind=\"x\\\"y\""), "{text}");
+    }
+
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Sink {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 
     /// The only test in this crate that touches the `OTEL_*` variables (they are process-wide).
     #[test]
