@@ -229,6 +229,10 @@ pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
     while sent < limit && until.is_none_or(|u| Instant::now() < u) {
         if let Some(rate) = args.rate {
             let at = started + Duration::from_secs_f64(sent as f64 / rate);
+            // An event due at the end of the duration or later is not sent: S s at R/s is S × R events.
+            if until.is_some_and(|u| at >= u) {
+                break;
+            }
             tokio::time::sleep_until(at.into()).await;
         }
         if pending.len() >= kafka::MAX_SENDS_IN_FLIGHT {
