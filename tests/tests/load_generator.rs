@@ -187,7 +187,7 @@ async fn a_load_with_dead_letters_and_a_gateway_crash_is_accounted_for_exactly()
 
 /// The events of a run with `--rate` reach the broker as they fall due. (They once waited,
 /// unsent, until the last one was due, and then went together: a 40 s run at 3/s delivered all
-/// 120 at 40 s.) Nothing serves the topic here, so the run ends with every event lost, and says so.
+/// 121 at 40 s.) Nothing serves the topic here, so the run ends with every event lost, and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paced_load_reaches_the_broker_while_it_runs_and_counts_what_never_came_back() {
     const COUNT: i64 = 12;
