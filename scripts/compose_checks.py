@@ -5,6 +5,9 @@
     compose_checks.py prometheus URL JOB...            every job scraped, `up` == 1
     compose_checks.py metrics ROOT URL...              dashboard metrics exist in live /metrics
     compose_checks.py jaeger URL [SERVICE]             Jaeger's API answers (and has SERVICE)
+    compose_checks.py load FILE N KIND FOLDER          `vramgate-cli load --json` output: N events,
+                                                       each a result or a KIND dead letter, 0 lost;
+                                                       its CSV and PNG in FOLDER
 
 Each prints what it checked and exits 1 with the reason on the first failure. Waits are bounded
 by deadlines; HTTP calls by timeouts. Standard library only, plus PyYAML for `static`.
@@ -175,6 +178,48 @@ def jaeger(url, service=None):
     say(f"Jaeger answers; services: {', '.join(names)}")
 
 
+# Time series columns a load run against the live stack must have filled (at least one row): a
+# name the load generator scrapes that a service does not serve would leave its column empty.
+LOAD_COLUMNS = ("worker_budget_bytes", "worker_used_bytes", "gateway_held_bytes", "consumer_lag")
+
+
+def load(path, count, kind, folder):
+    """A load run's summary: `count` events sent, every one back once (a result or a `kind`
+    dead letter), nothing lost, the group settled; its CSV in `folder` has the services'
+    series, its PNG is there."""
+    summary = json.loads(Path(path).read_text())
+    tasks = summary["tasks"]
+    sent = sum(t["sent"] for t in tasks)
+    if sent != count or summary["send_failures"]:
+        fail(f"{path}: {sent} events sent and {summary['send_failures']} send failures, expected {count} and 0")
+    for t in tasks:
+        if t["lost"] != 0 or t["results"] + t["dead_letters"] != t["sent"]:
+            fail(f"{path}: task {t['task']}: {t['sent']} sent, {t['results']} results, "
+                 f"{t['dead_letters']} dead letters, {t['lost']} lost")
+        if t["results"] == 0:
+            fail(f"{path}: task {t['task']}: no results")
+        other = set(t["dead_letters_by_kind"]) - {kind}
+        if other:
+            fail(f"{path}: task {t['task']}: dead letters of kinds {sorted(other)}, expected only {kind}")
+    if not summary["settled"]:
+        fail(f"{path}: the run did not settle (the gateway's group did not commit every request)")
+    # The files are named as the container saw them (/reports/…); here they are in `folder`.
+    folder = Path(folder)
+    csv = (folder / Path(summary["csv"]).name).read_text().splitlines()
+    header, rows = csv[0].split(","), [line.split(",") for line in csv[1:]]
+    empty = [c for c in LOAD_COLUMNS if not any(r[header.index(c)] for r in rows)]
+    if not rows or empty:
+        fail(f"{folder}: {len(rows)} samples; columns never filled: {', '.join(empty)}")
+    png = folder / Path(summary["png"] or "missing.png").name
+    if not png.is_file() or png.read_bytes()[:4] != b"\x89PNG":
+        fail(f"{png}: no PNG plot")
+    per_task = ", ".join(
+        f"{t['task']} {t['sent']} sent = {t['results']} results + {t['dead_letters']} dead letters "
+        f"(p50 {t['latency_ms']['p50']} ms)" for t in tasks)
+    say(f"{path}: {per_task}; 0 lost, {sum(t['duplicates'] for t in tasks)} duplicates, settled; "
+        f"{len(rows)} samples in {folder / Path(summary['csv']).name}, plot {png}")
+
+
 def main(argv):
     if len(argv) < 2:
         fail(__doc__)
@@ -189,6 +234,8 @@ def main(argv):
         metrics(Path(args[0]), args[1:])
     elif command == "jaeger" and len(args) in (1, 2):
         jaeger(*args)
+    elif command == "load" and len(args) == 4:
+        load(args[0], int(args[1]), *args[2:])
     else:
         fail(f"bad arguments: {' '.join(argv[1:])}\n{__doc__}")
 

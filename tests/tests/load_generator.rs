@@ -2,6 +2,8 @@
 //! gateway, with dead letters injected (inputs that do not exist) and the gateway SIGKILLed
 //! and replaced mid-run, reports lost = 0, the injected dead letters by kind, and exactly the
 //! duplicates the output topics hold; its CSV time series and PNG plot are written with content.
+//! And a run with a rate sends at that rate: its events reach the broker one by one while it
+//! runs, not all together after the last one is due.
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -180,5 +182,61 @@ async fn a_load_with_dead_letters_and_a_gateway_crash_is_accounted_for_exactly()
     assert!(dark > 5_000, "no axes or text drawn ({dark} dark pixels)");
     drop(second);
     drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The events of a run with `--rate` reach the broker as they fall due. (They once waited,
+/// unsent, until the last one was due, and then went together: a 40 s run at 3/s delivered all
+/// 121 at 40 s.) Nothing serves the topic here, so the run ends with every event lost, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_load_reaches_the_broker_while_it_runs_and_counts_what_never_came_back() {
+    const COUNT: i64 = 12;
+    // One partition: events sent together would land in one batch, all visible at once.
+    let topics = TaskTopics::create("load-paced", 1).await.expect("topics");
+    let root = scratch_dir("load-paced");
+    let mut load = Command::new(binary("vramgate-cli"));
+    load.args(["--brokers", &brokers(), "load", "--task", "voice", "--topic-base", &format!("voice={}", base(&topics))])
+        .args(["--count", &COUNT.to_string(), "--rate", "4", "--distinct", "1", "--voice-seconds", "0.1"])
+        .args(["--gateway-metrics", "", "--worker-metrics", "", "--timeout-seconds", "1", "--json"])
+        .arg("--generate-into")
+        .arg(root.join("inputs"))
+        .arg("--out")
+        .arg(root.join("report"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = load.spawn().expect("starting vramgate-cli load");
+
+    // Sending takes (COUNT - 1) / 4 s at the least; watch the topic fill meanwhile.
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let now = records_in(&[&topics.requests]);
+        if seen.last() != Some(&now) {
+            seen.push(now);
+        }
+        if now >= COUNT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(seen.last(), Some(&COUNT), "the request topic held {seen:?}");
+    assert!(
+        seen.iter().any(|&n| n > 0 && n < COUNT),
+        "the events reached the broker all at once ({seen:?}), not one by one at the rate"
+    );
+
+    let output = tokio::task::spawn_blocking(move || {
+        let status = child.wait().expect("load runs");
+        let mut stdout = String::new();
+        std::io::Read::read_to_string(&mut child.stdout.take().expect("stdout"), &mut stdout).expect("stdout read");
+        (status, stdout)
+    })
+    .await
+    .expect("join");
+    assert!(!output.0.success(), "a run whose events never came back must fail");
+    let summary: serde_json::Value = serde_json::from_str(&output.1).expect("--json prints JSON");
+    assert_eq!(summary["tasks"][0]["sent"], COUNT, "{summary}");
+    assert_eq!(summary["tasks"][0]["lost"], COUNT, "{summary}");
+    assert_eq!(summary["send_failures"], 0, "{summary}");
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -229,11 +229,15 @@ pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
     while sent < limit && until.is_none_or(|u| Instant::now() < u) {
         if let Some(rate) = args.rate {
             let at = started + Duration::from_secs_f64(sent as f64 / rate);
+            // An event due at the end of the duration or later is not sent: S s at R/s is S × R events.
+            if until.is_some_and(|u| at >= u) {
+                break;
+            }
             tokio::time::sleep_until(at.into()).await;
         }
         if pending.len() >= kafka::MAX_SENDS_IN_FLIGHT {
-            if let Some(Err(_)) = pending.next().await {
-                send_failures += 1;
+            if let Some(done) = pending.next().await {
+                send_failures += u64::from(!matches!(done, Ok(Ok(()))));
             }
         }
         let plan = &plans[(sent % plans.len() as u64) as usize];
@@ -246,13 +250,13 @@ pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
         };
         let now_ms = kafka::now_ms();
         tally.lock().unwrap_or_else(|p| p.into_inner()).sent(&plan.name, &id, now_ms);
-        pending.push(sender.send(plan.topics.requests.clone(), plan.name.clone(), id, path.clone(), now_ms, tally.clone()));
+        // Spawned, so that the event goes to the broker now: a future left in `pending` would run
+        // only when the loop next polls it, which with a rate is after the last event.
+        pending.push(tokio::spawn(sender.send(plan.topics.requests.clone(), plan.name.clone(), id, path.clone(), now_ms, tally.clone())));
         sent += 1;
     }
-    while let Some(result) = pending.next().await {
-        if result.is_err() {
-            send_failures += 1;
-        }
+    while let Some(done) = pending.next().await {
+        send_failures += u64::from(!matches!(done, Ok(Ok(()))));
     }
     let sending_took = started.elapsed();
 
