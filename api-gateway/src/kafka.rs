@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use rdkafka::config::{FromClientConfig, FromClientConfigAndContext};
@@ -171,6 +172,26 @@ impl Connection {
     ) -> anyhow::Result<T> {
         self.client_config(defaults).create_with_context(context).map_err(|e| creation_error(e, what))
     }
+}
+
+/// How long `vramgate-cli` waits for the brokers to answer before it says it cannot reach them.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Fails, saying what to check, when the brokers do not answer a metadata request within
+/// `timeout`: a wrong address, TLS setting or password would otherwise leave a client waiting
+/// for its first delivery or message (librdkafka logs its own reason, e.g. "SASL authentication
+/// error", as it goes).
+pub fn check_reachable<C: ClientContext>(
+    client: &rdkafka::client::Client<C>,
+    brokers: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    client.fetch_metadata(None, timeout).map(drop).map_err(|e| {
+        anyhow::anyhow!(
+            "no answer from the Kafka brokers at {brokers} within {timeout:?} ({e}): check the address, \
+             and the TLS and SASL settings (--kafka-config, --kafka-property); librdkafka's reason is logged above"
+        )
+    })
 }
 
 /// rdkafka's config errors carry the refused value; for a secret key that value is the secret.

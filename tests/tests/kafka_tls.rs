@@ -39,6 +39,17 @@ fn cli(args: &[&str]) -> Output {
     Command::new(vramgate_tests::binary("vramgate-cli")).args(args).output().expect("running vramgate-cli")
 }
 
+/// `vramgate-cli produce` of the WAV files in `root` to `topic` over SASL_SSL with `password`,
+/// its settings in a client properties file (so the password is not on its command line).
+fn produce_over_sasl_ssl(tls: &TlsBroker, password: &str, topic: &str, root: &Path) -> Output {
+    let properties = root.join("client.properties");
+    let lines: Vec<String> = tls.sasl_ssl_properties(password).iter().map(|(k, v)| format!("{k}={v}")).collect();
+    std::fs::write(&properties, lines.join("\n")).expect("write properties");
+    let properties = properties.display().to_string();
+    let root = root.display().to_string();
+    cli(&["--brokers", &tls.sasl_ssl, "--kafka-config", &properties, "produce", "--task", "voice", "--topic", topic, &root])
+}
+
 fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
@@ -56,28 +67,13 @@ async fn voice_events_flow_through_a_gateway_on_sasl_ssl_and_the_cli_produces_an
     let env = gateway_env(tls, &topics, &worker.url, &root, &tls.password, Some(&tls.ca));
     let mut gateway = start_gateway(&env).await.expect("gateway starts");
 
-    // Two spoken clips, sent by vramgate-cli over SASL_SSL with its settings in a properties
-    // file (so the password is not on its command line).
+    // Two spoken clips, sent by vramgate-cli over SASL_SSL.
     let speech = speak("The gateway reads its requests over TLS.").expect("espeak-ng speaks");
     for i in 0..2u64 {
         let clip = compose(Some(&speech), 0.5, 0.5, 16_000, 1, i);
         write_wav(&root.join(format!("tls-{i}.wav")), &clip.samples, 16_000, 1, SampleFormat::I16).expect("write wav");
     }
-    let properties = root.join("client.properties");
-    let lines: Vec<String> = tls.sasl_ssl_properties(&tls.password).iter().map(|(k, v)| format!("{k}={v}")).collect();
-    std::fs::write(&properties, lines.join("\n")).expect("write properties");
-    let produced = cli(&[
-        "--brokers",
-        &tls.sasl_ssl,
-        "--kafka-config",
-        &properties.display().to_string(),
-        "produce",
-        "--task",
-        "voice",
-        "--topic",
-        &topics.requests,
-        &root.display().to_string(),
-    ]);
+    let produced = produce_over_sasl_ssl(tls, &tls.password, &topics.requests, &root);
     assert!(produced.status.success(), "vramgate-cli produce over SASL_SSL failed:\n{}", text(&produced));
     let ids: Vec<String> = String::from_utf8_lossy(&produced.stdout)
         .lines()
@@ -123,6 +119,15 @@ async fn voice_events_flow_through_a_gateway_on_sasl_ssl_and_the_cli_produces_an
     assert!(status.success(), "gateway exit: {status:?}");
     let log = log_of(&gateway);
     assert!(!log.contains(&tls.password), "the SCRAM password is never logged");
+
+    // With a wrong password, vramgate-cli fails (within its connect timeout, not librdkafka's
+    // five-minute delivery timeout) and says why, without printing the password.
+    let wrong = format!("wrong-{}", unique("pw"));
+    let refused = produce_over_sasl_ssl(tls, &wrong, &topics.requests, &root);
+    let said = text(&refused);
+    assert!(!refused.status.success(), "produce with a wrong password succeeded:\n{said}");
+    assert!(said.contains("no answer from the Kafka brokers") && said.contains("Authentication failed"), "{said}");
+    assert!(!said.contains(&wrong), "the password is never printed:\n{said}");
 }
 
 /// Starts a gateway on the SASL_SSL listener that cannot connect, waits until it says why on

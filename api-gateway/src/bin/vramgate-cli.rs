@@ -14,9 +14,9 @@ use base64::Engine;
 use clap::{Parser, Subcommand};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use vramgate_gateway::jaeger::{self, Jaeger};
-use vramgate_gateway::kafka::{Connection, Properties};
+use vramgate_gateway::kafka::{check_reachable, Connection, Properties, CONNECT_TIMEOUT};
 use vramgate_shared::telemetry::{self, context};
 use rdkafka::ClientConfig;
 use vramgate_shared::events::{
@@ -181,6 +181,7 @@ async fn produce(
     let mut defaults = ClientConfig::new();
     defaults.set("enable.idempotence", "true");
     let producer: FutureProducer = kafka.create(defaults, "the kafka producer")?;
+    tokio::task::block_in_place(|| check_reachable(producer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
     for file in files {
         let id = format!("{id_prefix}{}-{}", stem(&file), &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let input = if inline {
@@ -286,6 +287,7 @@ async fn watch(
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest");
     let consumer: StreamConsumer = kafka.create(defaults, "the kafka consumer")?;
+    tokio::task::block_in_place(|| check_reachable(consumer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
     consumer.subscribe(&[results.as_str(), dlq.as_str()])?;
     let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
     let mut seen = 0usize;
