@@ -3,7 +3,8 @@
 //! configured by environment variables as a Kubernetes Secret would set them; `vramgate-cli`
 //! produces over SASL_SSL (a client properties file) and watches over mTLS (`--kafka-property`);
 //! a wrong password and an untrusted CA each leave the gateway running, not ready, saying why,
-//! and never printing the password.
+//! and never printing the password; the Kubernetes component's Secret translation gets the
+//! gateway onto SASL_SSL.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -173,4 +174,68 @@ async fn a_broker_certificate_from_an_untrusted_ca_is_reported_as_a_failed_verif
     let tls = tls_broker();
     let reason = refused("tls-untrusted-ca", &tls.password, None, "certificate verify failed").await;
     assert!(reason.contains("ssl.ca.location"), "the reason names the setting to fix: {reason}");
+}
+
+/// The init script of the Kubernetes component `kafka-sasl`, as its manifest carries it, with
+/// its paths moved: the Secret's folder, the ConfigMap's `gateway.toml`, the output folder.
+fn kafka_sasl_init_script(auth: &Path, run: &Path) -> String {
+    let manifest = std::fs::read_to_string(vramgate_tests::repo_root().join("k8s/components/kafka-sasl/gateway.yaml"))
+        .expect("reading the component");
+    let mut lines = manifest.lines().skip_while(|l| l.trim_end() != "            - |").skip(1);
+    let mut script = String::new();
+    for line in lines.by_ref() {
+        match line.strip_prefix("              ") {
+            Some(text) => script.push_str(text),
+            None if line.trim().is_empty() => {}
+            None => break,
+        }
+        script.push('\n');
+    }
+    let config = vramgate_tests::repo_root().join("k8s/base/config/gateway.toml");
+    script
+        .replace("/etc/vramgate/kafka-auth", &auth.display().to_string())
+        .replace("/etc/vramgate/gateway.toml", &config.display().to_string())
+        .replace("/run/vramgate", &run.display().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubernetes_components_secret_translation_gets_the_gateway_onto_sasl_ssl() {
+    // A Secret as docs/kubernetes.md says to create it, given to the component's own script;
+    // the gateway started on the file it writes must reach the broker over SASL_SSL.
+    let tls = tls_broker();
+    let topics = TaskTopics::create("tls-k8s", 1).await.expect("topics");
+    let root = scratch_dir("tls-k8s");
+    let (auth, run) = (root.join("auth"), root.join("run"));
+    std::fs::create_dir_all(&auth).expect("auth folder");
+    std::fs::create_dir_all(&run).expect("run folder");
+    let ca = std::fs::read(&tls.ca).expect("reading the CA");
+    let secret: [(&str, &[u8]); 5] = [
+        ("sasl", b"scram_sha512"),
+        ("username", tls.user.as_bytes()),
+        ("password", tls.password.as_bytes()),
+        ("tls", b"enable"),
+        ("ca", &ca),
+    ];
+    for (key, value) in secret {
+        std::fs::write(auth.join(key), value).expect("writing the Secret's key");
+    }
+    let script = root.join("init.sh");
+    std::fs::write(&script, kafka_sasl_init_script(&auth, &run)).expect("writing the script");
+    let ran = Command::new("sh").arg(&script).output().expect("running sh");
+    assert!(ran.status.success(), "the init script failed:\n{}", text(&ran));
+    assert!(!text(&ran).contains(&tls.password), "the init script prints nothing of the password");
+
+    let mut env = gateway_base_env(&unique("gw-k8s"), "http://127.0.0.1:9", &root);
+    env.extend(voice_task_env(&topics));
+    env.extend([
+        ("TASKS__IMAGE__ENABLED", "false".into()),
+        ("KAFKA__BROKERS", tls.sasl_ssl.clone()),
+        ("CONFIG", run.join("gateway.toml").display().to_string()),
+    ]);
+    let mut gateway = start_gateway(&env).await.expect("gateway starts");
+    let body = gateway.wait_readiness(|_, body| body["checks"]["kafka"] == "ok").await;
+    assert_eq!(body["checks"]["kafka"], "ok", "{body}");
+    let status = gateway.service.terminate(Duration::from_secs(30)).await.expect("gateway stops");
+    assert!(status.success(), "gateway exit: {status:?}");
+    assert!(!log_of(&gateway).contains(&tls.password), "the SCRAM password is never logged");
 }
