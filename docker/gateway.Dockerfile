@@ -5,13 +5,23 @@
 # context (docker-compose.yml names it), laid out as /opt/vramgate. Stage 1 checks the files on
 # the runtime base, the final stage holds them, the base's runtime libraries and nothing else,
 # and runs as an unprivileged user.
-FROM debian:bookworm-slim AS files
+
+# The runtime base: Debian's slim image plus what librdkafka's TLS needs at run time, OpenSSL
+# (libssl3, linked dynamically) and the public CAs (ca-certificates: a managed Kafka's
+# certificate is checked against them unless ssl.ca.location names another CA).
+FROM debian:bookworm-slim AS runtime
+RUN set -eux; \
+    apt-get update; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libssl3 ca-certificates; \
+    rm -rf /var/lib/apt/lists/*
+
+FROM runtime AS files
 LABEL vramgate.image=gateway
 COPY . /opt/vramgate/
-# Every shared library the binaries need must come with the base image.
+# Every shared library the binaries need must come with the runtime base.
 RUN ! ldd /opt/vramgate/bin/api-gateway /opt/vramgate/bin/vramgate-cli | grep 'not found'
 
-FROM debian:bookworm-slim
+FROM runtime
 LABEL vramgate.image=gateway
 RUN set -eux; \
     useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate; \

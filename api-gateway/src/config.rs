@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use vramgate_shared::config::Secret;
 
+use crate::kafka::{Connection, Properties};
+
 pub use crate::tasks::image::ImageOptions;
 pub use crate::tasks::voice::{SegmentConfig, WavOptions};
 
@@ -142,31 +144,6 @@ fn optional_url_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Ve
     Ok(Option::<Urls>::deserialize(d)?.map(Urls::into_list))
 }
 
-/// A map whose values may be strings, numbers or booleans, all kept as text.
-fn scalar_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Scalar {
-        Text(String),
-        Int(i64),
-        Float(f64),
-        Bool(bool),
-    }
-    let raw = BTreeMap::<String, Scalar>::deserialize(d)?;
-    Ok(raw
-        .into_iter()
-        .map(|(k, v)| {
-            let text = match v {
-                Scalar::Text(s) => s,
-                Scalar::Int(i) => i.to_string(),
-                Scalar::Float(f) => f.to_string(),
-                Scalar::Bool(b) => b.to_string(),
-            };
-            (k, text)
-        })
-        .collect())
-}
-
 fn seconds(s: f64) -> Duration {
     Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 })
 }
@@ -189,8 +166,17 @@ pub struct KafkaConfig {
     /// Extra librdkafka properties, by their librdkafka names, applied to the consumer and the
     /// producer (e.g. `"security.protocol" = "SASL_SSL"`). They override vramgate's defaults.
     /// Numbers and booleans are taken as their text (a numeric `sasl.password` is a password).
-    #[serde(deserialize_with = "scalar_map")]
-    pub properties: BTreeMap<String, String>,
+    /// In the environment a name's dots are underscores:
+    /// `VRAMGATE_GATEWAY_KAFKA__PROPERTIES__SASL_PASSWORD` sets `sasl.password`. Secret values
+    /// are never printed (see [`crate::kafka`]).
+    pub properties: Properties,
+}
+
+impl KafkaConfig {
+    /// Where the gateway's clients connect, with which properties.
+    pub fn connection(&self) -> Connection {
+        Connection { brokers: self.brokers.clone(), properties: self.properties.clone() }
+    }
 }
 
 impl Default for KafkaConfig {
@@ -202,7 +188,7 @@ impl Default for KafkaConfig {
             fetch_max_bytes: 16 * 1024 * 1024,
             partition_fetch_max_bytes: 1024 * 1024,
             session_timeout_ms: 45_000,
-            properties: BTreeMap::new(),
+            properties: Properties::default(),
         }
     }
 }
@@ -581,14 +567,49 @@ mod tests {
             jail.create_file("g.toml", "[kafka.properties]\n\"sasl.password\" = 123456789\n\"linger.ms\" = 7\n")?;
             let config: GatewayConfig = vramgate_shared::config::load(Some(std::path::Path::new("g.toml")), "VGGW_T_")
                 .expect("numbers are text");
-            assert_eq!(config.kafka.properties["sasl.password"], "123456789");
-            assert_eq!(config.kafka.properties["linger.ms"], "7");
+            assert_eq!(config.kafka.properties.get("sasl.password"), Some("123456789"));
+            assert_eq!(config.kafka.properties.get("linger.ms"), Some("7"));
+            assert!(!format!("{config:?}").contains("123456789"), "Debug hides the password");
             jail.create_file("h.toml", "[kafka.properties]\n\"sasl.password\" = [123456789]\n")?;
             let err = vramgate_shared::config::load::<GatewayConfig>(Some(std::path::Path::new("h.toml")), "VGGW_T_")
                 .expect_err("a list is no password")
                 .to_string();
             assert!(!err.contains("123456789"), "{err}");
             Ok(())
+        });
+    }
+
+    /// Loads the config with `vars` set in the environment (prefix `VGGW_`) and hands it to
+    /// `check`.
+    fn with_env(vars: &[(&str, &str)], check: impl FnOnce(GatewayConfig)) {
+        figment::Jail::expect_with(|jail| {
+            for (name, value) in vars {
+                jail.set_env(name, value);
+            }
+            check(vramgate_shared::config::load(None, "VGGW_").expect("loads"));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn librdkafka_properties_reach_their_names_from_the_environment_and_stay_hidden() {
+        // The underscore form a shell can export, a secret of digits, and the dotted form
+        // Kubernetes allows.
+        let vars = [
+            ("VGGW_KAFKA__PROPERTIES__SECURITY_PROTOCOL", "SASL_SSL"),
+            ("VGGW_KAFKA__PROPERTIES__SASL_PASSWORD", "0123e4"),
+            ("VGGW_KAFKA__PROPERTIES__ssl.key.password", "hunter2-key"),
+            ("VGGW_KAFKA__PROPERTIES__SSL_CA_LOCATION", "/etc/kafka/ca.pem"),
+        ];
+        with_env(&vars, |config| {
+            let p = &config.kafka.properties;
+            assert_eq!(p.get("security.protocol"), Some("SASL_SSL"));
+            assert_eq!(p.get("sasl.password"), Some("0123e4"), "a secret is taken verbatim");
+            assert_eq!(p.get("ssl.key.password"), Some("hunter2-key"));
+            assert_eq!(p.get("ssl.ca.location"), Some("/etc/kafka/ca.pem"));
+            let shown = format!("{config:?}");
+            assert!(!shown.contains("0123e4") && !shown.contains("hunter2"), "{shown}");
+            assert!(shown.contains("/etc/kafka/ca.pem"));
         });
     }
 
@@ -637,17 +658,17 @@ mod tests {
 
     #[test]
     fn env_overrides_reach_nested_task_keys() {
-        figment::Jail::expect_with(|jail| {
-            jail.set_env("VGGW_TASKS__VOICE__GPU_PERMITS__MAX", "7");
-            jail.set_env("VGGW_TASKS__IMAGE__ENABLED", "false");
-            jail.set_env("VGGW_TASKS__IMAGE__IMAGE__RESIZE", "stretch");
-            let config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+        let vars = [
+            ("VGGW_TASKS__VOICE__GPU_PERMITS__MAX", "7"),
+            ("VGGW_TASKS__IMAGE__ENABLED", "false"),
+            ("VGGW_TASKS__IMAGE__IMAGE__RESIZE", "stretch"),
+        ];
+        with_env(&vars, |config| {
             assert_eq!(config.tasks["voice"].gpu_permits.max, 7);
             assert_eq!(config.tasks["voice"].gpu_permits.min, 1, "siblings keep their defaults");
             assert!(!config.tasks["image"].enabled);
             assert_eq!(config.tasks["image"].model, "mtcnn_pnet");
             assert_eq!(config.tasks["image"].image.resize, crate::tasks::image::ResizeMode::Stretch);
-            Ok(())
         });
     }
 }

@@ -12,6 +12,7 @@ pub mod failure;
 pub mod health;
 pub mod input;
 pub mod jaeger;
+pub mod kafka;
 pub mod load;
 pub mod metrics;
 pub mod pipeline;

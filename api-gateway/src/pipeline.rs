@@ -49,19 +49,24 @@ pub async fn run(
     let offsets = Arc::new(SharedOffsets::default());
     let commits = Arc::new(Commits::new(offsets.clone(), metrics.clone()));
     let flow = Arc::new(Mutex::new(Flow::default()));
-    let consumer: BaseConsumer<RebalanceContext> = client_config(&config, true)
-        .create_with_context(RebalanceContext {
+    let connection = config.kafka.connection();
+    let consumer: BaseConsumer<RebalanceContext> = connection.create_with_context(
+        client_defaults(&config, true),
+        RebalanceContext {
             events: KafkaEvents::new(health.clone(), metrics.clone()),
             commits: commits.clone(),
             flow: flow.clone(),
             metrics: metrics.clone(),
             drain_timeout: config.drain_timeout(),
             closing: AtomicBool::new(false),
-        })
-        .context("creating the kafka consumer")?;
-    let producer: FutureProducer<KafkaEvents> = client_config(&config, false)
-        .create_with_context(KafkaEvents::new(health.clone(), metrics.clone()))
-        .context("creating the kafka producer")?;
+        },
+        "the kafka consumer",
+    )?;
+    let producer: FutureProducer<KafkaEvents> = connection.create_with_context(
+        client_defaults(&config, false),
+        KafkaEvents::new(health.clone(), metrics.clone()),
+        "the kafka producer",
+    )?;
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
         .with_context(|| format!("input root {}", config.input.file_root.display()))?;
     let shared = Arc::new(Shared {
@@ -159,10 +164,11 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     }
 }
 
-fn client_config(config: &GatewayConfig, consumer: bool) -> ClientConfig {
+/// The gateway's own defaults for its consumer or its producer; [`crate::kafka::Connection`]
+/// adds the brokers and `[kafka.properties]` over them.
+fn client_defaults(config: &GatewayConfig, consumer: bool) -> ClientConfig {
     let kafka = &config.kafka;
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &kafka.brokers);
     if consumer {
         c.set("group.id", &kafka.group_id)
             // Offsets are committed by the fetch loop, only up to the finished watermark.
@@ -191,9 +197,6 @@ fn client_config(config: &GatewayConfig, consumer: bool) -> ClientConfig {
         c.set("acks", "all")
             .set("linger.ms", "5")
             .set("max.in.flight.requests.per.connection", "5");
-    }
-    for (k, v) in &kafka.properties {
-        c.set(k, v);
     }
     c
 }

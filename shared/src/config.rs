@@ -95,9 +95,11 @@ impl std::fmt::Display for Secret {
     }
 }
 
-/// Whether a config key names a secret whose value must never be printed.
+/// Whether a config key names a secret whose value must never be printed. Underscores read as
+/// dots, so a librdkafka key in its environment form (`SSL_KEY_PEM` for `ssl.key.pem`) is
+/// recognised as well.
 pub fn is_secret_key(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
+    let key = key.to_ascii_lowercase().replace('_', ".");
     ["password", "secret", "token", "sasl.oauthbearer.config", "ssl.key", "private"].iter().any(|s| key.contains(s))
 }
 
@@ -202,6 +204,7 @@ mod tests {
             Ok(())
         });
         assert!(is_secret_key("sasl.password") && is_secret_key("AUTH_TOKEN") && is_secret_key("ssl.key.password"));
+        assert!(is_secret_key("KAFKA__PROPERTIES__SSL_KEY_PEM") && is_secret_key("kafka__properties__sasl_password"));
         assert!(!is_secret_key("brokers"));
         let secret = Secret::new("hunter2");
         assert!(!format!("{secret:?} {secret}").contains("hunter2"));

@@ -13,6 +13,7 @@ pub mod images;
 pub mod jaeger;
 pub mod metrics;
 pub mod oip_client;
+pub mod tls;
 pub mod wav;
 
 use std::collections::HashMap;
@@ -649,6 +650,28 @@ impl Gateway {
 
     pub fn log_tail(&self) -> String {
         self.service.log_tail()
+    }
+
+    /// `GET /readyz`: its status and JSON body.
+    pub async fn readiness(&self) -> (u16, serde_json::Value) {
+        let url = self.metrics_url.replace("/metrics", "/readyz");
+        let response = self.http.get(&url).send().await.expect("readyz answers");
+        let status = response.status().as_u16();
+        (status, response.json().await.expect("readyz is json"))
+    }
+
+    /// Polls `/readyz` until `want(status, body)` holds; panics with the last answer after a
+    /// minute.
+    pub async fn wait_readiness(&self, want: impl Fn(u16, &serde_json::Value) -> bool) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (status, body) = self.readiness().await;
+            if want(status, &body) {
+                return body;
+            }
+            assert!(Instant::now() < deadline, "readiness stayed {status} {body}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 }
 

@@ -197,27 +197,6 @@ async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
     assert!(gateway.service.log.exists());
 }
 
-/// `GET /readyz` of a gateway: its status and JSON body.
-async fn readiness(gateway: &Gateway) -> (u16, serde_json::Value) {
-    let url = gateway.metrics_url.replace("/metrics", "/readyz");
-    let response = reqwest::get(&url).await.expect("readyz answers");
-    let status = response.status().as_u16();
-    (status, response.json().await.expect("readyz is json"))
-}
-
-/// Polls `/readyz` until `want(status, body)` holds; panics with the last answer after a minute.
-async fn wait_readiness(gateway: &Gateway, want: impl Fn(u16, &serde_json::Value) -> bool) -> serde_json::Value {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let (status, body) = readiness(gateway).await;
-        if want(status, &body) {
-            return body;
-        }
-        assert!(std::time::Instant::now() < deadline, "readiness stayed {status} {body}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_tells_a_missing_topic_and_a_worker_that_is_gone() {
     // The dead-letter topic is missing: the gateway runs, but is not ready, and says why.
@@ -229,16 +208,16 @@ async fn readiness_tells_a_missing_topic_and_a_worker_that_is_gone() {
     };
     vramgate_tests::create_topics(&[&topics.requests, &topics.results], 1).await.expect("topics");
     let Setup { _worker: mut worker, gateway, .. } = setup(&topics, "ready").await;
-    let body = wait_readiness(&gateway, |status, body| status == 503 && body["checks"]["kafka"] != "not checked yet").await;
+    let body = gateway.wait_readiness(|status, body| status == 503 && body["checks"]["kafka"] != "not checked yet").await;
     let kafka = body["checks"]["kafka"].as_str().unwrap_or_default();
     assert!(kafka.contains("topics missing") && kafka.contains(&topics.dlq), "{body}");
 
     vramgate_tests::create_topics(&[&topics.dlq], 1).await.expect("dlq topic");
-    let body = wait_readiness(&gateway, |status, _| status == 200).await;
+    let body = gateway.wait_readiness(|status, _| status == 200).await;
     assert_eq!(body["ready"], true, "{body}");
 
     worker.service.kill().expect("kill worker");
-    let body = wait_readiness(&gateway, |status, _| status == 503).await;
+    let body = gateway.wait_readiness(|status, _| status == 503).await;
     let worker = body["checks"].as_object().and_then(|c| c.iter().find(|(k, _)| k.starts_with("worker ")));
     assert!(worker.is_some_and(|(_, v)| v != "ok"), "{body}");
     // Liveness is not readiness: the process is fine.
@@ -304,7 +283,7 @@ async fn wrong_credentials_make_the_gateway_not_ready_with_a_clear_reason_and_no
     env.push(("TASKS__IMAGE__ENABLED", "false".into()));
     env.push(("CONFIG", config.display().to_string()));
     let gateway = start_gateway(&env).await.expect("gateway starts");
-    let body = wait_readiness(&gateway, |status, body| {
+    let body = gateway.wait_readiness(|status, body| {
         status == 503 && body["checks"]["kafka"].as_str().is_some_and(|k| k.contains("authentication"))
     })
     .await;

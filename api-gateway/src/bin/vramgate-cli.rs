@@ -14,8 +14,9 @@ use base64::Engine;
 use clap::{Parser, Subcommand};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use vramgate_gateway::jaeger::{self, Jaeger};
+use vramgate_gateway::kafka::{check_reachable, Connection, Properties, CONNECT_TIMEOUT};
 use vramgate_shared::telemetry::{self, context};
 use rdkafka::ClientConfig;
 use vramgate_shared::events::{
@@ -28,6 +29,15 @@ struct Cli {
     /// Kafka bootstrap servers.
     #[arg(long, env = "VRAMGATE_BROKERS", default_value = "127.0.0.1:9092", global = true)]
     brokers: String,
+    /// A Kafka client properties file (`key=value` lines, as Kafka's tools take with
+    /// `--command-config`): TLS and SASL settings, e.g. `security.protocol=SASL_SSL`. Keeps
+    /// passwords off the command line.
+    #[arg(long, env = "VRAMGATE_KAFKA_CONFIG", value_name = "FILE", global = true)]
+    kafka_config: Option<PathBuf>,
+    /// One librdkafka property, `key=value` (repeatable; over the file's), e.g.
+    /// `--kafka-property ssl.ca.location=/etc/kafka/ca.pem`.
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE", global = true)]
+    kafka_properties: Vec<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -94,20 +104,35 @@ enum Command {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let kafka = cli.connection()?;
     match cli.command {
         Command::Produce { task, topic, inline, ext, id_prefix, headers, paths } => {
             let topic = topic.unwrap_or_else(|| format!("{task}.requests"));
             let service = telemetry::Service { name: "vramgate-cli", version: env!("CARGO_PKG_VERSION"), log_spans: &["send"] };
             let tracing = telemetry::init(service, &telemetry::TelemetryConfig::default());
-            let sent = produce(&cli.brokers, &topic, &task, inline, &ext, &id_prefix, &headers, &paths).await;
+            let sent = produce(&kafka, &topic, &task, inline, &ext, &id_prefix, &headers, &paths).await;
             tracing.shutdown();
             sent
         }
         Command::Trace { id, jaeger, wait_seconds } => trace(&jaeger, &id, wait_seconds).await,
         Command::Watch { task, expect_ids, count, timeout_seconds, json } => {
-            watch(&cli.brokers, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
+            watch(&kafka, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
         }
-        Command::Load(args) => vramgate_gateway::load::run(&cli.brokers, args).await,
+        Command::Load(args) => vramgate_gateway::load::run(&kafka, args).await,
+    }
+}
+
+impl Cli {
+    /// The brokers and the properties of `--kafka-config`, then of `--kafka-property`.
+    fn connection(&self) -> anyhow::Result<Connection> {
+        let mut properties = Properties::default();
+        if let Some(path) = &self.kafka_config {
+            properties.read_file(path)?;
+        }
+        for pair in &self.kafka_properties {
+            properties.insert_pair(pair)?;
+        }
+        Ok(Connection { brokers: self.brokers.clone(), properties })
     }
 }
 
@@ -134,7 +159,7 @@ fn collect_files(paths: &[PathBuf], ext: &str, out: &mut Vec<PathBuf>) -> anyhow
 }
 
 async fn produce(
-    brokers: &str,
+    kafka: &Connection,
     topic: &str,
     task: &str,
     inline: bool,
@@ -153,11 +178,10 @@ async fn produce(
     if files.is_empty() {
         bail!("no .{ext} files found in {paths:?}");
     }
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .create()
-        .context("creating the kafka producer")?;
+    let mut defaults = ClientConfig::new();
+    defaults.set("enable.idempotence", "true");
+    let producer: FutureProducer = kafka.create(defaults, "the kafka producer")?;
+    tokio::task::block_in_place(|| check_reachable(producer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
     for file in files {
         let id = format!("{id_prefix}{}-{}", stem(&file), &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let input = if inline {
@@ -236,7 +260,7 @@ fn stem(path: &Path) -> String {
 }
 
 async fn watch(
-    brokers: &str,
+    kafka: &Connection,
     task: &str,
     expect_ids: Option<&Path>,
     count: Option<usize>,
@@ -257,13 +281,13 @@ async fn watch(
     };
     let results = format!("{task}.results");
     let dlq = format!("{task}.dlq");
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    let mut defaults = ClientConfig::new();
+    defaults
         .set("group.id", format!("vramgate-cli-{}", uuid::Uuid::new_v4()))
         .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .context("creating the kafka consumer")?;
+        .set("auto.offset.reset", "earliest");
+    let consumer: StreamConsumer = kafka.create(defaults, "the kafka consumer")?;
+    tokio::task::block_in_place(|| check_reachable(consumer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
     consumer.subscribe(&[results.as_str(), dlq.as_str()])?;
     let deadline = Instant::now() + Duration::from_secs_f64(timeout_seconds);
     let mut seen = 0usize;

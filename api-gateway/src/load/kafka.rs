@@ -15,6 +15,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use vramgate_shared::events::{InputRef, RequestEvent, SCHEMA_VERSION};
 
 use super::tally::{Output, Tally};
+use crate::kafka::Connection;
 
 /// Most sends awaiting the broker's acknowledgement at once.
 pub const MAX_SENDS_IN_FLIGHT: usize = 1024;
@@ -44,13 +45,10 @@ impl TaskTopics {
 
 type Partition = (String, i32);
 
-fn consumer<C: rdkafka::config::FromClientConfig>(brokers: &str, group: &str) -> anyhow::Result<C> {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .context("creating a kafka consumer")
+fn consumer<C: rdkafka::config::FromClientConfig>(kafka: &Connection, group: &str) -> anyhow::Result<C> {
+    let mut defaults = ClientConfig::new();
+    defaults.set("group.id", group).set("enable.auto.commit", "false");
+    kafka.create(defaults, "a kafka consumer")
 }
 
 /// The partitions of `topics`, failing with the name of one that does not exist.
@@ -83,8 +81,8 @@ fn output_topics(topics: &[(String, TaskTopics)]) -> Vec<String> {
 }
 
 /// Where every output partition of `topics` ends now.
-pub async fn output_ends(brokers: &str, topics: &[(String, TaskTopics)]) -> anyhow::Result<HashMap<Partition, i64>> {
-    let consumer: BaseConsumer = consumer(brokers, "vramgate-load-watermarks")?;
+pub async fn output_ends(kafka: &Connection, topics: &[(String, TaskTopics)]) -> anyhow::Result<HashMap<Partition, i64>> {
+    let consumer: BaseConsumer = consumer(kafka, "vramgate-load-watermarks")?;
     let names = output_topics(topics);
     tokio::task::spawn_blocking(move || ends(&consumer, &partitions(&consumer, &names)?)).await?
 }
@@ -95,13 +93,10 @@ pub struct Sender {
 }
 
 impl Sender {
-    pub fn new(brokers: &str) -> anyhow::Result<Self> {
-        let producer = ClientConfig::new()
-            .set("bootstrap.servers", brokers)
-            .set("enable.idempotence", "true")
-            .set("linger.ms", "5")
-            .create()
-            .context("creating the kafka producer")?;
+    pub fn new(kafka: &Connection) -> anyhow::Result<Self> {
+        let mut defaults = ClientConfig::new();
+        defaults.set("enable.idempotence", "true").set("linger.ms", "5");
+        let producer = kafka.create(defaults, "the kafka producer")?;
         Ok(Sender { producer })
     }
 
@@ -146,16 +141,16 @@ pub struct Follower {
 
 impl Follower {
     /// Checks that every topic exists and starts reading the output topics at their ends.
-    pub async fn start(brokers: &str, topics: &[(String, TaskTopics)], tally: Arc<Mutex<Tally>>) -> anyhow::Result<Self> {
+    pub async fn start(kafka: &Connection, topics: &[(String, TaskTopics)], tally: Arc<Mutex<Tally>>) -> anyhow::Result<Self> {
         let names = output_topics(topics);
         let requests: Vec<String> = topics.iter().map(|(_, t)| t.requests.clone()).collect();
-        let probe: BaseConsumer = consumer(brokers, "vramgate-load-watermarks")?;
+        let probe: BaseConsumer = consumer(kafka, "vramgate-load-watermarks")?;
         let started_at = tokio::task::spawn_blocking(move || {
             partitions(&probe, &requests)?;
             ends(&probe, &partitions(&probe, &names)?)
         })
         .await??;
-        let stream: StreamConsumer = consumer(brokers, &format!("vramgate-load-{}", uuid::Uuid::new_v4().simple()))?;
+        let stream: StreamConsumer = consumer(kafka, &format!("vramgate-load-{}", uuid::Uuid::new_v4().simple()))?;
         let mut assignment = TopicPartitionList::new();
         for ((topic, p), end) in &started_at {
             assignment.add_partition_offset(topic, *p, Offset::Offset(*end))?;
@@ -225,8 +220,8 @@ pub struct Lag {
 }
 
 impl Lag {
-    pub fn new(brokers: &str, group: &str, topics: Vec<String>) -> anyhow::Result<Self> {
-        Ok(Lag { consumer: Arc::new(consumer(brokers, group)?), topics })
+    pub fn new(kafka: &Connection, group: &str, topics: Vec<String>) -> anyhow::Result<Self> {
+        Ok(Lag { consumer: Arc::new(consumer(kafka, group)?), topics })
     }
 
     /// Records of the request topics past the group's committed offsets (a partition never

@@ -194,8 +194,8 @@ fn plan_tasks(args: &LoadArgs, run: &str) -> anyhow::Result<Vec<TaskPlan>> {
     Ok(plans)
 }
 
-/// Runs a load against the brokers at `brokers`; the summary goes to stdout, progress to stderr.
-pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
+/// Runs a load against the brokers `connection` names; the summary goes to stdout, progress to stderr.
+pub async fn run(connection: &crate::kafka::Connection, args: LoadArgs) -> anyhow::Result<()> {
     check_args(&args)?;
     let run = run_id(&args)?;
     let plans = plan_tasks(&args, &run)?;
@@ -204,14 +204,14 @@ pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
 
     let tally = Arc::new(Mutex::new(Tally::new(&names)));
     let topics: Vec<(String, TaskTopics)> = plans.iter().map(|p| (p.name.clone(), p.topics.clone())).collect();
-    let follower = Follower::start(brokers, &topics, tally.clone()).await?;
-    let sender = Sender::new(brokers)?;
+    let follower = Follower::start(connection, &topics, tally.clone()).await?;
+    let sender = Sender::new(connection)?;
 
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let url = |u: &str| (!u.is_empty()).then(|| u.to_string());
     let sampler = Sampler::new(url(&args.gateway_metrics), url(&args.worker_metrics), &names);
-    let lag = Arc::new(kafka::Lag::new(brokers, &args.group, topics.iter().map(|(_, t)| t.requests.clone()).collect())?);
+    let lag = Arc::new(kafka::Lag::new(connection, &args.group, topics.iter().map(|(_, t)| t.requests.clone()).collect())?);
     let sampling = tokio::spawn(sample_loop(sampler, lag.clone(), tally.clone(), stop.clone(), started, args.sample_ms));
     let expected = match (args.count, args.duration_seconds, args.rate) {
         (Some(count), _, _) => Some(count),
@@ -268,7 +268,7 @@ pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
     // Outputs a crashed gateway's successor writes again can come after every id was seen once:
     // wait until the group committed every request (so every output it will write is written),
     // then read the output topics to their ends.
-    let settled = all_back && settle(&lag, &follower, &topics, brokers).await?;
+    let settled = all_back && settle(&lag, &follower, &topics, connection).await?;
     stop.store(true, Ordering::Relaxed);
     let sampler = sampling.await.context("the sampling task failed")?;
     let _ = progress.await;
@@ -305,7 +305,7 @@ pub async fn run(brokers: &str, args: LoadArgs) -> anyhow::Result<()> {
 /// Waits (≤ [`SETTLE_TIMEOUT`]) until the gateway's group has committed every request, then
 /// until the follower has read the output topics to where they end now. False if either did
 /// not happen in time (a group that is not the gateway's never commits).
-async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTopics)], brokers: &str) -> anyhow::Result<bool> {
+async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTopics)], connection: &crate::kafka::Connection) -> anyhow::Result<bool> {
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     loop {
         if lag.blocking_total().await == Some(0) {
@@ -316,7 +316,7 @@ async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTo
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let ends = kafka::output_ends(brokers, topics).await?;
+    let ends = kafka::output_ends(connection, topics).await?;
     while !follower.reached(&ends) {
         if Instant::now() > deadline {
             return Ok(false);
