@@ -355,8 +355,11 @@ impl Engine {
             deadline,
             reply: tx,
         };
-        let sent = served.jobs.send(job);
+        // Marked queued before it is: otherwise the batch thread, woken by the send, can see
+        // its own job as still on its way and wait its window for it (a lone client's request
+        // then paid the window after all).
         arrival.queued();
+        let sent = served.jobs.send(job);
         if sent.is_err() {
             return Err(InferError::Model(ModelError::Runtime {
                 name: served.model.name().into(),

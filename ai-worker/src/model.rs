@@ -11,6 +11,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use bytes::Bytes;
 use tch::{CModule, Device, IValue, Kind, Tensor};
 
 use crate::config::{DeviceChoice, ModelConfig, ModelKind};
@@ -76,18 +77,59 @@ pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice,
     }
 }
 
-/// An input tensor as the HTTP layer hands it over: f32 data, row-major, with its shape.
+/// An input tensor as the HTTP layer hands it over: f32 values, row-major, with its shape.
+/// The values stay little-endian bytes (OIP's binary encoding) until the batch tensor is
+/// built, so a binary request's body is copied once, into that tensor: `data` is usually a
+/// slice of the body itself.
 #[derive(Debug, Clone)]
 pub struct InputTensor {
     pub shape: Vec<usize>,
-    pub data: Vec<f32>,
+    /// Little-endian f32 values at any alignment; a whole number of them.
+    data: Bytes,
 }
 
 impl InputTensor {
+    /// Takes `data` as little-endian f32 values; refuses a length that is not a whole number of
+    /// them. Whether they fill `shape` is [`Model::validate`]'s check.
+    pub fn from_le_bytes(shape: Vec<usize>, data: Bytes) -> Result<InputTensor, ModelError> {
+        if data.len() % F32_BYTES != 0 {
+            return Err(ModelError::BadInput(format!(
+                "FP32 data must be a whole number of {F32_BYTES}-byte values, got {} bytes",
+                data.len()
+            )));
+        }
+        Ok(InputTensor { shape, data })
+    }
+
+    /// Takes values already decoded (JSON inputs, probes).
+    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> InputTensor {
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        InputTensor { shape, data: Bytes::from(data) }
+    }
+
     pub fn elements(&self) -> u64 {
-        self.data.len() as u64
+        (self.data.len() / F32_BYTES) as u64
+    }
+
+    /// The values' little-endian bytes.
+    pub fn le_bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// A host tensor of these values in `shape`: one copy of the bytes (on a big-endian host,
+    /// a decode and a copy).
+    fn to_tensor(&self, shape: &[i64]) -> Result<Tensor, tch::TchError> {
+        if cfg!(target_endian = "little") {
+            Tensor::f_from_data_size(&self.data, shape, Kind::Float)
+        } else {
+            let values: Vec<f32> =
+                self.data.chunks_exact(F32_BYTES).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            Tensor::f_from_slice(&values)?.f_reshape(shape)
+        }
     }
 }
+
+const F32_BYTES: usize = std::mem::size_of::<f32>();
 
 /// A tensor a model takes or gives, as OIP metadata shows it (`-1`: a variable dimension).
 #[derive(Debug, Clone, Copy)]
@@ -193,7 +235,7 @@ impl Model {
         for size in sizes {
             for batch in [1, 2] {
                 let probe = self.probe_input(batch, size);
-                if probe.data.len() <= self.config.max_input_elements {
+                if probe.elements() <= self.config.max_input_elements as u64 {
                     probes.push(probe);
                 }
             }
@@ -228,13 +270,13 @@ impl Model {
     pub fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
         match self.config.kind {
             ModelKind::VoiceActivity => {
-                let data = (0..batch * size).map(|i| 0.01 * ((i % size) as f32 * 0.05).sin()).collect();
-                InputTensor { shape: vec![batch, size], data }
+                let data: Vec<f32> = (0..batch * size).map(|i| 0.01 * ((i % size) as f32 * 0.05).sin()).collect();
+                InputTensor::from_f32(vec![batch, size], &data)
             }
             ModelKind::FaceDetection => {
                 let plane = size * size;
-                let data = (0..batch * 3 * plane).map(|i| ((i % plane) as f32 / plane as f32) - 0.5).collect();
-                InputTensor { shape: vec![batch, 3, size, size], data }
+                let data: Vec<f32> = (0..batch * 3 * plane).map(|i| ((i % plane) as f32 / plane as f32) - 0.5).collect();
+                InputTensor::from_f32(vec![batch, 3, size, size], &data)
             }
         }
     }
@@ -252,11 +294,11 @@ impl Model {
     /// Checks an input's shape against what the model takes, before any libtorch call.
     pub fn validate(&self, input: &InputTensor) -> Result<(), ModelError> {
         let elements: usize = input.shape.iter().product();
-        if elements != input.data.len() {
+        if elements as u64 != input.elements() {
             return Err(ModelError::BadInput(format!(
                 "shape {:?} holds {elements} elements but {} were sent",
                 input.shape,
-                input.data.len()
+                input.elements()
             )));
         }
         match self.config.kind {
@@ -432,11 +474,12 @@ impl Model {
     }
 }
 
-/// Copies the inputs into one zero-padded host tensor of `shape` (one copy per input).
+/// Copies the inputs into one host tensor of `shape`: a lone unpadded input is one copy of
+/// its bytes; otherwise a zero-padded tensor and one copy per input into it.
 fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize]) -> Result<Tensor, tch::TchError> {
     let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
     if inputs.len() == 1 && inputs[0].shape == shape {
-        return Tensor::f_from_slice(&inputs[0].data)?.f_reshape(&dims);
+        return inputs[0].to_tensor(&dims);
     }
     let batch = Tensor::f_zeros(&dims, (Kind::Float, Device::Cpu))?;
     let mut row = 0i64;
@@ -446,7 +489,7 @@ fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize]) -> Result<Tensor, t
         for (dim, &n) in own.iter().enumerate().skip(1) {
             view = view.f_narrow(dim as i64, 0, n)?;
         }
-        view.f_copy_(&Tensor::f_from_slice(&input.data)?.f_reshape(&own)?)?;
+        view.f_copy_(&input.to_tensor(&own)?)?;
         row += own[0];
     }
     Ok(batch)
@@ -506,9 +549,34 @@ mod tests {
 
     #[test]
     fn padded_shape_takes_rows_and_the_largest_other_dims() {
-        let a = InputTensor { shape: vec![1, 3, 20, 30], data: vec![0.0; 1800] };
-        let b = InputTensor { shape: vec![2, 3, 25, 12], data: vec![0.0; 1800] };
+        let a = InputTensor::from_f32(vec![1, 3, 20, 30], &[0.0; 1800]);
+        let b = InputTensor::from_f32(vec![2, 3, 25, 12], &[0.0; 1800]);
         assert_eq!(Model::padded_shape(&[&a, &b]), vec![3, 3, 25, 30]);
+    }
+
+    #[test]
+    fn input_bytes_become_a_tensor_at_any_alignment_and_only_whole_values_are_taken() {
+        let values = [1.0f32, -2.5, 3.25, 0.0, 7.5, -0.125];
+        let mut bytes = vec![0u8; 3];
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        let bytes = Bytes::from(bytes);
+        for skip in 0..3 {
+            // Only the slice that starts 3 bytes in holds the values; the others test alignment
+            // of whatever is there (it must be copied bit for bit).
+            let slice = bytes.slice(skip..skip + 24);
+            let input = InputTensor::from_le_bytes(vec![1, 2, 3], slice.clone()).expect("whole values");
+            assert_eq!(input.elements(), 6);
+            let tensor = input.to_tensor(&[1, 2, 3]).expect("a tensor");
+            assert_eq!(tensor.size(), vec![1, 2, 3]);
+            let back = Vec::<f32>::try_from(&tensor.reshape([-1])).expect("f32 values");
+            let want: Vec<f32> = slice.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            assert_eq!(back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+        let aligned = InputTensor::from_le_bytes(vec![6], bytes.slice(3..)).expect("whole values");
+        assert_eq!(Vec::<f32>::try_from(&aligned.to_tensor(&[6]).expect("a tensor")).expect("f32"), values);
+        let err = InputTensor::from_le_bytes(vec![6], bytes.slice(3..26)).expect_err("23 bytes");
+        assert!(err.to_string().contains("whole number of 4-byte values, got 23 bytes"), "{err}");
+        assert_eq!(InputTensor::from_f32(vec![6], &values).le_bytes(), &bytes[3..]);
     }
 
     #[test]

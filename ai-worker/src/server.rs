@@ -24,7 +24,8 @@ use axum::{Json, Router};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tracing::Instrument;
-use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
+use bytes::Bytes;
+use vramgate_shared::oip::{self, DataType, RawData, Tensor, TensorData};
 use vramgate_shared::telemetry::context::Carried;
 use vramgate_shared::telemetry::{bounded, LOG_FIELD_MAX_BYTES};
 
@@ -526,13 +527,14 @@ async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request
     // Everything that can be checked without the body has been: now read it, charged to
     // `max_body_bytes_in_flight`, within `max_request_bytes` and `body_read_timeout_ms`.
     let (body, charge) = limits::read_body(&state.body_limits, &headers, body).await?;
-    let (request, tensors) = oip::decode_request(&body, header_len)
+    let (request, tensors) = oip::decode_request_in_place(&body, header_len, &oip::DecodeLimits::default())
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
-    // The body's bytes are now in `tensors`; free them before the request waits for memory,
-    // and with them the body's charge.
+    // A binary input stays in the body's bytes until the batch copies it into its tensor: the
+    // body is this request's only copy of its input (a JSON input is decoded and the body
+    // freed). Its charge ends here, as it did when the body was decoded into a second copy.
+    let input = take_input(&model, tensors, &body)?;
     drop(body);
     drop(charge);
-    let input = take_input(&model, tensors)?;
     model.validate(&input)?;
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
     let outputs = engine.infer(&served, input, timeout, &mut arrival).await?;
@@ -589,8 +591,9 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     response
 }
 
-/// Finds the model's input among the request's tensors and checks its datatype.
-fn take_input(model: &Model, tensors: Vec<Tensor>) -> Result<InputTensor, ApiError> {
+/// Finds the model's input among the request's tensors, checks its datatype and values, and
+/// takes binary data as a slice of `body` (no copy).
+fn take_input(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Result<InputTensor, ApiError> {
     let wanted = model.input_spec().name;
     let count = tensors.len();
     let tensor = if count == 1 {
@@ -604,41 +607,41 @@ fn take_input(model: &Model, tensors: Vec<Tensor>) -> Result<InputTensor, ApiErr
             format!("model '{}' takes one input named '{wanted}', request had {count}", model.name()),
         ));
     };
-    match tensor.data {
-        TensorData::Fp32(data) => match first_non_finite(&data) {
-            None => Ok(InputTensor { shape: tensor.shape, data }),
-            Some(at) => Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "input '{}' holds a non-finite value ({}) at element {at}: NaN and ±infinity are refused",
-                    tensor.name, data[at]
-                ),
-            )),
-        },
-        other => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "input '{}' must be FP32, got {}",
-                tensor.name,
-                other.datatype().as_str()
-            ),
-        )),
+    let bad = |message: String| ApiError::new(StatusCode::BAD_REQUEST, message);
+    if tensor.datatype != DataType::Fp32 {
+        return Err(bad(format!("input '{}' must be FP32, got {}", tensor.name, tensor.datatype.as_str())));
+    }
+    let input = match tensor.data {
+        RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, body.slice(range))?,
+        RawData::Json(TensorData::Fp32(values)) => InputTensor::from_f32(tensor.shape, &values),
+        RawData::Json(other) => {
+            return Err(bad(format!("input '{}' must be FP32, got {}", tensor.name, other.datatype().as_str())))
+        }
+    };
+    match first_non_finite(input.le_bytes()) {
+        None => Ok(input),
+        Some((at, value)) => Err(bad(format!(
+            "input '{}' holds a non-finite value ({value}) at element {at}: NaN and ±infinity are refused",
+            tensor.name
+        ))),
     }
 }
 
-/// The index of the first NaN or ±infinity in `data`, if any. On the path of every request,
-/// so it scans blocks branch-free (the largest absolute bit pattern of a block; vectorised)
-/// and looks for the element only in a block that has one.
-fn first_non_finite(data: &[f32]) -> Option<usize> {
+/// The index and value of the first NaN or ±infinity among `le` (little-endian f32 values at
+/// any alignment), if any. On the path of every request, so it scans blocks branch-free (the
+/// largest absolute bit pattern of a block; vectorised) and looks for the element only in a
+/// block that has one.
+fn first_non_finite(le: &[u8]) -> Option<(usize, f32)> {
     const BLOCK: usize = 4096;
     // Exponent all ones: infinity (mantissa 0) or NaN; every larger pattern is a NaN too.
     const NON_FINITE: u32 = 0x7f80_0000;
-    data.chunks(BLOCK).enumerate().find_map(|(b, block)| {
-        let largest = block.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7fff_ffff));
+    let bits = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    le.chunks(BLOCK * 4).enumerate().find_map(|(b, block)| {
+        let largest = block.chunks_exact(4).fold(0u32, |m, x| m.max(bits(x) & 0x7fff_ffff));
         if largest < NON_FINITE {
             return None;
         }
-        block.iter().position(|x| !x.is_finite()).map(|i| b * BLOCK + i)
+        block.chunks_exact(4).map(|x| f32::from_bits(bits(x))).enumerate().find(|(_, x)| !x.is_finite()).map(|(i, x)| (b * BLOCK + i, x))
     })
 }
 
@@ -646,16 +649,26 @@ fn first_non_finite(data: &[f32]) -> Option<usize> {
 mod tests {
     use super::*;
 
+    fn le(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
     #[test]
     fn non_finite_values_are_found_wherever_they_are() {
         let mut data = vec![0.5f32; 10_000];
-        assert_eq!(first_non_finite(&data), None);
+        assert_eq!(first_non_finite(&le(&data)), None);
         data[9] = -f32::MAX;
-        assert_eq!(first_non_finite(&data), None, "the largest finite values are finite");
+        assert_eq!(first_non_finite(&le(&data)), None, "the largest finite values are finite");
         for (at, bad) in [(0, f32::NAN), (4095, f32::INFINITY), (4096, f32::NEG_INFINITY), (9999, -f32::NAN)] {
             let mut data = data.clone();
             data[at] = bad;
-            assert_eq!(first_non_finite(&data), Some(at), "{bad} at {at}");
+            let found = first_non_finite(&le(&data));
+            assert_eq!(found.map(|(i, _)| i), Some(at), "{bad} at {at}");
+            assert_eq!(found.map(|(_, x)| x.to_bits()), Some(bad.to_bits()));
+            // The binary section starts wherever the JSON header ends: any alignment.
+            let mut shifted = vec![0u8; 3];
+            shifted.extend(le(&data));
+            assert_eq!(first_non_finite(&shifted[3..]).map(|(i, _)| i), Some(at), "{bad} at {at}, misaligned");
         }
         assert_eq!(first_non_finite(&[]), None);
     }

@@ -337,6 +337,26 @@ impl Tensor {
     }
 }
 
+/// A request input as [`decode_request_in_place`] returns it: checked like a [`Tensor`], but
+/// binary data is left where it is in the body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub datatype: DataType,
+    pub data: RawData,
+}
+
+/// Where a [`RawTensor`]'s values are.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RawData {
+    /// `body[range]`: exactly the shape's elements of the datatype, little-endian, at any
+    /// alignment (the binary section starts wherever the JSON header ends).
+    Binary(std::ops::Range<usize>),
+    /// Decoded from the JSON `data` field.
+    Json(TensorData),
+}
+
 /// The values of a [`Tensor`], one variant per supported datatype.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TensorData {
@@ -437,7 +457,8 @@ from_vec!(
 /// A fixed-size element with a little-endian binary encoding.
 trait LeElement: Copy {
     const SIZE: usize;
-    fn put(self, out: &mut Vec<u8>);
+    /// `out` is exactly `SIZE` bytes long.
+    fn put(self, out: &mut [u8]);
     /// `b` is exactly `SIZE` bytes long.
     fn get(b: &[u8]) -> Self;
 }
@@ -446,8 +467,8 @@ macro_rules! le_element {
     ($($t:ty),*) => {$(
         impl LeElement for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
-            fn put(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
+            fn put(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
             }
             fn get(b: &[u8]) -> Self {
                 let mut a = [0u8; std::mem::size_of::<$t>()];
@@ -462,8 +483,8 @@ le_element!(u8, u16, u32, u64, i8, i16, i32, i64, f32, f64);
 
 impl LeElement for bool {
     const SIZE: usize = 1;
-    fn put(self, out: &mut Vec<u8>) {
-        out.push(u8::from(self));
+    fn put(self, out: &mut [u8]) {
+        out[0] = u8::from(self);
     }
     fn get(b: &[u8]) -> Self {
         b.first().is_some_and(|&x| x != 0)
@@ -474,10 +495,13 @@ fn elem_size_of<T: LeElement>(_: &[T]) -> usize {
     T::SIZE
 }
 
+/// One resize, then fixed-size stores: the compiler turns this into a block copy on
+/// little-endian hosts (growing the vector element by element does not vectorise).
 fn put_all<T: LeElement>(v: &[T], out: &mut Vec<u8>) {
-    out.reserve(v.len() * T::SIZE);
-    for &x in v {
-        x.put(out);
+    let start = out.len();
+    out.resize(start + v.len() * T::SIZE, 0);
+    for (slot, &x) in out[start..].chunks_exact_mut(T::SIZE).zip(v) {
+        x.put(slot);
     }
 }
 
@@ -666,6 +690,19 @@ pub fn decode_request_with_limits(
     header_len: Option<usize>,
     limits: &DecodeLimits,
 ) -> Result<(InferRequest, Vec<Tensor>), OipError> {
+    let (request, raw) = decode_request_in_place(body, header_len, limits)?;
+    let tensors = raw.into_iter().map(|t| t.into_tensor(body)).collect();
+    Ok((request, tensors))
+}
+
+/// [`decode_request_with_limits`] that leaves binary data in the body: each binary input is
+/// checked (datatype, shape, size, bounds, limits) and returned as its range of `body`, so a
+/// server can copy it once, straight to where it is used. JSON inputs are decoded.
+pub fn decode_request_in_place(
+    body: &[u8],
+    header_len: Option<usize>,
+    limits: &DecodeLimits,
+) -> Result<(InferRequest, Vec<RawTensor>), OipError> {
     let (json, binary) = split_body(body, header_len)?;
     let mut request: InferRequest = serde_json::from_slice(json)?;
     let mut cursor = Cursor::new(binary, limits);
@@ -680,10 +717,30 @@ pub fn decode_request_with_limits(
             parameters: input.parameters.as_ref(),
             data: input.data.take(),
         };
-        tensors.push(wire.decode(&mut cursor, &mut seen)?);
+        tensors.push(wire.decode(&mut cursor, &mut seen)?.offset_by(json.len()));
     }
     cursor.finish()?;
     Ok((request, tensors))
+}
+
+impl RawTensor {
+    /// Decodes the values; `body` is the body the tensor was decoded from.
+    fn into_tensor(self, body: &[u8]) -> Tensor {
+        let data = match self.data {
+            RawData::Binary(range) => decode_binary(self.datatype, &body[range]),
+            RawData::Json(data) => data,
+        };
+        Tensor { name: self.name, shape: self.shape, data }
+    }
+
+    /// The same tensor with its binary range moved `by` bytes on (from the binary section to
+    /// the whole body).
+    fn offset_by(mut self, by: usize) -> Self {
+        if let RawData::Binary(range) = &mut self.data {
+            *range = range.start + by..range.end + by;
+        }
+        self
+    }
 }
 
 /// Decodes a response body; `header_len` is the value of the
@@ -727,7 +784,7 @@ pub fn decode_response_with_limits(
             parameters: output.parameters.as_ref(),
             data: output.data.take(),
         };
-        tensors.push(wire.decode(&mut cursor, &mut seen)?);
+        tensors.push(wire.decode(&mut cursor, &mut seen)?.into_tensor(binary));
     }
     cursor.finish()?;
     Ok((response, tensors))
@@ -785,7 +842,7 @@ impl<'a> WireTensor<'a> {
         self,
         cursor: &mut Cursor<'_>,
         seen: &mut HashSet<&'a str>,
-    ) -> Result<Tensor, OipError> {
+    ) -> Result<RawTensor, OipError> {
         let (kind, name) = (self.kind, self.name);
         let tensor = || name.to_owned();
         if !seen.insert(name) {
@@ -901,9 +958,9 @@ impl<'a> WireTensor<'a> {
                     available,
                 });
             }
-            let raw = &cursor.binary[cursor.offset..cursor.offset + bytes];
+            let range = cursor.offset..cursor.offset + bytes;
             cursor.offset += bytes;
-            decode_binary(datatype, raw)
+            RawData::Binary(range)
         } else {
             let invalid = |reason: String| OipError::InvalidData {
                 kind,
@@ -927,16 +984,17 @@ impl<'a> WireTensor<'a> {
                     expected: count,
                 });
             }
-            decode_json(datatype, &values, count).map_err(|(index, value)| {
+            RawData::Json(decode_json(datatype, &values, count).map_err(|(index, value)| {
                 invalid(format!(
                     "element {index} of data is not a valid {datatype}: {value}"
                 ))
-            })?
+            })?)
         };
         cursor.remaining -= bytes;
-        Ok(Tensor {
+        Ok(RawTensor {
             name: name.to_owned(),
             shape: dims,
+            datatype,
             data,
         })
     }
@@ -1588,6 +1646,41 @@ mod tests {
 
     fn req_err(body: &[u8], header_len: Option<usize>) -> OipError {
         decode_request(body, header_len).unwrap_err()
+    }
+
+    #[test]
+    fn in_place_decode_points_into_the_body_and_agrees_with_decode() {
+        let mut body = br#"{"inputs":[
+            {"name":"a","shape":[2],"datatype":"FP32","parameters":{"binary_data_size":8}},
+            {"name":"j","shape":[2],"datatype":"FP32","data":[1,2.5]},
+            {"name":"c","shape":[3],"datatype":"UINT8","parameters":{"binary_data_size":3}}
+        ]} "#
+        .to_vec();
+        let header_len = body.len();
+        body.extend_from_slice(&1.5f32.to_le_bytes());
+        body.extend_from_slice(&(-2f32).to_le_bytes());
+        body.extend_from_slice(&[1, 2, 3]);
+        let (_, raw) = decode_request_in_place(&body, Some(header_len), &DecodeLimits::default()).unwrap();
+        assert_eq!(raw[0].datatype, DataType::Fp32);
+        assert_eq!(raw[0].data, RawData::Binary(header_len..header_len + 8));
+        assert_eq!(raw[1].data, RawData::Json(TensorData::Fp32(vec![1.0, 2.5])));
+        assert_eq!(raw[2].data, RawData::Binary(header_len + 8..header_len + 11));
+        let decoded: Vec<Tensor> = raw.into_iter().map(|t| t.into_tensor(&body)).collect();
+        assert_eq!(decoded, decode_request(&body, Some(header_len)).unwrap().1);
+        assert_eq!(decoded[0], Tensor::new("a", vec![2], vec![1.5f32, -2.0]));
+    }
+
+    #[test]
+    fn binary_encoding_is_little_endian_for_every_width() {
+        let mut out = vec![9u8];
+        TensorData::Fp32(vec![1.0, -2.5]).write_le_bytes(&mut out);
+        TensorData::Uint16(vec![0x0102]).write_le_bytes(&mut out);
+        TensorData::Bool(vec![true, false]).write_le_bytes(&mut out);
+        let mut want = vec![9u8];
+        want.extend(1.0f32.to_le_bytes());
+        want.extend((-2.5f32).to_le_bytes());
+        want.extend([0x02, 0x01, 1, 0]);
+        assert_eq!(out, want);
     }
 
     fn with_binary(json: &str, binary: &[u8]) -> (Vec<u8>, Option<usize>) {

@@ -55,6 +55,70 @@ async fn bad_requests_get_a_status_and_a_message_and_the_worker_keeps_serving() 
     assert_eq!(body["outputs"][0]["shape"], serde_json::json!([1, 2]), "{body}");
 }
 
+/// A binary input is copied from the body straight into the model's tensor: wherever the
+/// binary section starts (the JSON header's length decides its alignment) the answer is the
+/// JSON input's, and a binary section of the wrong length or datatype gets 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_inputs_at_any_alignment_answer_as_json_inputs_and_bad_ones_get_400() {
+    let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
+    let http = reqwest::Client::new();
+    let infer = format!("{}/v2/models/silero_vad/infer", worker.url);
+    let audio = vramgate_tests::oip_client::test_audio(2048, 7);
+    let le: Vec<u8> = audio.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let post = |header: serde_json::Value, pad: usize, binary: Vec<u8>| {
+        // Spaces after the JSON header move the binary section by `pad` bytes.
+        let mut body = serde_json::to_vec(&header).expect("json");
+        body.extend(std::iter::repeat_n(b' ', pad));
+        let header_len = body.len();
+        body.extend(binary);
+        http.post(&infer).header("inference-header-content-length", header_len.to_string()).body(body).send()
+    };
+    let header = |datatype: &str, size: usize| {
+        serde_json::json!({
+            "inputs": [{"name": "audio", "shape": [1, 2048], "datatype": datatype, "parameters": {"binary_data_size": size}}],
+            "outputs": [{"name": "speech_prob", "parameters": {"binary_data": false}}]
+        })
+    };
+
+    let json = serde_json::json!({"inputs": [{"name": "audio", "shape": [1, 2048], "datatype": "FP32", "data": audio}]});
+    let response = http.post(&infer).json(&json).send().await.expect("send");
+    assert_eq!(response.status().as_u16(), 200);
+    let expected: serde_json::Value = response.json().await.expect("json answer");
+    let expected = &expected["outputs"][0]["data"];
+    assert!(expected.as_array().is_some_and(|probs| probs.len() == 4), "{expected}");
+    for pad in 0..4 {
+        let response = post(header("FP32", le.len()), pad, le.clone()).await.expect("send");
+        assert_eq!(response.status().as_u16(), 200, "binary section moved by {pad}");
+        let answer: serde_json::Value = response.json().await.expect("json answer");
+        assert_eq!(&answer["outputs"][0]["data"], expected, "binary section moved by {pad}");
+    }
+
+    let check = |status: u16, needles: &'static [&'static str], response: reqwest::Response| async move {
+        assert_eq!(response.status().as_u16(), status);
+        let body: serde_json::Value = response.json().await.expect("error bodies are json");
+        let message = body["error"].as_str().expect("an error message");
+        for needle in needles {
+            assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        }
+    };
+    // One byte short: the declared size does not match the shape.
+    let short = post(header("FP32", le.len() - 1), 1, le[1..].to_vec()).await.expect("send");
+    check(400, &["binary_data_size 8191", "8192 bytes"], short).await;
+    // The right size, but the body ends early, or goes on past the tensor.
+    let cut = post(header("FP32", le.len()), 3, le[..le.len() - 2].to_vec()).await.expect("send");
+    check(400, &["8192 bytes", "run past the end"], cut).await;
+    let mut long = le.clone();
+    long.extend([0u8; 3]);
+    check(400, &["3 bytes left over"], post(header("FP32", le.len()), 2, long).await.expect("send")).await;
+    // The bytes of another datatype: refused by name, not read as f32.
+    let doubles: Vec<u8> = audio.iter().flat_map(|&v| f64::from(v).to_le_bytes()).collect();
+    check(400, &["must be FP32, got FP64"], post(header("FP64", doubles.len()), 1, doubles).await.expect("send")).await;
+    // A NaN inside the binary section, wherever it starts.
+    let mut nan = le.clone();
+    nan[4 * 1000..4 * 1001].copy_from_slice(&f32::NAN.to_le_bytes());
+    check(400, &["non-finite", "element 1000"], post(header("FP32", nan.len()), 3, nan).await.expect("send")).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_answer_carries_the_admission_state_and_the_state_endpoint_has_it_all() {
     use vramgate_shared::worker_state::{self, Admission, Unit, WorkerState};
