@@ -23,6 +23,7 @@ pub struct Metrics {
     pub pauses: IntCounterVec,
     pub resumes: IntCounterVec,
     pub pending: IntGaugeVec,
+    pub consumer_lag: IntGaugeVec,
     pub held_bytes: IntGauge,
     pub held_bytes_limit: IntGauge,
     pub stale: prometheus::IntCounter,
@@ -149,6 +150,11 @@ impl Metrics {
             stale,
             uncommitted,
             commits: counter("offset_commits_total", "Offset commits, by result (ok or error)", &["result"]),
+            consumer_lag: gauge(
+                "consumer_lag_records",
+                "Records in an assigned partition past the group's committed offset, from librdkafka's statistics (every 5 s)",
+                &["topic", "partition"],
+            ),
             kafka_errors: counter(
                 "kafka_client_errors_total",
                 "Errors librdkafka reported (broker down, authentication failed), by kind",

@@ -185,7 +185,9 @@ fn client_defaults(config: &GatewayConfig, consumer: bool) -> ClientConfig {
             // librdkafka's prefetch, bounded in bytes, not only in messages.
             .set("queued.max.messages.kbytes", kafka.queue_max_kbytes.max(1).to_string())
             .set("fetch.max.bytes", kafka.fetch_max_bytes.max(1024).to_string())
-            .set("max.partition.fetch.bytes", kafka.partition_fetch_max_bytes.max(1024).to_string());
+            .set("max.partition.fetch.bytes", kafka.partition_fetch_max_bytes.max(1024).to_string())
+            // Statistics feed the consumer-lag gauge (`consume::rebalance`, `stats`).
+            .set("statistics.interval.ms", crate::consume::rebalance::LAG_INTERVAL_MS.to_string());
     } else {
         // acks=all: an output counts as written (and its record may be committed) only once
         // every in-sync replica has it. Not librdkafka's idempotent mode: up to 2.12 it lets a

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use vramgate_tests::wav::{noise, write_wav, SampleFormat};
 use vramgate_tests::{
     gateway_base_env,
-    delete_topics, producer, request_inline, rss_bytes, scratch_dir, send_all, start_gateway, start_worker, unique,
+    delete_topics, producer, request_inline, uncommitted_records, rss_bytes, scratch_dir, send_all, start_gateway, start_worker, unique,
     voice_task_env, worker_config, TaskTopics, VAD_MODEL,
 };
 
@@ -140,6 +140,22 @@ async fn a_large_backlog_keeps_the_gateway_within_its_memory_bounds() {
         first_produced.is_some_and(|first| produced > first),
         "records_produced_total did not grow: first {first_produced:?}, last {produced}; log:\n{}",
         gateway.log_tail()
+    );
+
+    // The lag gauge (librdkafka's statistics, at most 5 s old) has a series per partition, and
+    // since the backlog only shrinks, it is never below the lag the broker reports now.
+    let m = gateway.metrics().await.expect("metrics");
+    let lag_name = name("consumer_lag_records");
+    let lag = m.sum(&lag_name, &[]);
+    let series = (0..4)
+        .filter(|p| m.text.lines().any(|l| l.starts_with(&lag_name) && l.contains(&format!("partition=\"{p}\""))))
+        .count();
+    let behind = uncommitted_records(&group, &topics.requests).expect("committed offsets");
+    eprintln!("consumer lag gauge {lag}, the group's lag now {behind}, {series} partitions with a series");
+    assert_eq!(series, 4, "not every assigned partition has a lag series:\n{}", m.text);
+    assert!(
+        lag >= behind as f64 && lag <= EVENTS as f64,
+        "consumer_lag_records {lag} is not between the group's lag now ({behind}) and the backlog ({EVENTS})"
     );
 
     // SIGTERM with hundreds of records held: they finish (or are left uncommitted) within the

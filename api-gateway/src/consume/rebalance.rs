@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rdkafka::statistics::Statistics;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
@@ -47,7 +48,30 @@ impl ClientContext for RebalanceContext {
     fn error(&self, error: KafkaError, reason: &str) {
         self.events.error(error, reason);
     }
+
+    /// librdkafka's statistics, every [`LAG_INTERVAL_MS`]: the lag of each assigned partition
+    /// (its high watermark less the group's committed offset) becomes
+    /// `consumer_lag_records`; a partition no longer assigned loses its series.
+    fn stats(&self, statistics: Statistics) {
+        let gauge = &self.metrics.consumer_lag;
+        for (topic, t) in &statistics.topics {
+            for (partition, p) in &t.partitions {
+                if *partition < 0 {
+                    continue; // librdkafka's internal "unassigned" partition
+                }
+                let label = partition.to_string();
+                if p.desired && p.consumer_lag >= 0 {
+                    gauge.with_label_values(&[topic.as_str(), label.as_str()]).set(p.consumer_lag);
+                } else if !p.desired {
+                    let _ = gauge.remove_label_values(&[topic.as_str(), label.as_str()]);
+                }
+            }
+        }
+    }
 }
+
+/// How often librdkafka reports the consumer's statistics, and so the lag gauge's age at most.
+pub const LAG_INTERVAL_MS: u64 = 5000;
 
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
