@@ -7,7 +7,8 @@
 //! outer span only (the service's [`Service::log_spans`], e.g. the gateway's `process`), less
 //! the `otel.*` fields meant for the exporter: the fields of every span are formatted when it
 //! is made, whether a line is ever logged in it or not, and for the nested spans of every
-//! record that was a tenth of the gateway's CPU.
+//! record that was a tenth of the gateway's CPU. While nothing exports, those nested spans are
+//! not made at all.
 //!
 //! Traces: `tracing` spans are exported over OTLP (HTTP/protobuf) when an endpoint is
 //! configured, through the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
@@ -39,6 +40,7 @@ use tracing_subscriber::fmt::{self, FmtContext, FormatEvent, FormatFields, Forma
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::filter::FilterExt as _;
 use tracing_subscriber::{EnvFilter, Layer};
 
 /// The `[telemetry]` table of a service's config. The `OTEL_*` variables override it.
@@ -129,19 +131,28 @@ static DISPATCH: OnceLock<WeakDispatch> = OnceLock::new();
 /// Installs the global subscriber: logs, and trace export when configured. A second call only
 /// returns (tests start library code that calls it too).
 pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let env_filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("VRAMGATE_LOG_FORMAT").is_ok_and(|v| v == "json");
     let ansi = std::io::stderr().is_terminal();
     let provider = tracer_provider(&service, config);
-    let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("vramgate")));
     let log_spans = service.log_spans;
-    let logged = tracing_subscriber::filter::filter_fn(move |meta| !meta.is_span() || log_spans.contains(&meta.name()));
+    let logged = tracing_subscriber::filter::filter_fn(move |meta| !meta.is_span() || log_spans.contains(&meta.name()))
+        .and(env_filter());
     let logs = if json {
         fmt::layer().with_writer(std::io::stderr).fmt_fields(LogFields).event_format(JsonLines).with_filter(logged).boxed()
     } else {
         fmt::layer().with_writer(std::io::stderr).fmt_fields(LogFields).with_ansi(ansi).with_filter(logged).boxed()
     };
-    let installed = tracing_subscriber::registry().with(filter).with(otel).with(logs).try_init();
+    // Each layer filters for itself, and the exporter is in the list only when it exports: a
+    // span no layer wants (every nested span while nothing exports) is then never made, at
+    // the cost of one check of its call site. (A global filter, or an empty `Option` layer,
+    // makes every span that passes the level.)
+    let mut layers: Vec<Box<dyn Layer<tracing_subscriber::Registry> + Send + Sync>> = vec![logs];
+    if let Some(provider) = &provider {
+        let otel = tracing_opentelemetry::layer().with_tracer(provider.tracer("vramgate")).with_filter(env_filter());
+        layers.push(otel.boxed());
+    }
+    let installed = tracing_subscriber::registry().with(layers).try_init();
     if installed.is_err() {
         return Telemetry { provider: None };
     }
@@ -410,6 +421,22 @@ pub fn bounded(s: &str, max: usize) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_an_exporter_only_the_logged_spans_are_made() {
+        let logged = tracing_subscriber::filter::filter_fn(|meta| !meta.is_span() || meta.name() == "process")
+            .and(EnvFilter::new("info"));
+        let logs = fmt::layer().with_writer(std::io::sink).fmt_fields(LogFields).with_filter(logged).boxed();
+        let layers: Vec<Box<dyn Layer<tracing_subscriber::Registry> + Send + Sync>> = vec![logs];
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(layers), || {
+            let process = tracing::info_span!("process", task = "voice");
+            let _entered = process.enter();
+            let send = tracing::info_span!("send", topic = "t");
+            assert!(!process.is_disabled(), "the logged span is made");
+            assert!(send.is_disabled(), "a nested span nothing wants is not made");
+            assert_eq!(tracing::Span::current().id(), process.id(), "inside it, the current span is the logged one");
+        });
+    }
 
     #[test]
     fn log_fields_leave_out_otel_fields_and_quote_only_what_needs_it() {
