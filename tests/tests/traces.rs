@@ -379,10 +379,18 @@ async fn an_oom_shows_in_the_trace_with_the_batch_before_and_after() -> anyhow::
     for answer in answers {
         assert_eq!(answer?.status, 200, "every request recovers from the OOM");
     }
+    // The failed batch's spans are exported as soon as it fails, the retry's only when it
+    // ends: wait for a trace that has both (or, at the deadline, take what there is).
+    let complete = |t: &Trace| {
+        let inferences: Vec<&Span> = t.spans_named("inference").collect();
+        inferences.iter().any(|s| tag_str(s, "error.type") == Some("out_of_memory"))
+            && inferences.iter().any(|s| s.tag("error.type").is_none())
+    };
     let mut traces = Vec::new();
     for _ in 0..120 {
         traces = jaeger.find("ai-worker", "error.type", "out_of_memory", 20).await?;
-        if !traces.is_empty() {
+        if let Some(at) = traces.iter().position(complete) {
+            traces.swap(0, at);
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
