@@ -155,6 +155,18 @@ async fn send_until_acknowledged(
 }
 
 
+/// The first headers of every dead letter, as Spring Kafka's dead-letter publisher writes them
+/// (so existing tooling reads ours): the source record's topic, partition and offset, and the
+/// failure's kind as the exception class. `capacity` leaves room for the caller's own and the
+/// trace context [`deliver`] adds.
+pub fn dead_letter_origin(source: &OwnedMessage, kind: ErrorKind, capacity: usize) -> OwnedHeaders {
+    OwnedHeaders::new_with_capacity(capacity)
+        .insert(Header { key: "kafka_dlt-original-topic", value: Some(source.topic()) })
+        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&source.partition().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&source.offset().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
+}
+
 /// What the refused output was: a result, or a dead letter with its own reason (which the
 /// trimmed one keeps).
 pub enum Refused<'a> {
@@ -203,11 +215,7 @@ pub fn trimmed_dead_letter<'a>(
         },
     };
     let value_bytes = source.payload().map_or(0, <[u8]>::len);
-    let headers = OwnedHeaders::new_with_capacity(10)
-        .insert(Header { key: "kafka_dlt-original-topic", value: Some(source.topic()) })
-        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&source.partition().to_be_bytes()) })
-        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&source.offset().to_be_bytes()) })
-        .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
+    let headers = dead_letter_origin(source, kind, 10)
         .insert(Header { key: "vramgate-error-kind", value: Some(kind.as_str()) })
         .insert(Header { key: "vramgate-output-trimmed", value: Some("true") })
         .insert(Header { key: "vramgate-original-value-bytes", value: Some(&value_bytes.to_string()) })

@@ -471,11 +471,7 @@ fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent 
 /// The headers Spring Kafka's dead-letter publisher writes, so existing tooling reads ours
 /// (room left for the trace context `produce::deliver` adds).
 fn dead_letter_headers(message: &OwnedMessage, failure: &Failure) -> OwnedHeaders {
-    OwnedHeaders::new_with_capacity(9)
-        .insert(Header { key: "kafka_dlt-original-topic", value: Some(message.topic()) })
-        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&message.partition().to_be_bytes()) })
-        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&message.offset().to_be_bytes()) })
-        .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(failure.kind.as_str()) })
+    produce::dead_letter_origin(message, failure.kind, 9)
         .insert(Header { key: "kafka_dlt-exception-message", value: Some(failure.message.as_str()) })
         .insert(Header { key: "kafka_dlt-exception-stage", value: Some(failure.stage.as_str()) })
         .insert(Header { key: "vramgate-error-kind", value: Some(failure.kind.as_str()) })
