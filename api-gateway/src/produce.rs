@@ -159,12 +159,26 @@ async fn send_until_acknowledged(
 /// (so existing tooling reads ours): the source record's topic, partition and offset, and the
 /// failure's kind as the exception class. `capacity` leaves room for the caller's own and the
 /// trace context [`deliver`] adds.
-pub fn dead_letter_origin(source: &OwnedMessage, kind: ErrorKind, capacity: usize) -> OwnedHeaders {
+pub fn dead_letter_origin(source: &impl Message, kind: ErrorKind, capacity: usize) -> OwnedHeaders {
     OwnedHeaders::new_with_capacity(capacity)
         .insert(Header { key: "kafka_dlt-original-topic", value: Some(source.topic()) })
         .insert(Header { key: "kafka_dlt-original-partition", value: Some(&source.partition().to_be_bytes()) })
         .insert(Header { key: "kafka_dlt-original-offset", value: Some(&source.offset().to_be_bytes()) })
         .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
+}
+
+/// Where a dead letter's record came from, with its key and value in base64: everything
+/// needed to replay it.
+pub fn source_record(message: &impl Message) -> SourceRecord {
+    use base64::Engine;
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    SourceRecord {
+        topic: message.topic().to_string(),
+        partition: message.partition(),
+        offset: message.offset(),
+        key_b64: message.key().map(b64),
+        value_b64: message.payload().map(b64),
+    }
 }
 
 /// What the refused output was: a result, or a dead letter with its own reason (which the

@@ -14,7 +14,7 @@ use rdkafka::producer::FutureProducer;
 use tracing::Instrument;
 use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::events::{
-    DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, SourceRecord, Stage, TimingsMs,
+    DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, Stage, TimingsMs,
     SCHEMA_VERSION,
 };
 use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
@@ -446,8 +446,6 @@ async fn on_pool<T: Send + 'static>(
 
 
 fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent {
-    use base64::Engine;
-    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
     DeadLetterEvent {
         version: SCHEMA_VERSION,
         id: rejection.id,
@@ -458,13 +456,7 @@ fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent 
             stage: rejection.failure.stage,
         },
         attempts: rejection.failure.attempts,
-        source: SourceRecord {
-            topic: message.topic().to_string(),
-            partition: message.partition(),
-            offset: message.offset(),
-            key_b64: message.key().map(b64),
-            value_b64: message.payload().map(b64),
-        },
+        source: produce::source_record(message),
     }
 }
 

@@ -5,7 +5,11 @@
 //! requests whose input file does not exist, in a topic of 3 partitions. Each takes the
 //! gateway's whole record path except the worker call: consume → parse → input check → dead
 //! letter produced and acknowledged → offset committed. The ceiling is a plain librdkafka
-//! consumer (rdkafka `BaseConsumer`, no group) reading the same records. The gateway runs with
+//! consumer (rdkafka `BaseConsumer`, no group) reading the same records. Between the two, a
+//! raw relay ([`raw_relay`]) does only the work the path requires, on one plain thread: it
+//! tells how much of the gap is the path's own (a produce and a commit per record that the
+//! raw consumer never makes, on the same two cores as the broker) and how much is the
+//! gateway's. The gateway runs with
 //! `config/gateway.toml` unchanged (only the broker, group, topics and input root are set). Its
 //! rate is timed from its first consumed record to the moment every offset is committed, so
 //! process start-up and the group join are outside both figures. Also printed: the gateway's
@@ -159,6 +163,95 @@ fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64, f64)
     let cpu = cpu_seconds(std::process::id()) - cpu_before;
     let broker = broker_cpu() - broker_before;
     Ok((seen as f64 / from_assign, seen as f64 / from_first, cpu, broker))
+}
+
+/// The least any gateway must do per record on this path, written as plainly as librdkafka
+/// allows: one thread polls a `BaseConsumer`, parses the request, opens its input under the
+/// root (missing), and hands the same dead letter the gateway writes (JSON with the source
+/// record in base64, the same seven headers) to a `BaseProducer` with the gateway's output
+/// settings (`acks=all`, `linger.ms=5`, 5 requests in flight); it commits the consumer's
+/// position asynchronously every 200 ms, as auto-commit does, and once more, synchronously,
+/// after the producer's last acknowledgement. No task, span, window or byte budget: what it
+/// leaves out is what a gateway adds. Returns records per second (assign to the last
+/// acknowledgement and commit), its CPU seconds and the broker's meanwhile.
+fn raw_relay(topic: &str, out_topic: &str, root: &Path, count: usize) -> anyhow::Result<(f64, f64, f64)> {
+    use rdkafka::consumer::CommitMode;
+    use rdkafka::message::{Header, Message};
+    use vramgate_gateway::produce::{dead_letter_origin, source_record};
+    use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, Stage};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("relay"))
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("max.in.flight.requests.per.connection", "5")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    let started = Instant::now();
+    let cpu_before = cpu_seconds(std::process::id());
+    let broker_before = broker_cpu();
+    consumer.assign(&tpl)?;
+    let mut seen = 0usize;
+    let mut last_commit = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while seen < count && Instant::now() < deadline {
+        let message = match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(message)) => message,
+            Some(Err(e)) => anyhow::bail!("relay consumer: {e}"),
+            None => continue,
+        };
+        seen += 1;
+        let request: RequestEvent = serde_json::from_slice(message.payload().unwrap_or_default())?;
+        let vramgate_shared::events::InputRef::Uri { uri } = &request.input else { anyhow::bail!("not a file input") };
+        let path = root.join(uri.rsplit('/').next().unwrap_or_default());
+        let error = std::fs::File::open(&path).expect_err("the bench's inputs are missing");
+        let text = format!("input file {} was not found under the gateway's input root ({error})", path.display());
+        let letter = DeadLetterEvent {
+            version: 1,
+            id: Some(request.id),
+            task: Some(request.task),
+            error: ErrorInfo { kind: ErrorKind::InputNotFound, message: text, stage: Stage::Fetch },
+            attempts: 0,
+            source: source_record(&message),
+        };
+        let payload = serde_json::to_vec(&letter)?;
+        let headers = dead_letter_origin(&message, ErrorKind::InputNotFound, 7)
+            .insert(Header { key: "kafka_dlt-exception-message", value: Some(letter.error.message.as_str()) })
+            .insert(Header { key: "kafka_dlt-exception-stage", value: Some("fetch") })
+            .insert(Header { key: "vramgate-error-kind", value: Some("input_not_found") });
+        let mut record = BaseRecord::to(out_topic).payload(&payload).headers(headers);
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        while let Err((e, refused)) = producer.send(record) {
+            anyhow::ensure!(
+                e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                "relay producer: {e}"
+            );
+            record = refused;
+            producer.poll(Duration::from_millis(1));
+        }
+        producer.poll(Duration::ZERO);
+        if last_commit.elapsed() >= Duration::from_millis(200) {
+            let _ = consumer.commit_consumer_state(CommitMode::Async);
+            last_commit = Instant::now();
+        }
+    }
+    anyhow::ensure!(seen == count, "relay read {seen} of {count} records");
+    producer.flush(Duration::from_secs(60))?;
+    consumer.commit_consumer_state(CommitMode::Sync)?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(std::process::id()) - cpu_before;
+    let broker = broker_cpu() - broker_before;
+    anyhow::ensure!(topic_records(out_topic)? == count as i64, "the relay lost outputs");
+    Ok((count as f64 / elapsed, cpu, broker))
 }
 
 /// The gateway's side of P4.
@@ -346,6 +439,8 @@ pub struct P4 {
     pub raw_streaming: f64,
     pub raw_cpu: f64,
     pub raw_broker: f64,
+    /// [`raw_relay`]: records/s, its CPU seconds and the broker's.
+    pub relay: (f64, f64, f64),
     pub gateway: GatewayRun,
 }
 
@@ -359,14 +454,16 @@ pub async fn p4() -> anyhow::Result<P4> {
     eprintln!("P4: {count} tiny events produced in {:.1} s", started.elapsed().as_secs_f64());
 
     let (raw, raw_streaming, raw_cpu, raw_broker) = raw_consume(&topics.requests, count)?;
+    // The gateway's run writes dead letters only, so the results topic takes the relay's.
+    let relay = raw_relay(&topics.requests, &topics.results, &root, count)?;
     let gateway = gateway_consume(&topics, &root, count).await?;
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
-    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, gateway })
+    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, gateway })
 }
 
 /// Prints P4's figures.
 pub fn print_p4(p4: &P4) {
-    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, gateway: gw } = p4;
+    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, gateway: gw } = p4;
     let (count, raw, raw_streaming) = (*count, *raw, *raw_streaming);
     println!();
     println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
@@ -379,6 +476,14 @@ pub fn print_p4(p4: &P4) {
         per_1000(*raw_broker)
     );
     println!("      (first record to last: {raw_streaming:.0} records/s, librdkafka's prefetch already full)");
+    let (relay_rate, relay_cpu, relay_broker) = *relay;
+    println!(
+        "    raw relay (one thread: consume → input check → dead letter → acks=all, commit)\n\
+         \x20                             {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+        relay_rate,
+        per_1000(relay_cpu),
+        per_1000(relay_broker)
+    );
     println!(
         "    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
         gw.rate, gw.cpu_per_1000, gw.broker_cpu_per_1000
@@ -390,6 +495,7 @@ pub fn print_p4(p4: &P4) {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("    ratio gateway / raw       {:>10.3}   (goal ≥ 0.5)", gw.rate / raw);
+    println!("    ratio relay / raw         {:>10.3}   gateway / relay {:.3}", relay_rate / raw, gw.rate / relay_rate);
     println!(
         "    gateway RSS               start {:.0} MiB, peak {:.0} MiB under the backlog; byte bounds {:.0} MiB",
         gw.base_rss as f64 / MIB,
