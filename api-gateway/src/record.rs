@@ -17,7 +17,7 @@ use vramgate_shared::events::{
     DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, Stage, TimingsMs,
     SCHEMA_VERSION,
 };
-use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
+use vramgate_shared::telemetry::{self, bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 
 use crate::budget::{ByteBudget, Held};
 use crate::failure::Failure;
@@ -76,26 +76,39 @@ pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, H
 
 /// Processes one record to its end: a produced result or dead letter, then finishes its ticket.
 /// All of it runs in a CONSUMER span `process <topic>`, which continues the trace the record's
-/// headers carry (or starts one, noting a refused `traceparent`).
+/// headers carry (or starts one, noting a refused `traceparent`). While nothing exports, the
+/// span carries only what its log lines show (task, topic, partition, offset, event id): its
+/// other fields would be visited for every record and never read.
 pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held) {
-    let span = tracing::info_span!(
-        "process",
-        otel.name = task.hot.process_span.as_str(),
-        otel.kind = "consumer",
-        messaging.system = "kafka",
-        messaging.operation.type = "process",
-        messaging.destination.name = message.topic(),
-        messaging.destination.partition.id = message.partition(),
-        messaging.kafka.offset = message.offset(),
-        messaging.consumer.group.name = shared.group_id.as_str(),
-        messaging.message.id = tracing::field::Empty,
-        task = %task.name,
-        event_id = tracing::field::Empty,
-        vramgate.outcome = tracing::field::Empty,
-        otel.status_code = tracing::field::Empty,
-        otel.status_description = tracing::field::Empty,
-        error.type = tracing::field::Empty,
-    );
+    let span = if telemetry::exports_spans() {
+        tracing::info_span!(
+            "process",
+            otel.name = task.hot.process_span.as_str(),
+            otel.kind = "consumer",
+            messaging.system = "kafka",
+            messaging.operation.type = "process",
+            messaging.destination.name = message.topic(),
+            messaging.destination.partition.id = message.partition(),
+            messaging.kafka.offset = message.offset(),
+            messaging.consumer.group.name = shared.group_id.as_str(),
+            messaging.message.id = tracing::field::Empty,
+            task = %task.name,
+            event_id = tracing::field::Empty,
+            vramgate.outcome = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        )
+    } else {
+        tracing::info_span!(
+            "process",
+            messaging.destination.name = message.topic(),
+            messaging.destination.partition.id = message.partition(),
+            messaging.kafka.offset = message.offset(),
+            task = %task.name,
+            event_id = tracing::field::Empty,
+        )
+    };
     // Read once: the span continues it, and with tracing off the outputs carry it.
     let carried = Carried::from_headers(produce::kafka_headers(&message));
     carried.adopt(&span);
@@ -167,7 +180,15 @@ async fn handle_in_span(
             shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
             let headers = dead_letter_headers(&message, &rejection.failure);
             let letter = dead_letter(&message, rejection);
-            let payload = serde_json::to_vec(&letter).expect("dead letters always serialise");
+            // Sized up front: growing from serde_json's default capacity copied the source
+            // record's base64 a few times over.
+            let source = &letter.source;
+            let size = 512
+                + letter.error.message.len()
+                + source.value_b64.as_ref().map_or(0, String::len)
+                + source.key_b64.as_ref().map_or(0, String::len);
+            let mut payload = Vec::with_capacity(size);
+            serde_json::to_writer(&mut payload, &letter).expect("dead letters always serialise");
             let out = Outgoing {
                 topic: task.dlq_topic.as_str(),
                 span_name: task.hot.send_dead_letter_span.as_str(),

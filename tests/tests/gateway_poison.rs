@@ -389,6 +389,18 @@ async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_movi
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
+    // Nothing exports here, so each record's span carries only its log fields; a dead letter's
+    // log line still names the record.
+    let log = std::fs::read_to_string(&gateway.service.log).expect("gateway log");
+    let line = log
+        .lines()
+        .find(|l| l.contains("dead-lettering record") && l.contains("event_id="))
+        .unwrap_or_else(|| panic!("no dead-letter line naming its event; log:\n{}", gateway.log_tail()));
+    for field in ["task=", "messaging.destination.name=", "messaging.destination.partition.id=", "messaging.kafka.offset="] {
+        assert!(line.contains(field), "{field} missing from: {line}");
+    }
+    assert!(!line.contains("otel.") && !line.contains("messaging.system"), "exporter-only fields logged: {line}");
+
     let metrics = gateway.metrics().await.expect("metrics");
     let dead = |kind: &str| metrics.sum("vramgate_gateway_dead_letters_total", &[("kind", kind)]);
     for kind in ["invalid_json", "unsupported_input", "invalid_audio", "invalid_image", "input_too_large"] {

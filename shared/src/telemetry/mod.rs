@@ -21,7 +21,7 @@ pub mod context;
 pub mod export;
 
 use std::io::IsTerminal;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -128,6 +128,16 @@ pub struct Service<'a> {
 
 static DISPATCH: OnceLock<WeakDispatch> = OnceLock::new();
 
+/// Set by [`init`] when spans are exported; see [`exports_spans`].
+static EXPORTS_SPANS: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process exports spans. A hot path that makes one span per request for its log
+/// lines and its trace can then make only the log's fields while nothing exports: every field
+/// of a span is visited (and formatted, for the log) when it is made.
+pub fn exports_spans() -> bool {
+    EXPORTS_SPANS.load(Ordering::Relaxed)
+}
+
 /// Installs the global subscriber: logs, and trace export when configured. A second call only
 /// returns (tests start library code that calls it too).
 pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
@@ -158,6 +168,7 @@ pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
     }
     let _ = DISPATCH.set(tracing::dispatcher::get_default(|d| d.downgrade()));
     if let Some(provider) = &provider {
+        EXPORTS_SPANS.store(true, Ordering::Relaxed);
         opentelemetry::global::set_tracer_provider(provider.clone());
         tracing::info!(service = service.name, "exporting traces over OTLP");
     }
