@@ -54,6 +54,20 @@ impl PauseReason {
     }
 }
 
+/// A record taken and admitted, not yet handed to the runtime.
+struct Admitted {
+    task: Arc<Task>,
+    message: rdkafka::message::OwnedMessage,
+    ticket: crate::consume::offsets::Ticket,
+    held: crate::budget::Held,
+}
+
+impl Admitted {
+    fn handle(self, shared: Arc<Shared>) -> impl std::future::Future<Output = ()> + Send + 'static {
+        record::handle(shared, self.task, self.message, self.ticket, self.held)
+    }
+}
+
 /// The fetch thread's state.
 pub struct Fetch {
     pub consumer: Arc<BaseConsumer<RebalanceContext>>,
@@ -124,36 +138,60 @@ impl Fetch {
     /// the room left in the in-flight window, counted once, so the bounds are not recomputed
     /// (and the offsets not locked again) for every record; the byte budget, which a single
     /// record can exhaust, is still looked at after each one.
+    ///
+    /// Each record is admitted (counted, charged, given its ticket) as it is taken, and the
+    /// round's records are handed to the runtime together, in one task that spawns each
+    /// record's task from inside the runtime. Spawned from this thread one by one, every
+    /// record went through the runtime's shared injection queue and could wake a parked worker
+    /// thread: a lock and often a futex call per record.
     fn poll_round(&self, last_error: &mut Option<Instant>) {
         let room = self.config.max_in_flight.saturating_sub(self.window()).clamp(1, ROUND);
+        let mut round = Vec::with_capacity(room.min(64));
         let mut timeout = Duration::from_millis(50);
         for _ in 0..room {
             match self.consumer.poll(timeout) {
-                None => return,
-                Some(Ok(message)) => self.dispatch(message.detach()),
+                None => break,
+                Some(Ok(message)) => round.extend(self.admit(message.detach())),
                 // Broker hiccups repeat every poll; say it once a second.
                 Some(Err(e)) => {
                     if last_error.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
                         tracing::warn!(error = %e, "kafka consumer error");
                         *last_error = Some(Instant::now());
                     }
-                    return;
+                    break;
                 }
             }
             timeout = Duration::ZERO;
             if self.budget_full() {
-                return;
+                break;
+            }
+        }
+        match round.len() {
+            0 => {}
+            1 => {
+                let admitted = round.pop().expect("one record");
+                self.runtime.spawn(admitted.handle(self.shared.clone()));
+            }
+            _ => {
+                let shared = self.shared.clone();
+                self.runtime.spawn(async move {
+                    for admitted in round {
+                        tokio::spawn(admitted.handle(shared.clone()));
+                    }
+                });
             }
         }
     }
 
-    fn dispatch(&self, message: rdkafka::message::OwnedMessage) {
+    /// Counts and charges a record, and gives it its ticket; `None` for a record from a topic
+    /// no task reads.
+    fn admit(&self, message: rdkafka::message::OwnedMessage) -> Option<Admitted> {
         let Some(task) = self.by_topic.get(message.topic()) else {
             tracing::error!(topic = message.topic(), "record from a topic no task reads; skipped");
-            return;
+            return None;
         };
         let (ticket, held) = record::admit(&self.shared, task, &message);
-        self.runtime.spawn(record::handle(self.shared.clone(), task.clone(), message, ticket, held));
+        Some(Admitted { task: task.clone(), message, ticket, held })
     }
 
     /// Records past the last confirmed commit (or, if more, records unfinished): what bounds
