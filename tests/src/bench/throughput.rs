@@ -22,7 +22,9 @@
 //! thread), the worker called directly over OIP with 8 requests in flight (the same tensor the
 //! gateway sends), and the whole pipeline: `VRAMGATE_BENCH_PIPELINE_EVENTS` (default 400)
 //! requests naming a PNG or WAV file, through Kafka, the gateway (defaults) and the same
-//! worker, timed from the first consumed record to the last result. On this CPU-only machine
+//! worker, timed from the first consumed record to the last result (`VRAMGATE_BENCH_P2_INPUTS`
+//! picks other sizes; the gateway is configured to make the model input of the case's size).
+//! On this CPU-only machine
 //! the gateway's conversion shares the cores with the model; on a GPU host it would not.
 //!
 //! The P2 part needs the raw loop example (`cargo build --release --examples`).
@@ -356,6 +358,11 @@ async fn pipeline_case(
     };
     env.extend(topic_env);
     env.push((other, "false".into()));
+    if task == "image" {
+        // The model input the gateway makes, so the worker runs P-Net on the case's size.
+        env.push(("TASKS__IMAGE__IMAGE__HEIGHT", case.shape[2].to_string()));
+        env.push(("TASKS__IMAGE__IMAGE__WIDTH", case.shape[3].to_string()));
+    }
     let gateway = start_gateway(&env).await?;
     let pipeline = rate_until_produced(&gateway, events, Duration::from_secs(600)).await?;
     let results = topic_records(&topics.results)?;
@@ -395,11 +402,28 @@ pub struct P2Row {
     pub pipeline: f64,
 }
 
-/// P2 for P-Net on a 320×320 image and Silero VAD on a 5 s clip.
+/// P2's inputs: `VRAMGATE_BENCH_P2_INPUTS`, comma-separated, `HxW` for a P-Net image and `Ns`
+/// for a Silero clip of N seconds (default `320x320,5s`). Small ones (`32x32,1s`) make a worker
+/// that answers almost at once, so the pipeline's own cost per record shows.
+fn p2_cases() -> anyhow::Result<Vec<ceiling::CeilingCase>> {
+    let spec = std::env::var("VRAMGATE_BENCH_P2_INPUTS").unwrap_or_else(|_| "320x320,5s".into());
+    spec.split(',')
+        .map(str::trim)
+        .map(|item| {
+            if let Some(seconds) = item.strip_suffix('s') {
+                return Ok(ceiling::CeilingCase::clip(seconds.parse()?));
+            }
+            let (h, w) = item.split_once('x').ok_or_else(|| anyhow::anyhow!("'{item}' is neither HxW nor Ns"))?;
+            Ok(ceiling::CeilingCase::image(h.parse()?, w.parse()?))
+        })
+        .collect()
+}
+
+/// P2 for P-Net on a 320×320 image and Silero VAD on a 5 s clip (or [`p2_cases`]).
 pub async fn p2() -> anyhow::Result<Vec<P2Row>> {
     let events: usize = env_or("VRAMGATE_BENCH_PIPELINE_EVENTS", 400);
-    let cases = [ceiling::CeilingCase::image(320, 320), ceiling::CeilingCase::clip(5)];
-    let options = ceiling::CeilingOptions { cases: cases.to_vec(), ..ceiling::CeilingOptions::from_env() };
+    let cases = p2_cases()?;
+    let options = ceiling::CeilingOptions { cases: cases.clone(), ..ceiling::CeilingOptions::from_env() };
     let worker = ceiling::start_ceiling_worker(&options).await?;
     let mut rows = Vec::new();
     for case in &cases {
