@@ -52,6 +52,8 @@ async fn main() -> anyhow::Result<()> {
         line("P4 gateway / raw librdkafka consume", format!("{:.0} records/s", gw.rate), format!("{:.0}", p4.raw), Some(gw.rate / p4.raw), "≥ 0.5");
         let relay = p4.relay.0;
         line("P4 raw relay / raw consume (the path's own)", format!("{relay:.0} records/s"), format!("{:.0}", p4.raw), Some(relay / p4.raw), "");
+        let parallel = p4.relay_parallel.0;
+        line("P4 raw relay, thread per partition / raw", format!("{parallel:.0} records/s"), format!("{:.0}", p4.raw), Some(parallel / p4.raw), "");
         line("P4 gateway / raw relay", format!("{:.0} records/s", gw.rate), format!("{relay:.0}"), Some(gw.rate / relay), "");
         let raw_cpu = p4.raw_cpu / p4.count as f64 * 1000.0;
         line("P4 CPU s / 1000 records (gateway, raw)", format!("{:.3}", gw.cpu_per_1000), format!("{raw_cpu:.3}"), None, "");

@@ -6,7 +6,8 @@
 //! gateway's whole record path except the worker call: consume → parse → input check → dead
 //! letter produced and acknowledged → offset committed. The ceiling is a plain librdkafka
 //! consumer (rdkafka `BaseConsumer`, no group) reading the same records. Between the two, a
-//! raw relay ([`raw_relay`]) does only the work the path requires, on one plain thread: it
+//! raw relay ([`raw_relay`]) does only the work the path requires, on one plain thread and on a
+//! thread per partition: it
 //! tells how much of the gap is the path's own (a produce and a commit per record that the
 //! raw consumer never makes, on the same two cores as the broker) and how much is the
 //! gateway's. The gateway runs with
@@ -168,37 +169,70 @@ fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64, f64)
 }
 
 /// The least any gateway must do per record on this path, written as plainly as librdkafka
-/// allows: one thread polls a `BaseConsumer`, parses the request, opens its input under the
-/// root (missing), and hands the same dead letter the gateway writes (JSON with the source
-/// record in base64, the same seven headers) to a `BaseProducer` with the gateway's output
-/// settings (`acks=all`, `linger.ms=5`, 5 requests in flight); it commits the consumer's
-/// position asynchronously every 200 ms, as auto-commit does, and once more, synchronously,
-/// after the producer's last acknowledgement. No task, span, window or byte budget: what it
-/// leaves out is what a gateway adds. Returns records per second (assign to the last
-/// acknowledgement and commit), its CPU seconds and the broker's meanwhile.
-fn raw_relay(topic: &str, out_topic: &str, root: &Path, count: usize) -> anyhow::Result<(f64, f64, f64)> {
-    use rdkafka::consumer::CommitMode;
-    use rdkafka::message::{Header, Message};
-    use vramgate_gateway::produce::{dead_letter_origin, source_record};
-    use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, Stage};
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", unique("relay"))
-        .set("enable.auto.commit", "false")
-        .create()?;
+/// allows: a thread polls a `BaseConsumer`, parses the request, opens its input under the root
+/// (missing), and hands the same dead letter the gateway writes (JSON with the source record in
+/// base64, the same seven headers) to a `BaseProducer` with the gateway's output settings
+/// (`acks=all`, `linger.ms=5`, 5 requests in flight); it commits its consumer's position
+/// asynchronously every 200 ms, as auto-commit does, and once more, synchronously, at its end.
+/// One thread reads every partition, or (`per_partition`) one thread per partition, each with
+/// its own consumer, sharing the producer. No task, span, window or byte budget: what it leaves
+/// out is what a gateway adds. Returns records per second (start to the last acknowledgement
+/// and commit), its CPU seconds and the broker's meanwhile.
+fn raw_relay(topic: &str, out_topic: &str, root: &Path, per_partition: bool) -> anyhow::Result<(f64, f64, f64)> {
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("acks", "all")
         .set("linger.ms", "5")
         .set("max.in.flight.requests.per.connection", "5")
         .create()?;
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..PARTITIONS {
-        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
-    }
+    let group = unique("relay");
+    let lanes: Vec<Vec<i32>> =
+        if per_partition { (0..PARTITIONS).map(|p| vec![p]).collect() } else { vec![(0..PARTITIONS).collect()] };
+    let outputs_before = topic_records(out_topic)?;
     let started = Instant::now();
     let cpu_before = cpu_seconds(std::process::id());
     let broker_before = broker_cpu();
+    let relayed: usize = std::thread::scope(|scope| {
+        let lanes: Vec<_> = lanes
+            .iter()
+            .map(|partitions| scope.spawn(|| relay_lane(topic, out_topic, root, &group, partitions, &producer)))
+            .collect();
+        lanes.into_iter().map(|lane| lane.join().expect("relay lane panicked")).sum::<anyhow::Result<usize>>()
+    })?;
+    producer.flush(Duration::from_secs(60))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(std::process::id()) - cpu_before;
+    let broker = broker_cpu() - broker_before;
+    let written = topic_records(out_topic)? - outputs_before;
+    anyhow::ensure!(written == relayed as i64, "the relay read {relayed} records and wrote {written} outputs");
+    Ok((relayed as f64 / elapsed, cpu, broker))
+}
+
+/// One relay thread: `partitions` of `topic` from the beginning to their end.
+fn relay_lane(
+    topic: &str,
+    out_topic: &str,
+    root: &Path,
+    group: &str,
+    partitions: &[i32],
+    producer: &BaseProducer,
+) -> anyhow::Result<usize> {
+    use rdkafka::consumer::CommitMode;
+    use rdkafka::message::{Header, Message};
+    use vramgate_gateway::produce::{dead_letter_origin, source_record};
+    use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, Stage};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    let mut count = 0;
+    for &p in partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+        let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        count += usize::try_from(high - low)?;
+    }
     consumer.assign(&tpl)?;
     let mut seen = 0usize;
     let mut last_commit = Instant::now();
@@ -249,11 +283,7 @@ fn raw_relay(topic: &str, out_topic: &str, root: &Path, count: usize) -> anyhow:
     anyhow::ensure!(seen == count, "relay read {seen} of {count} records");
     producer.flush(Duration::from_secs(60))?;
     consumer.commit_consumer_state(CommitMode::Sync)?;
-    let elapsed = started.elapsed().as_secs_f64();
-    let cpu = cpu_seconds(std::process::id()) - cpu_before;
-    let broker = broker_cpu() - broker_before;
-    anyhow::ensure!(topic_records(out_topic)? == count as i64, "the relay lost outputs");
-    Ok((count as f64 / elapsed, cpu, broker))
+    Ok(seen)
 }
 
 /// The gateway's side of P4.
@@ -463,8 +493,10 @@ pub struct P4 {
     pub raw_streaming: f64,
     pub raw_cpu: f64,
     pub raw_broker: f64,
-    /// [`raw_relay`]: records/s, its CPU seconds and the broker's.
+    /// [`raw_relay`] on one thread, and with a thread per partition: records/s, its CPU
+    /// seconds and the broker's.
     pub relay: (f64, f64, f64),
+    pub relay_parallel: (f64, f64, f64),
     pub gateway: GatewayRun,
 }
 
@@ -479,15 +511,16 @@ pub async fn p4() -> anyhow::Result<P4> {
 
     let (raw, raw_streaming, raw_cpu, raw_broker) = raw_consume(&topics.requests, count)?;
     // The gateway's run writes dead letters only, so the results topic takes the relay's.
-    let relay = raw_relay(&topics.requests, &topics.results, &root, count)?;
+    let relay = raw_relay(&topics.requests, &topics.results, &root, false)?;
+    let relay_parallel = raw_relay(&topics.requests, &topics.results, &root, true)?;
     let gateway = gateway_consume(&topics, &root, count).await?;
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
-    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, gateway })
+    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway })
 }
 
 /// Prints P4's figures.
 pub fn print_p4(p4: &P4) {
-    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, gateway: gw } = p4;
+    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw } = p4;
     let (count, raw, raw_streaming) = (*count, *raw, *raw_streaming);
     println!();
     println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
@@ -508,6 +541,14 @@ pub fn print_p4(p4: &P4) {
         per_1000(relay_cpu),
         per_1000(relay_broker)
     );
+    let (parallel_rate, parallel_cpu, parallel_broker) = *relay_parallel;
+    println!(
+        "    raw relay, a thread per partition\n\
+         \x20                             {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+        parallel_rate,
+        per_1000(parallel_cpu),
+        per_1000(parallel_broker)
+    );
     println!(
         "    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
         gw.rate, gw.cpu_per_1000, gw.broker_cpu_per_1000
@@ -520,6 +561,7 @@ pub fn print_p4(p4: &P4) {
     );
     println!("    ratio gateway / raw       {:>10.3}   (goal ≥ 0.5)", gw.rate / raw);
     println!("    ratio relay / raw         {:>10.3}   gateway / relay {:.3}", relay_rate / raw, gw.rate / relay_rate);
+    println!("    ratio relay per partition / raw {:>4.3}", parallel_rate / raw);
     println!(
         "    gateway RSS               start {:.0} MiB, peak {:.0} MiB under the backlog; byte bounds {:.0} MiB",
         gw.base_rss as f64 / MIB,
