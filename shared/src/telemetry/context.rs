@@ -166,6 +166,11 @@ pub fn trace_id_of(span: &tracing::Span) -> Option<String> {
 /// worker's batch thread, the gateway's commit thread). `None` when it is not sampled, so
 /// nothing is kept for spans that would not be exported.
 pub fn sampled_context(span: &tracing::Span) -> Option<Context> {
+    // Nothing can be sampled while nothing exports; asking the span would look it up for every
+    // record or request.
+    if !super::exports_spans() {
+        return None;
+    }
     let cx = span.context();
     cx.span().span_context().is_sampled().then_some(cx)
 }
