@@ -414,3 +414,40 @@ async fn an_oom_shows_in_the_trace_with_the_batch_before_and_after() -> anyhow::
     assert!(inferences.iter().any(|s| s.tag("error.type").is_none()), "the retry that succeeded is in the trace too:\n{shown}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lone_request_run_by_its_handler_keeps_its_batch_in_its_trace() -> anyhow::Result<()> {
+    use vramgate_tests::oip_client::{infer, test_image};
+    let jaeger_process = JaegerProcess::start(26_751)?;
+    let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+    let worker = start_worker(&worker_config(&telemetry_toml(&jaeger_process), &[PNET_MODEL])).await?;
+    let http = reqwest::Client::new();
+    // One at a time, at a size timed at start-up (128²): after the first (which follows a
+    // pause, so may wait its window on a batch thread) each finds the model idle and nothing
+    // queued, and its handler runs it.
+    for i in 0..4 {
+        let answer = infer(&http, &worker.url, PNET_MODEL.0, "image", vec![1, 3, 128, 128], test_image(128, 128, i), None).await?;
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    let ran_here = |s: &&Span| tag_str(s, "thread.name").is_some_and(|name| !name.starts_with("batch-"));
+    let mut traces = Vec::new();
+    for _ in 0..120 {
+        traces = jaeger.find("ai-worker", "model", PNET_MODEL.0, 20).await?;
+        if let Some(at) = traces.iter().position(|t| t.spans_named("inference").any(|s| ran_here(&s))) {
+            traces.swap(0, at);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let trace = traces.first().with_context(|| format!("no trace of the worker; its log:\n{}", worker.service.log_tail()))?;
+    let shown = vramgate_gateway::jaeger::render(trace);
+    let inference = trace.spans_named("inference").find(ran_here).unwrap_or_else(|| panic!("no batch run by its handler:\n{shown}"));
+    let server = trace.span("POST /v2/models/{model}/infer").unwrap_or_else(|| panic!("no server span:\n{shown}"));
+    let formation = trace.span("batch_formation").unwrap_or_else(|| panic!("no batch formation:\n{shown}"));
+    for span in [inference, formation] {
+        assert_eq!(span.parent(), Some(server.span_id.as_str()), "{} is not in its request's span:\n{shown}", span.operation);
+        assert_eq!(tag_number(span, "batch.size"), Some(1), "{shown}");
+    }
+    assert!(has_tag(inference, "device") && tag_str(inference, "model") == Some(PNET_MODEL.0), "{shown}");
+    Ok(())
+}
