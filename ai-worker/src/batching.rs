@@ -162,14 +162,6 @@ impl BatchSizer {
             .or_insert(Rate { items_per_s, samples: 1 });
     }
 
-    /// How long a batch of `rows` items of `item_elements` takes on average, where batches of
-    /// that many rows were measured in its size class.
-    pub fn expected_seconds(&self, item_elements: u64, rows: usize) -> Option<f64> {
-        let classes = self.classes();
-        let rate = classes.get(&size_class(item_elements))?.rates.get(&rows)?;
-        Some(rows as f64 / rate.items_per_s)
-    }
-
     /// Every size class with figures and its limit, for the metrics and the logs.
     pub fn limits(&self) -> Vec<(SizeClass, usize)> {
         let classes = self.classes();
@@ -334,16 +326,6 @@ mod tests {
         assert_eq!(sizer.limit(3_000_000), 8, "nothing larger measured yet");
         feed(&sizer, 3_000_000, 4, 7.0);
         assert_eq!(sizer.limit(3_000_000), 1);
-    }
-
-    #[test]
-    fn a_batch_is_expected_to_take_what_its_size_took_in_its_own_class() {
-        let sizer = BatchSizer::new(None, 1);
-        assert_eq!(sizer.expected_seconds(1000, 1), None);
-        feed(&sizer, 1000, 2, 100.0);
-        assert_eq!(sizer.expected_seconds(1000, 2), Some(0.02));
-        assert_eq!(sizer.expected_seconds(1000, 1), None, "another batch size");
-        assert_eq!(sizer.expected_seconds(4000, 2), None, "another size class");
     }
 
     #[test]

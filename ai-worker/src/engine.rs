@@ -2,10 +2,8 @@
 //!
 //! ```text
 //! handler ──price (estimate)──► BytePool (FIFO, bytes) ──guard──► model's batch thread
-//!    ▲                                       │ runner free,         │ merge within window,
-//!    │                                       │ alone anyway:        │ run, split, recover
-//!    │                                       └─► run it right here  │
-//!    └──────────────── outputs (or 413 / 503 / 504 / 507) ◄─────────┘
+//!    ▲                                                              │ merge within window,
+//!    └──────────────── outputs (or 413 / 503 / 504 / 507) ◄─────────┘ run, split, recover
 //! ```
 //!
 //! * **Price.** A request costs its model's estimate for its input elements (`estimate.rs`).
@@ -29,16 +27,6 @@
 //!   images of the same size share a batch, because P-Net's ceil-mode pooling lets padding
 //!   change the last row and column of a smaller image's map (the gateway resizes images to
 //!   the model's input size, so equal sizes are the common case).
-//! * **Running in the handler.** A batch thread that is handed a lone request wakes, runs it at
-//!   once and wakes the handler: two thread hand-offs that at one client in flight cost as
-//!   much as the transport (docs/performance.md, worker cause 8). So when a runner of the model
-//!   is free, nothing is queued or being formed, and the batch would be the request alone
-//!   anyway (it would not wait for more), the handler runs it itself, in `block_in_place`,
-//!   through the same [`Batcher::execute`] (spans, metrics, OOM recovery, the serial lane).
-//!   Batch threads and such handlers take a runner each from one count per model, as many as
-//!   its instances, so they never run more batches of it at once than it has copies. Because a
-//!   handler running a batch cannot stop waiting at its deadline, it does so only for sizes
-//!   measured to take at most a quarter of the time left ([`RUN_HERE_DEADLINE_SHARE`]).
 //! * **Measuring.** Each batch's duration feeds its model's [`BatchSizer`]. Its memory peak is
 //!   measured only when the estimate asks for it (`estimate.rs`: new size classes, a batch
 //!   larger than any measured, after an OOM, one batch in `memory_measure_every_batches`),
@@ -49,8 +37,7 @@
 //!   device; if it fails there too it gets 507. Any other error in a batch of several is
 //!   isolated by running its members one by one, so only the bad request gets the 500.
 //! * **Deadlines.** Work whose deadline passed (or whose client left) is not started. A
-//!   handler stops waiting at its deadline and its bytes return to the pool then (one running
-//!   its request itself answers when the run ends, however late, with its outputs); a batch
+//!   handler stops waiting at its deadline and its bytes return to the pool then; a batch
 //!   already running on the device cannot be interrupted (neither libtorch nor CUDA can
 //!   cancel a launched kernel), so it finishes in the background, still holding the model's
 //!   thread and its real memory, and its results are dropped. The pool may meanwhile admit
@@ -58,7 +45,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::KeyValue;
@@ -123,19 +111,13 @@ impl Job {
 pub const MAX_PADDING_WORK: f64 = 2.0;
 
 /// One served model: the model, its estimate, its batch sizes, and the way into its batch
-/// threads.
+/// thread.
 pub struct Served {
     pub model: Arc<Model>,
     pub estimate: Arc<MemoryEstimate>,
     pub sizer: Arc<BatchSizer>,
-    batcher: Arc<Batcher>,
-}
-
-impl Drop for Served {
-    /// The engine is gone: its batch threads end.
-    fn drop(&mut self) {
-        self.batcher.intake.close();
-    }
+    jobs: Sender<Job>,
+    traffic: Arc<Traffic>,
 }
 
 impl Served {
@@ -144,7 +126,7 @@ impl Served {
     /// [`Engine::infer`] queues its job: a batch waits its window only for requests that are
     /// coming, or when requests have lately overlapped.
     pub fn arrive(&self) -> Arrival {
-        let t = &self.batcher.traffic;
+        let t = &self.traffic;
         let now = (t.epoch.elapsed().as_millis() as u64).max(1);
         t.arriving.fetch_add(1, Ordering::SeqCst);
         if t.in_worker.fetch_add(1, Ordering::SeqCst) > 0 {
@@ -152,7 +134,7 @@ impl Served {
         }
         let last = t.last_arrival_ms.swap(now, Ordering::Relaxed);
         let after_pause = last == 0 || now.saturating_sub(last) >= OVERLAP_MEMORY.as_millis() as u64;
-        Arrival { traffic: t.clone(), queued: false, after_pause }
+        Arrival { traffic: self.traffic.clone(), queued: false, after_pause }
     }
 }
 
@@ -273,22 +255,24 @@ impl Engine {
         let mut served = HashMap::new();
         for Calibrated { model, estimate, sizer } in models {
             estimate.set_measure_every(config.memory_measure_every_batches);
-            let batcher = Arc::new(Batcher {
-                model: model.clone(),
-                estimate: estimate.clone(),
-                sizer: sizer.clone(),
-                intake: Intake::new(model.instances()),
-                traffic: Arc::new(Traffic::new()),
-                shared: shared.clone(),
-                window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
-            });
+            let (tx, rx) = std::sync::mpsc::channel();
+            let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
+            let traffic = Arc::new(Traffic::new());
             for instance in 0..model.instances() {
-                let batcher = batcher.clone();
+                let batcher = Batcher {
+                    model: model.clone(),
+                    estimate: estimate.clone(),
+                    sizer: sizer.clone(),
+                    traffic: traffic.clone(),
+                    shared: shared.clone(),
+                    window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
+                };
+                let intake = intake.clone();
                 std::thread::Builder::new()
                     .name(format!("batch-{}-{instance}", model.name()))
-                    .spawn(move || batcher.run())?;
+                    .spawn(move || batcher.run(&intake))?;
             }
-            served.insert(model.name().to_string(), Arc::new(Served { model, estimate, sizer, batcher }));
+            served.insert(model.name().to_string(), Arc::new(Served { model, estimate, sizer, jobs: tx, traffic }));
         }
         Ok(Engine {
             served,
@@ -375,20 +359,12 @@ impl Engine {
         // its own job as still on its way and wait its window for it (a lone client's request
         // then paid the window after all).
         arrival.queued();
-        match served.batcher.submit(job) {
-            Submitted::Queued => {}
-            // A runner free, nothing waiting and its batch `job` alone anyway: this thread runs
-            // the batch instead of waking a batch thread and being woken by it, two thread
-            // hand-offs fewer (docs/performance.md, worker cause 8). `block_in_place` moves
-            // this runtime thread's other tasks to another thread meanwhile (the worker's
-            // runtime is multi-threaded).
-            Submitted::Here(runner, job) => tokio::task::block_in_place(|| served.batcher.run_here(runner, job)),
-            Submitted::Stopped => {
-                return Err(InferError::Model(ModelError::Runtime {
-                    name: served.model.name().into(),
-                    message: "the model's batch thread has stopped".into(),
-                }))
-            }
+        let sent = served.jobs.send(job);
+        if sent.is_err() {
+            return Err(InferError::Model(ModelError::Runtime {
+                name: served.model.name().into(),
+                message: "the model's batch thread has stopped".into(),
+            }));
         }
         let remaining = deadline.saturating_duration_since(Instant::now());
         let outcome = match tokio::time::timeout(remaining, rx).await {
@@ -482,97 +458,17 @@ impl DrainRate {
     }
 }
 
-/// Where a model's admitted jobs wait for a runner. Its runners are its batch threads and, at
-/// times, a request's own handler ([`Batcher::submit`]); there are as many as the model has
-/// instances, and each holds a [`Runner`] from forming its batch until the batch has run, so
-/// no more batches of a model run at once than it has loaded copies, whoever runs them.
+/// Where a model's admitted jobs wait: the channel, and the jobs that did not fit the last
+/// batch formed (they lead the next one).
 struct Intake {
-    queue: Mutex<Queue>,
-    /// For idle batch threads: a job was queued, a runner given back, or the engine is gone.
-    work: Condvar,
-    /// For the batch thread forming a batch: a job was queued.
-    more: Condvar,
+    jobs: Receiver<Job>,
+    pending: VecDeque<Job>,
 }
 
-struct Queue {
-    /// Admitted jobs not in a batch yet, oldest first (those that did not fit the last batch
-    /// formed lead the next).
-    jobs: VecDeque<Job>,
-    /// Runners not forming or running a batch.
-    free: usize,
-    /// A batch thread is forming a batch (it may be waiting its window): what is queued is
-    /// its to take.
-    forming: bool,
-    /// Batch threads still running: with none (they panicked), jobs are refused, not queued.
-    threads: usize,
-    /// The engine is gone: batch threads end.
-    closed: bool,
-}
-
-impl Intake {
-    fn new(instances: usize) -> Self {
-        let queue = Queue { jobs: VecDeque::new(), free: instances, forming: false, threads: instances, closed: false };
-        Intake { queue: Mutex::new(queue), work: Condvar::new(), more: Condvar::new() }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn close(&self) {
-        self.lock().closed = true;
-        self.work.notify_all();
-    }
-}
-
-/// One of a model's runners, taken from [`Queue::free`]; given back when dropped (its batch
-/// has run, or its thread is unwinding), waking a batch thread where jobs wait for it.
-struct Runner<'a>(&'a Intake);
-
-impl Drop for Runner<'_> {
-    fn drop(&mut self) {
-        let mut queue = self.0.lock();
-        queue.free += 1;
-        let waiting = !queue.jobs.is_empty();
-        drop(queue);
-        if waiting {
-            self.0.work.notify_one();
-        }
-    }
-}
-
-/// A batch thread, counted in [`Queue::threads`] until it ends, by return or by panic.
-struct Running<'a>(&'a Intake);
-
-impl Drop for Running<'_> {
-    fn drop(&mut self) {
-        self.0.lock().threads -= 1;
-    }
-}
-
-/// What [`Batcher::submit`] did with a job.
-enum Submitted<'a> {
-    /// Queued for a batch thread, which will reply.
-    Queued,
-    /// Its batch is the job alone and a runner was free: the caller runs it
-    /// ([`Batcher::run_here`]).
-    Here(Runner<'a>, Job),
-    /// The model's batch threads have stopped.
-    Stopped,
-}
-
-/// A lone request runs on its handler's thread only when batches of its size have measured at
-/// most this share of the time left to its deadline: a handler running a batch cannot stop
-/// waiting at the deadline, as it does for a batch thread's batch (a size class spans twice
-/// the elements, and runs on a shared machine vary about as much again).
-const RUN_HERE_DEADLINE_SHARE: f64 = 0.25;
-
-/// A model's batching: its batch threads (one per instance) share it and its intake.
 struct Batcher {
     model: Arc<Model>,
     estimate: Arc<MemoryEstimate>,
     sizer: Arc<BatchSizer>,
-    intake: Intake,
     /// See [`Served::arrive`].
     traffic: Arc<Traffic>,
     shared: Arc<Shared>,
@@ -581,118 +477,71 @@ struct Batcher {
 
 impl Batcher {
     /// Forms batches and runs them. Several instances of one model share the intake: the one
-    /// forming a batch has the queue to itself (so a batch is formed from every job available),
-    /// and lets go of it before running the batch, so the next instance can form another.
-    fn run(&self) {
-        let _running = Running(&self.intake);
-        while let Some(batch) = self.form_batch() {
-            let _runner = Runner(&self.intake);
-            self.execute(batch);
-        }
-    }
-
-    /// Queues `job`, or hands it back with a runner when a batch thread would run it alone at
-    /// once anyway: a runner is free, no batch is being formed, nothing is queued, and its
-    /// batch would not wait for more ([`Batcher::waits_for_more`]). Only then, and only when
-    /// its size has been measured to run well within its deadline.
-    fn submit(&self, job: Job) -> Submitted<'_> {
-        let alone = self.runs_alone(&job);
-        let mut queue = self.intake.lock();
-        if queue.threads == 0 {
-            return Submitted::Stopped;
-        }
-        if alone && queue.free > 0 && !queue.forming && queue.jobs.is_empty() {
-            queue.free -= 1;
-            drop(queue);
-            return Submitted::Here(Runner(&self.intake), job);
-        }
-        queue.jobs.push_back(job);
-        let wake = if queue.forming { &self.intake.more } else { &self.intake.work };
-        drop(queue);
-        wake.notify_one();
-        Submitted::Queued
-    }
-
-    /// Runs `job` as a batch of its own on this thread, as a batch thread would have. It is
-    /// not counted as a batch formed ([`BatchSizer::allowed`]): a lone request cannot explore
-    /// a larger batch size.
-    fn run_here(&self, runner: Runner<'_>, job: Job) {
-        self.execute(vec![job]);
-        drop(runner);
-    }
-
-    /// Whether a batch thread would run `job` alone, at once, were nothing else queued, and its
-    /// size has measured within [`RUN_HERE_DEADLINE_SHARE`] of the time it has left.
-    fn runs_alone(&self, job: &Job) -> bool {
-        let item = item_elements(&[&job.input]);
-        let rows = job.input.shape[0];
-        if self.waits_for_more(rows, self.sizer.limit(item), job.after_pause) {
-            return false;
-        }
-        let left = job.deadline.saturating_duration_since(Instant::now()).as_secs_f64();
-        self.sizer.expected_seconds(item, rows).is_some_and(|s| s <= RUN_HERE_DEADLINE_SHARE * left)
-    }
-
-    /// Whether a batch of `rows` waits its window for more: only below its `cap`, and only when
-    /// more requests are likely, so a lone client's request runs at once instead of after the
-    /// window.
-    fn waits_for_more(&self, rows: usize, cap: usize, after_pause: bool) -> bool {
-        rows < cap && !self.window.is_zero() && (after_pause || self.traffic.expecting_more())
-    }
-
-    /// Waits for a job and a free runner, takes the runner (the caller gives it back once the
-    /// batch has run) and forms a batch. `None`: the engine is gone.
-    fn form_batch(&self) -> Option<Vec<Job>> {
-        let mut queue = self.intake.lock();
-        let first = loop {
-            if queue.closed {
-                return None;
-            }
-            if queue.free > 0 && !queue.forming {
-                if let Some(job) = queue.jobs.pop_front() {
-                    match job.still_wanted() {
-                        Some(job) => break job,
-                        None => continue,
-                    }
+    /// forming a batch holds it (so a batch is formed from every job available), and lets go
+    /// of it before running the batch, so the next instance can form another.
+    fn run(self, intake: &Mutex<Intake>) {
+        loop {
+            let batch = {
+                let mut intake = intake.lock().unwrap_or_else(|p| p.into_inner());
+                let Intake { jobs, pending } = &mut *intake;
+                match self.form_batch(jobs, pending) {
+                    Some(batch) => batch,
+                    None => return, // the engine is gone
                 }
+            };
+            if !batch.is_empty() {
+                self.execute(batch);
             }
-            queue = self.intake.work.wait(queue).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn form_batch(&self, jobs: &Receiver<Job>, pending: &mut VecDeque<Job>) -> Option<Vec<Job>> {
+        let first = match pending.pop_front() {
+            Some(job) => job,
+            None => jobs.recv().ok()?,
         };
-        queue.free -= 1;
-        queue.forming = true;
+        let Some(first) = first.still_wanted() else { return Some(Vec::new()) };
         // The most rows this batch may hold: measured per input size (`batching.rs`).
         let cap = self.sizer.allowed(item_elements(&[&first.input]));
         let after_pause = first.after_pause;
         let mut batch = vec![first];
         let mut skipped = VecDeque::new();
+        while let Some(job) = pending.pop_front() {
+            if self.fits(&batch, &job, cap) {
+                batch.push(job);
+            } else {
+                skipped.push_back(job);
+            }
+        }
+        *pending = skipped;
         let window_end = Instant::now() + self.window;
         while rows(&batch) < cap {
-            let Some(next) = queue.jobs.pop_front() else {
-                let wait = window_end.saturating_duration_since(Instant::now());
-                if wait.is_zero() || !self.waits_for_more(rows(&batch), cap, after_pause) {
-                    break;
+            let next = match jobs.try_recv() {
+                Ok(job) => job,
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    // Wait only when more requests are likely: a lone client's request runs
+                    // at once instead of after the window.
+                    let wait = window_end.saturating_duration_since(Instant::now());
+                    if wait.is_zero() || !(after_pause || self.traffic.expecting_more()) {
+                        break;
+                    }
+                    match jobs.recv_timeout(wait) {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    }
                 }
-                queue = self.intake.more.wait_timeout(queue, wait).map_or_else(|p| p.into_inner().0, |(q, _)| q);
-                continue;
             };
             let Some(next) = next.still_wanted() else { continue };
             if self.fits(&batch, &next, cap) {
                 batch.push(next);
             } else {
-                skipped.push_back(next);
+                pending.push_back(next);
             }
-        }
-        // What did not fit is older than what is still queued.
-        skipped.append(&mut queue.jobs);
-        queue.jobs = skipped;
-        queue.forming = false;
-        let more_to_form = !queue.jobs.is_empty() && queue.free > 0;
-        drop(queue);
-        if more_to_form {
-            self.intake.work.notify_one();
         }
         Some(batch)
     }
+
     /// Whether `next` may join `batch`: the batch stays within `cap` rows, its padding within
     /// [`MAX_PADDING_WORK`], the padded batch within the learned capacity and, when admitting
     /// by bytes, within what its members were granted.
@@ -848,8 +697,6 @@ impl Batcher {
         let size = group.len() as i64;
         let model = self.model.name().to_string();
         let device = self.model.device_name();
-        // A batch thread's name, or a runtime thread's where the handler ran its request itself.
-        let thread = std::thread::current().name().unwrap_or_default().to_string();
         let estimated = self.estimate.bytes(elements) as i64;
         let error = match result {
             Ok(_) => None,
@@ -871,7 +718,6 @@ impl Batcher {
                 KeyValue::new("batch.size", size),
                 KeyValue::new("device", device.clone()),
                 KeyValue::new("serial_lane", exclusive),
-                KeyValue::new("thread.name", thread.clone()),
             ];
             if error == Some("out_of_memory") {
                 // What happens next (see `execute`): halved, alone in the serial lane, or 507.
