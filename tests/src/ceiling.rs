@@ -25,7 +25,7 @@ use anyhow::{bail, Context};
 use vramgate_shared::oip::{self, RequestOutputSpec, Tensor};
 
 use crate::oip_client::{test_audio, test_image};
-use crate::{repo_root, start_worker, worker_config, Worker};
+use crate::{cpu_seconds, repo_root, start_worker, worker_config, Worker};
 
 /// Which of the worker's models a case runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -361,20 +361,24 @@ pub async fn worker_vs_raw(options: &CeilingOptions) -> anyhow::Result<Vec<Ceili
             for (c, best) in row.worker_per_s.iter_mut() {
                 let before = model_time(&worker.url, case.model).await;
                 let sched_before = batch_threads_schedstat(worker.service.pid(), case.model);
+                let cpu_before = cpu_seconds(worker.service.pid());
                 let (rate, failed) = worker_rate(&worker.url, case, &data, *c, options.seconds).await?;
+                let cpu = cpu_seconds(worker.service.pid()) - cpu_before;
                 let sched = batch_threads_schedstat(worker.service.pid(), case.model);
                 let after = model_time(&worker.url, case.model).await;
                 *best = best.max(rate);
                 row.failed += failed;
                 // The worker's own figures over the run (warm-up included): time inside the
-                // model per item, items per batch, and its batch thread's time on a CPU and
-                // waiting for one, per item.
+                // model per item, items per batch, its batch thread's time on a CPU and waiting
+                // for one, per item, and the whole worker's time on a CPU per item (the HTTP
+                // threads' and the batch thread's together: what a change to the request path
+                // costs or saves, wherever it moves the work).
                 let (seconds, batches, items) = (after.0 - before.0, after.1 - before.1, after.2 - before.2);
                 let per_item = |ns: u64| ns as f64 / 1e6 / items.max(1.0);
                 eprintln!(
                     "  round {round} {:<10} {:<8} worker c={c:<2} {rate:>9.1} {} ({:.2}x this round's raw); \
                      in the model {:.2} ms per item, {:.1} items per batch; batch thread {:.2} ms on a CPU, \
-                     {:.2} ms waiting for one per item",
+                     {:.2} ms waiting for one per item; worker {:.2} ms on a CPU per item",
                     case.model.name(),
                     case.label,
                     case.model.unit(),
@@ -383,6 +387,7 @@ pub async fn worker_vs_raw(options: &CeilingOptions) -> anyhow::Result<Vec<Ceili
                     items / batches.max(1.0),
                     per_item(sched.0.saturating_sub(sched_before.0)),
                     per_item(sched.1.saturating_sub(sched_before.1)),
+                    1000.0 * cpu / items.max(1.0),
                 );
             }
         }

@@ -40,38 +40,13 @@ use crate::ceiling;
 use crate::images::{crowd, png, write};
 use crate::wav::{noise, write_wav, SampleFormat};
 use crate::{
-    brokers, delete_topics, env_or, gateway_base_env, image_task_env, proc_status_kib, producer, request_file,
+    brokers, cpu_seconds, delete_topics, env_or, gateway_base_env, image_task_env, proc_status_kib, producer, request_file,
     scratch_dir, send_all,
     start_gateway, uncommitted_records, unique, voice_task_env, TaskTopics,
 };
 
 const PARTITIONS: i32 = 3;
 const MIB: f64 = (1u64 << 20) as f64;
-
-/// A process's `utime + stime` in seconds, from `/proc/<pid>/stat`.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name, which is in parentheses and may hold spaces.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // utime and stime are fields 14 and 15 of stat; 12 and 13 after "pid (comm)".
-    (ticks(11) + ticks(12)) / clock_ticks()
-}
-
-/// `sysconf(_SC_CLK_TCK)`, read once through `getconf` (100 on every Linux this runs on).
-fn clock_ticks() -> f64 {
-    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        std::process::Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8(o.stdout).ok())
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(100.0)
-    })
-}
 
 /// Pids of local Kafka brokers (`kafka.Kafka` in their command line), to count their CPU.
 fn broker_pids() -> Vec<u32> {
