@@ -12,17 +12,19 @@
 //! `permit_wait_ms` for a GPU permit has its own partitions paused.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message;
+use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::lock;
-use super::offsets::TopicPartition;
+use super::offsets::{Ticket, TopicPartition};
 use super::rebalance::{Flow, RebalanceContext};
+use crate::budget::Held;
 use crate::config::GatewayConfig;
 use crate::record::{self, Shared};
 use crate::task::Task;
@@ -57,13 +59,13 @@ impl PauseReason {
 /// A record taken and admitted, not yet handed to the runtime.
 struct Admitted {
     task: Arc<Task>,
-    message: rdkafka::message::OwnedMessage,
-    ticket: crate::consume::offsets::Ticket,
-    held: crate::budget::Held,
+    message: OwnedMessage,
+    ticket: Ticket,
+    held: Held,
 }
 
 impl Admitted {
-    fn handle(self, shared: Arc<Shared>) -> impl std::future::Future<Output = ()> + Send + 'static {
+    fn handle(self, shared: Arc<Shared>) -> impl Future<Output = ()> + Send + 'static {
         record::handle(shared, self.task, self.message, self.ticket, self.held)
     }
 }
@@ -185,7 +187,7 @@ impl Fetch {
 
     /// Counts and charges a record, and gives it its ticket; `None` for a record from a topic
     /// no task reads.
-    fn admit(&self, message: rdkafka::message::OwnedMessage) -> Option<Admitted> {
+    fn admit(&self, message: OwnedMessage) -> Option<Admitted> {
         let Some(task) = self.by_topic.get(message.topic()) else {
             tracing::error!(topic = message.topic(), "record from a topic no task reads; skipped");
             return None;
