@@ -24,6 +24,7 @@ use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::telemetry::{bounded, LogLimit};
 
 use crate::consume::client::KafkaEvents;
+use crate::failure::Failure;
 use crate::metrics::Metrics;
 
 /// Longest event id a trimmed dead letter carries.
@@ -165,6 +166,15 @@ pub fn dead_letter_origin(source: &impl Message, kind: ErrorKind, capacity: usiz
         .insert(Header { key: "kafka_dlt-original-partition", value: Some(&source.partition().to_be_bytes()) })
         .insert(Header { key: "kafka_dlt-original-offset", value: Some(&source.offset().to_be_bytes()) })
         .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
+}
+
+/// A dead letter's headers: [`dead_letter_origin`], then the failure's message and stage and
+/// vramgate's own kind header (room left for the trace context [`deliver`] adds).
+pub fn dead_letter_headers(source: &impl Message, failure: &Failure) -> OwnedHeaders {
+    dead_letter_origin(source, failure.kind, 9)
+        .insert(Header { key: "kafka_dlt-exception-message", value: Some(failure.message.as_str()) })
+        .insert(Header { key: "kafka_dlt-exception-stage", value: Some(failure.stage.as_str()) })
+        .insert(Header { key: "vramgate-error-kind", value: Some(failure.kind.as_str()) })
 }
 
 /// Where a dead letter's record came from, with its key and value in base64: everything

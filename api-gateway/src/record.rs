@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::FutureExt;
-use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use tracing::Instrument;
 use vramgate_shared::telemetry::context::{self, Carried};
@@ -178,7 +178,7 @@ async fn handle_in_span(
                 shared.metrics.log_suppressed.with_label_values(&["dead_letter"]).inc();
             }
             shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
-            let headers = dead_letter_headers(&message, &rejection.failure);
+            let headers = produce::dead_letter_headers(&message, &rejection.failure);
             let letter = dead_letter(&message, rejection);
             // Sized up front: growing from serde_json's default capacity copied the source
             // record's base64 a few times over.
@@ -479,15 +479,6 @@ fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent 
         attempts: rejection.failure.attempts,
         source: produce::source_record(message),
     }
-}
-
-/// The headers Spring Kafka's dead-letter publisher writes, so existing tooling reads ours
-/// (room left for the trace context `produce::deliver` adds).
-fn dead_letter_headers(message: &OwnedMessage, failure: &Failure) -> OwnedHeaders {
-    produce::dead_letter_origin(message, failure.kind, 9)
-        .insert(Header { key: "kafka_dlt-exception-message", value: Some(failure.message.as_str()) })
-        .insert(Header { key: "kafka_dlt-exception-stage", value: Some(failure.stage.as_str()) })
-        .insert(Header { key: "vramgate-error-kind", value: Some(failure.kind.as_str()) })
 }
 
 #[cfg(test)]

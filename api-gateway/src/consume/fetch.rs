@@ -168,20 +168,13 @@ impl Fetch {
                 break;
             }
         }
-        match round.len() {
-            0 => {}
-            1 => {
-                let admitted = round.pop().expect("one record");
-                self.runtime.spawn(admitted.handle(self.shared.clone()));
-            }
-            _ => {
-                let shared = self.shared.clone();
-                self.runtime.spawn(async move {
-                    for admitted in round {
-                        tokio::spawn(admitted.handle(shared.clone()));
-                    }
-                });
-            }
+        if !round.is_empty() {
+            let shared = self.shared.clone();
+            self.runtime.spawn(async move {
+                for admitted in round {
+                    tokio::spawn(admitted.handle(shared.clone()));
+                }
+            });
         }
     }
 

@@ -103,11 +103,6 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    /// Whether spans are exported.
-    pub fn exporting(&self) -> bool {
-        self.provider.is_some()
-    }
-
     /// Sends what is queued (bounded by the export timeout) and stops exporting.
     pub fn shutdown(self) {
         if let Some(provider) = self.provider {

@@ -174,7 +174,7 @@ fn raw_relay(topic: &str, out_topic: &str, root: &Path, per_partition: bool) -> 
             .collect();
         lanes.into_iter().map(|lane| lane.join().expect("relay lane panicked")).sum::<anyhow::Result<usize>>()
     })?;
-    producer.flush(Duration::from_secs(60))?;
+    // Each lane flushed the producer before its last commit.
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(std::process::id()) - cpu_before;
     let broker = broker_cpu() - broker_before;
@@ -193,9 +193,10 @@ fn relay_lane(
     producer: &BaseProducer,
 ) -> anyhow::Result<usize> {
     use rdkafka::consumer::CommitMode;
-    use rdkafka::message::{Header, Message};
-    use vramgate_gateway::produce::{dead_letter_origin, source_record};
-    use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, Stage};
+    use rdkafka::message::Message;
+    use vramgate_gateway::failure::Failure;
+    use vramgate_gateway::produce::{dead_letter_headers, source_record};
+    use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, Stage, SCHEMA_VERSION};
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", group)
@@ -224,19 +225,17 @@ fn relay_lane(
         let path = root.join(uri.rsplit('/').next().unwrap_or_default());
         let error = std::fs::File::open(&path).expect_err("the bench's inputs are missing");
         let text = format!("input file {} was not found under the gateway's input root ({error})", path.display());
+        let failure = Failure::new(ErrorKind::InputNotFound, Stage::Fetch, text);
+        let headers = dead_letter_headers(&message, &failure);
         let letter = DeadLetterEvent {
-            version: 1,
+            version: SCHEMA_VERSION,
             id: Some(request.id),
             task: Some(request.task),
-            error: ErrorInfo { kind: ErrorKind::InputNotFound, message: text, stage: Stage::Fetch },
+            error: ErrorInfo { kind: failure.kind, message: failure.message, stage: failure.stage },
             attempts: 0,
             source: source_record(&message),
         };
         let payload = serde_json::to_vec(&letter)?;
-        let headers = dead_letter_origin(&message, ErrorKind::InputNotFound, 7)
-            .insert(Header { key: "kafka_dlt-exception-message", value: Some(letter.error.message.as_str()) })
-            .insert(Header { key: "kafka_dlt-exception-stage", value: Some("fetch") })
-            .insert(Header { key: "vramgate-error-kind", value: Some("input_not_found") });
         let mut record = BaseRecord::to(out_topic).payload(&payload).headers(headers);
         if let Some(key) = message.key() {
             record = record.key(key);
@@ -508,22 +507,18 @@ pub fn print_p4(p4: &P4) {
         per_1000(*raw_broker)
     );
     println!("      (first record to last: {raw_streaming:.0} records/s, librdkafka's prefetch already full)");
-    let (relay_rate, relay_cpu, relay_broker) = *relay;
-    println!(
-        "    raw relay (one thread: consume → input check → dead letter → acks=all, commit)\n\
-         \x20                             {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
-        relay_rate,
-        per_1000(relay_cpu),
-        per_1000(relay_broker)
-    );
-    let (parallel_rate, parallel_cpu, parallel_broker) = *relay_parallel;
-    println!(
-        "    raw relay, a thread per partition\n\
-         \x20                             {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
-        parallel_rate,
-        per_1000(parallel_cpu),
-        per_1000(parallel_broker)
-    );
+    let relay_row = |label: &str, (rate, cpu, broker): (f64, f64, f64)| {
+        println!("    {label}");
+        println!(
+            "                              {rate:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
+            per_1000(cpu),
+            per_1000(broker)
+        );
+    };
+    relay_row("raw relay (one thread: consume → input check → dead letter → acks=all, commit)", *relay);
+    relay_row("raw relay, a thread per partition", *relay_parallel);
+    let relay_rate = relay.0;
+    let parallel_rate = relay_parallel.0;
     println!(
         "    gateway                   {:>10.0} records/s   {:>6.3} CPU s / 1000 records (broker {:.3})",
         gw.rate, gw.cpu_per_1000, gw.broker_cpu_per_1000
