@@ -84,12 +84,12 @@ pub struct InputSource {
 /// An input ready to read: its size is known and was checked against the limit, so the
 /// caller can reserve it before reading.
 #[derive(Debug)]
-pub enum Opened<'a> {
-    Inline(&'a str),
+pub enum Opened {
+    Inline(String),
     File { file: File, size: u64, shown: String },
 }
 
-impl Opened<'_> {
+impl Opened {
     /// How many bytes [`read`](Self::read) returns, at most.
     pub fn size(&self) -> u64 {
         match self {
@@ -118,31 +118,31 @@ impl InputSource {
     }
 
     /// Opens the input and checks its size against the limit. Failures are those reading
-    /// would give.
-    pub async fn open<'a>(&self, input: &'a InputRef) -> Result<Opened<'a>, FetchError> {
+    /// would give. Synchronous: a record's checks before its worker call run in one go
+    /// ([`crate::record`]).
+    pub fn open(&self, input: InputRef) -> Result<Opened, FetchError> {
         match input {
             InputRef::Inline { data_b64 } => {
-                let opened = Opened::Inline(data_b64);
                 // base64 is 4 characters per 3 bytes; check before allocating the decoded copy.
                 let size = (data_b64.len() as u64 / 4) * 3;
                 if size > self.max_bytes {
                     return Err(FetchError::TooLarge { size, limit: self.max_bytes });
                 }
-                Ok(opened)
+                Ok(Opened::Inline(data_b64))
             }
             InputRef::Uri { uri } => {
                 // Opened on the calling thread: one openat2 and one fstat on a local file
                 // system cost less than handing the work to tokio's blocking pool and back
                 // (measured: the handoff halved the gateway's record rate). Reading, which can
                 // be long, goes to the blocking pool under the read deadline.
-                let relative = self.relative(uri)?;
-                self.open_file(&relative, shown(uri))
+                let relative = self.relative(&uri)?;
+                self.open_file(&relative, shown(&uri))
             }
         }
     }
 
     /// Reads an opened input, within the size limit and the read timeout.
-    pub async fn read(&self, opened: Opened<'_>) -> Result<Vec<u8>, FetchError> {
+    pub async fn read(&self, opened: Opened) -> Result<Vec<u8>, FetchError> {
         match opened {
             Opened::Inline(b64) => base64::engine::general_purpose::STANDARD.decode(b64.trim()).map_err(FetchError::BadBase64),
             Opened::File { file, size, shown } => {
@@ -167,8 +167,8 @@ impl InputSource {
     }
 
     /// Opens, then reads: for callers that reserve nothing in between.
-    pub async fn fetch(&self, input: &InputRef) -> Result<Vec<u8>, FetchError> {
-        let opened = self.open(input).await?;
+    pub async fn fetch(&self, input: InputRef) -> Result<Vec<u8>, FetchError> {
+        let opened = self.open(input)?;
         self.read(opened).await
     }
 
@@ -189,7 +189,7 @@ impl InputSource {
         Ok(relative.to_path_buf())
     }
 
-    fn open_file(&self, relative: &Path, shown_uri: String) -> Result<Opened<'static>, FetchError> {
+    fn open_file(&self, relative: &Path, shown_uri: String) -> Result<Opened, FetchError> {
         let shown_path = shown(&relative.display().to_string());
         let file = match open_beneath(&self.dir, relative) {
             Ok(file) => file,
@@ -327,13 +327,13 @@ mod tests {
         std::fs::write(dir.join("sub/c.wav"), b"RIFF!").expect("write");
         let src = source(&dir, 1024);
         let uri = InputRef::Uri { uri: format!("file://{}/a%20b.wav", dir.display()) };
-        assert_eq!(src.open(&uri).await.expect("opens").size(), 4);
-        assert_eq!(src.fetch(&uri).await.expect("reads"), b"RIFF");
+        assert_eq!(src.open(uri.clone()).expect("opens").size(), 4);
+        assert_eq!(src.fetch(uri.clone()).await.expect("reads"), b"RIFF");
         let nested = InputRef::Uri { uri: format!("file://{}/./sub/../sub/c.wav", dir.display()) };
-        assert_eq!(src.fetch(&nested).await.expect("dots that stay inside are fine"), b"RIFF!");
+        assert_eq!(src.fetch(nested.clone()).await.expect("dots that stay inside are fine"), b"RIFF!");
         let inline = InputRef::Inline { data_b64: "UklGRg==".into() };
-        assert!(src.open(&inline).await.expect("size").size() >= 4);
-        assert_eq!(src.fetch(&inline).await.expect("decodes"), b"RIFF");
+        assert!(src.open(inline.clone()).expect("size").size() >= 4);
+        assert_eq!(src.fetch(inline.clone()).await.expect("decodes"), b"RIFF");
     }
 
     #[tokio::test]
@@ -349,7 +349,7 @@ mod tests {
         let check = |uri: String, kind: ErrorKind, needle: &'static str| {
             let src = src.clone();
             async move {
-                let err = src.fetch(&InputRef::Uri { uri: uri.clone() }).await.expect_err(&uri);
+                let err = src.fetch(InputRef::Uri { uri: uri.clone() }).await.expect_err(&uri);
                 assert_eq!(err.kind(), kind, "{uri}: {err}");
                 assert!(err.to_string().contains(needle), "{uri}: {err}");
                 // The message shows what the producer sent, never the root they did not.
@@ -368,12 +368,12 @@ mod tests {
         check(format!("file://{}", inner.display()), ErrorKind::InputNotFound, "not found").await;
         check("http://example.com/a.wav".into(), ErrorKind::UnsupportedInput, "not a file://").await;
         check("file://host/a.wav".into(), ErrorKind::UnsupportedInput, "has a host").await;
-        let err = src.fetch(&InputRef::Inline { data_b64: "@@@@".into() }).await.expect_err("bad b64");
+        let err = src.fetch(InputRef::Inline { data_b64: "@@@@".into() }).await.expect_err("bad b64");
         assert_eq!(err.kind(), ErrorKind::FetchFailed);
         let big = InputRef::Inline { data_b64: "A".repeat(400) };
-        assert_eq!(src.fetch(&big).await.expect_err("too big").kind(), ErrorKind::InputTooLarge);
+        assert_eq!(src.fetch(big.clone()).await.expect_err("too big").kind(), ErrorKind::InputTooLarge);
         let long = format!("file://{}/{}", inner.display(), "x".repeat(5000));
-        let err = src.fetch(&InputRef::Uri { uri: long }).await.expect_err("missing");
+        let err = src.fetch(InputRef::Uri { uri: long }).await.expect_err("missing");
         assert!(err.to_string().len() < 600, "a long path is shown truncated: {} bytes", err.to_string().len());
     }
 
@@ -390,7 +390,7 @@ mod tests {
         for (name, what) in [("fifo", "fifo"), ("folder", "directory")] {
             let uri = InputRef::Uri { uri: format!("file://{}/{name}", dir.display()) };
             // A FIFO with no writer would block a plain open and read for ever.
-            let err = tokio::time::timeout(Duration::from_secs(10), src.fetch(&uri))
+            let err = tokio::time::timeout(Duration::from_secs(10), src.fetch(uri.clone()))
                 .await
                 .expect("never hangs")
                 .expect_err(name);
@@ -402,6 +402,6 @@ mod tests {
         let _ = std::fs::remove_file(dir.join("zero"));
         std::os::unix::fs::symlink("/dev/zero", dir.join("zero")).expect("symlink");
         let uri = InputRef::Uri { uri: format!("file://{}/zero", dir.display()) };
-        assert_eq!(src.fetch(&uri).await.expect_err("outside").kind(), ErrorKind::InputNotFound);
+        assert_eq!(src.fetch(uri.clone()).await.expect_err("outside").kind(), ErrorKind::InputNotFound);
     }
 }

@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::producer::FutureProducer;
 
 use crate::consume::client::KafkaEvents;
 use crate::health::{self, Health};
@@ -24,6 +23,7 @@ use crate::consume::fetch::Fetch;
 use crate::consume::offsets::SharedOffsets;
 use crate::consume::rebalance::{Flow, RebalanceContext};
 use crate::input::InputSource;
+use crate::produce::{Outputs, Producer};
 use crate::metrics::Metrics;
 use crate::record::Shared;
 use crate::task::Task;
@@ -62,9 +62,9 @@ pub async fn run(
         },
         "the kafka consumer",
     )?;
-    let producer: FutureProducer<KafkaEvents> = connection.create_with_context(
+    let producer: Producer = connection.create_with_context(
         client_defaults(&config, false),
-        KafkaEvents::new(health.clone(), metrics.clone()),
+        Outputs(KafkaEvents::new(health.clone(), metrics.clone())),
         "the kafka producer",
     )?;
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
@@ -77,6 +77,7 @@ pub async fn run(
         metrics: metrics.clone(),
         in_flight: Default::default(),
         group_id: config.kafka.group_id.clone(),
+        runtime: tokio::runtime::Handle::current(),
     });
 
     let topics: Vec<&str> = tasks.iter().map(|t| t.requests_topic.as_str()).collect();

@@ -8,24 +8,40 @@
 //! instead ([`trimmed_dead_letter`]: the id cut short, the value left out, the sizes in
 //! headers); if even that is refused, the record is logged, counted and committed past.
 //!
+//! An output's acknowledgement reaches what waits for it in one of two ways ([`Delivery`]): an
+//! awaiting task is woken ([`deliver`]), or a function runs on the producer's polling thread
+//! ([`send_then`]). The second is how a record refused before any worker call finishes: its
+//! dead letter's acknowledgement finishes it there, with no task, future or wake-up of its own
+//! (`docs/performance.md`, gateway cause 11). Whatever goes wrong on that first attempt goes
+//! back to [`deliver`]'s retries on the runtime.
+//!
 //! Each output carries the W3C trace context of its `send` span, so a downstream consumer
 //! continues the event's trace. With tracing off, the request's own context is copied when it
 //! is valid (`vramgate_shared::telemetry::context`): a `traceparent` that is malformed, longer
 //! than 512 bytes or repeated is dropped, and its `tracestate` with it.
 
-use std::time::Duration;
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, SourceRecord, Stage, SCHEMA_VERSION};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{BaseRecord, DeliveryResult, ProducerContext, ThreadedProducer};
+use rdkafka::ClientContext;
+use tokio::sync::oneshot;
 use tracing::Instrument;
+use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, SourceRecord, Stage, SCHEMA_VERSION};
 use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::telemetry::{bounded, LogLimit};
 
 use crate::consume::client::KafkaEvents;
-use crate::failure::Failure;
 use crate::metrics::Metrics;
+
+/// The gateway's producer of results and dead letters.
+pub type Producer = ThreadedProducer<Outputs>;
+
+/// How long an output waits for room in librdkafka's queue before that counts as a failed
+/// attempt (and is retried with backoff).
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Longest event id a trimmed dead letter carries.
 pub const TRIMMED_ID_BYTES: usize = 256;
@@ -67,18 +83,69 @@ pub fn is_permanent(error: &KafkaError) -> bool {
     )
 }
 
-/// Produces `out` keyed like `source`, under a PRODUCER span `send <topic>` whose trace
-/// context it carries (with tracing off: the context `source` carried, when it was valid),
-/// retrying transient errors with backoff until the broker acknowledges. Returns a permanent
-/// error.
-pub async fn deliver(
-    producer: &FutureProducer<KafkaEvents>,
-    metrics: &Metrics,
-    source: &OwnedMessage,
-    carried: &Carried,
-    out: Outgoing<'_>,
-) -> Result<(), KafkaError> {
-    let Outgoing { topic, span_name, payload, mut headers } = out;
+/// The producer's context: librdkafka's logs and errors as [`KafkaEvents`] tells them, and each
+/// output's acknowledgement handed to what waits for it.
+pub struct Outputs(pub KafkaEvents);
+
+impl ClientContext for Outputs {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, facility: &str, message: &str) {
+        self.0.log(level, facility, message)
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.0.error(error, reason)
+    }
+}
+
+/// An output's outcome: acknowledged, or refused with why (and its headers, for the next
+/// attempt).
+pub type Acked = Result<(), Refusal>;
+
+/// A refused output.
+pub struct Refusal {
+    pub error: KafkaError,
+    pub headers: Option<OwnedHeaders>,
+}
+
+/// What an output's acknowledgement goes to.
+pub enum Delivery {
+    /// A task awaiting it ([`deliver`]).
+    Wake(oneshot::Sender<Acked>),
+    /// A function, run on the producer's polling thread ([`send_then`]).
+    Then(Box<dyn FnOnce(Acked) + Send + Sync>),
+}
+
+impl ProducerContext for Outputs {
+    type DeliveryOpaque = Box<Delivery>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, delivery: Box<Delivery>) {
+        let acked = match result {
+            Ok(_) => Ok(()),
+            Err((error, message)) => Err(refusal(error.clone(), message)),
+        };
+        match *delivery {
+            Delivery::Wake(tx) => {
+                let _ = tx.send(acked);
+            }
+            // A panic must not unwind into librdkafka; the record's guards still run as the
+            // closure unwinds, and the log says which.
+            Delivery::Then(then) => {
+                if std::panic::catch_unwind(AssertUnwindSafe(|| then(acked))).is_err() {
+                    tracing::error!("a record's acknowledgement handler panicked; see the log above");
+                }
+            }
+        }
+    }
+}
+
+fn refusal(error: KafkaError, message: &BorrowedMessage<'_>) -> Refusal {
+    Refusal { error, headers: message.headers().map(|h| h.detach()) }
+}
+
+/// The PRODUCER span `send <topic>` of an output (a child of the current span), and its
+/// headers with the trace context added: the span's, or with tracing off the context `carried`
+/// brought in, when it was valid.
+pub fn sending(span_name: &str, topic: &str, body_len: usize, mut headers: OwnedHeaders, carried: &Carried) -> (tracing::Span, OwnedHeaders) {
     let span = tracing::info_span!(
         "send",
         otel.name = span_name,
@@ -86,7 +153,7 @@ pub async fn deliver(
         messaging.system = "kafka",
         messaging.operation.type = "send",
         messaging.destination.name = topic,
-        messaging.message.body.size = payload.len(),
+        messaging.message.body.size = body_len,
         otel.status_code = tracing::field::Empty,
         otel.status_description = tracing::field::Empty,
         error.type = tracing::field::Empty,
@@ -101,12 +168,62 @@ pub async fn deliver(
             headers = headers.insert(Header { key: "tracestate", value: Some(state.as_bytes()) });
         }
     }
+    (span, headers)
+}
+
+/// Produces an output once, without waiting: `then` runs with its outcome on the producer's
+/// polling thread when the broker answers, or at once, on this thread, when librdkafka refuses
+/// it (a full queue included). `send` (from [`sending`]) ends when `then` runs.
+pub fn send_then(
+    producer: &Producer,
+    topic: &str,
+    key: Option<&[u8]>,
+    payload: &[u8],
+    headers: OwnedHeaders,
+    send: tracing::Span,
+    then: impl FnOnce(Acked) + Send + Sync + 'static,
+) {
+    let then = move |acked: Acked| {
+        if let Err(refused) = &acked {
+            mark_refused(&send, &refused.error);
+        }
+        drop(send);
+        then(acked)
+    };
+    let mut record = BaseRecord::with_opaque_to(topic, Box::new(Delivery::Then(Box::new(then)))).payload(payload).headers(headers);
+    if let Some(key) = key {
+        record = record.key(key);
+    }
+    if let Err((error, record)) = producer.send(record) {
+        if let Delivery::Then(then) = *record.delivery_opaque {
+            then(Err(Refusal { error, headers: record.headers }));
+        }
+    }
+}
+
+fn mark_refused(span: &tracing::Span, error: &KafkaError) {
+    span.record("otel.status_code", "ERROR");
+    span.record("error.type", "output_rejected");
+    span.record("otel.status_description", bounded(&error.to_string(), 256));
+}
+
+/// Produces `out` keyed like `source`, under a PRODUCER span `send <topic>` whose trace
+/// context it carries (with tracing off: the context `source` carried, when it was valid),
+/// retrying transient errors with backoff until the broker acknowledges. Returns a permanent
+/// error.
+pub async fn deliver(
+    producer: &Producer,
+    metrics: &Metrics,
+    source: &OwnedMessage,
+    carried: &Carried,
+    out: Outgoing<'_>,
+) -> Result<(), KafkaError> {
+    let Outgoing { topic, span_name, payload, headers } = out;
+    let (span, headers) = sending(span_name, topic, payload.len(), headers, carried);
     let result =
         send_until_acknowledged(producer, metrics, source, topic, &payload, headers).instrument(span.clone()).await;
     if let Err(error) = &result {
-        span.record("otel.status_code", "ERROR");
-        span.record("error.type", "output_rejected");
-        span.record("otel.status_description", bounded(&error.to_string(), 256));
+        mark_refused(&span, error);
     }
     result
 }
@@ -116,45 +233,68 @@ pub fn kafka_headers(message: &OwnedMessage) -> impl Iterator<Item = (&str, &[u8
     message.headers().into_iter().flat_map(|h| h.iter()).map(|h| (h.key, h.value.unwrap_or_default()))
 }
 
+/// One attempt: waits (up to [`QUEUE_TIMEOUT`]) for room in librdkafka's queue, then for the
+/// broker's answer.
+async fn send_once(producer: &Producer, topic: &str, key: Option<&[u8]>, payload: &[u8], headers: OwnedHeaders) -> Acked {
+    let (tx, rx) = oneshot::channel();
+    let mut record = BaseRecord::with_opaque_to(topic, Box::new(Delivery::Wake(tx))).payload(payload).headers(headers);
+    if let Some(key) = key {
+        record = record.key(key);
+    }
+    let deadline = Instant::now() + QUEUE_TIMEOUT;
+    loop {
+        match producer.send(record) {
+            Ok(()) => break,
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) if Instant::now() < deadline => {
+                record = back;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err((error, back)) => return Err(Refusal { error, headers: back.headers }),
+        }
+    }
+    rx.await.unwrap_or(Err(Refusal { error: KafkaError::Canceled, headers: None }))
+}
+
+/// Whether a failed attempt is worth another; counts and logs the retry.
+pub fn retrying(metrics: &Metrics, error: &KafkaError, topic: &str, delay: Duration) -> bool {
+    if is_permanent(error) {
+        return false;
+    }
+    metrics.produce_retries.inc();
+    metrics.produce_retry_seconds.inc_by(delay.as_secs_f64());
+    if RETRY_LOG.allow() {
+        tracing::warn!(error = %error, topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
+    }
+    true
+}
+
+/// The first wait before a failed output is produced again; it doubles up to 10 s.
+pub const FIRST_RETRY_DELAY: Duration = Duration::from_millis(200);
+
 async fn send_until_acknowledged(
-    producer: &FutureProducer<KafkaEvents>,
+    producer: &Producer,
     metrics: &Metrics,
     source: &OwnedMessage,
     topic: &str,
     payload: &[u8],
     headers: OwnedHeaders,
 ) -> Result<(), KafkaError> {
-    let mut headers = Some(headers);
-    let mut delay = Duration::from_millis(200);
+    let mut headers = headers;
+    let mut delay = FIRST_RETRY_DELAY;
     loop {
-        let mut record = FutureRecord::to(topic).payload(payload);
-        if let Some(headers) = headers.take() {
-            record = record.headers(headers);
-        }
-        if let Some(key) = source.key() {
-            record = record.key(key);
-        }
-        let error = match producer.send(record, Duration::from_secs(30)).await {
-            Ok(_) => return Ok(()),
-            Err((e, refused)) => {
-                // The refused message carries the headers back: the next attempt takes them.
-                headers = refused.headers().cloned();
-                e
-            }
+        let refused = match send_once(producer, topic, source.key(), payload, headers).await {
+            Ok(()) => return Ok(()),
+            Err(refused) => refused,
         };
-        if is_permanent(&error) {
-            return Err(error);
+        if !retrying(metrics, &refused.error, topic, delay) {
+            return Err(refused.error);
         }
-        metrics.produce_retries.inc();
-        metrics.produce_retry_seconds.inc_by(delay.as_secs_f64());
-        if RETRY_LOG.allow() {
-            tracing::warn!(error = %error, topic, retry_in_ms = delay.as_millis() as u64, "produce failed; retrying");
-        }
+        // The refused message carries the headers back: the next attempt takes them.
+        headers = refused.headers.unwrap_or_else(|| OwnedHeaders::new_with_capacity(0));
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_secs(10));
     }
 }
-
 
 /// The first headers of every dead letter, as Spring Kafka's dead-letter publisher writes them
 /// (so existing tooling reads ours): the source record's topic, partition and offset, and the
@@ -168,13 +308,13 @@ pub fn dead_letter_origin(source: &impl Message, kind: ErrorKind, capacity: usiz
         .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
 }
 
-/// A dead letter's headers: [`dead_letter_origin`], then the failure's message and stage and
-/// vramgate's own kind header (room left for the trace context [`deliver`] adds).
-pub fn dead_letter_headers(source: &impl Message, failure: &Failure) -> OwnedHeaders {
-    dead_letter_origin(source, failure.kind, 9)
-        .insert(Header { key: "kafka_dlt-exception-message", value: Some(failure.message.as_str()) })
-        .insert(Header { key: "kafka_dlt-exception-stage", value: Some(failure.stage.as_str()) })
-        .insert(Header { key: "vramgate-error-kind", value: Some(failure.kind.as_str()) })
+/// A dead letter's headers: [`dead_letter_origin`], then the error's message and stage and
+/// vramgate's own kind header (room left for the trace context [`sending`] adds).
+pub fn dead_letter_headers(source: &impl Message, error: &ErrorInfo) -> OwnedHeaders {
+    dead_letter_origin(source, error.kind, 9)
+        .insert(Header { key: "kafka_dlt-exception-message", value: Some(error.message.as_str()) })
+        .insert(Header { key: "kafka_dlt-exception-stage", value: Some(error.stage.as_str()) })
+        .insert(Header { key: "vramgate-error-kind", value: Some(error.kind.as_str()) })
 }
 
 /// Where a dead letter's record came from, with its key and value in base64: everything

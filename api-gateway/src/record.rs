@@ -2,6 +2,14 @@
 //! task's CPU pool, call the worker under the task's GPU permits (retrying what is worth it),
 //! and write exactly one result or dead letter. Only then is the record finished, so only then
 //! can its offset be committed.
+//!
+//! A record starts synchronously, in its poll round's task ([`start`]): it is parsed, checked
+//! and its input opened at once. One refused there (bad JSON, an unknown task, a missing
+//! input: no worker call) never becomes a task: its dead letter is produced on the spot and its
+//! acknowledgement, on the producer's polling thread, finishes it. Only a record that goes on to
+//! convert and call a worker is spawned as a task of its own. Both ends are the same: one output
+//! acknowledged, then the ticket finished; the same retries and trimmed dead letter when the
+//! broker refuses the output (`docs/performance.md`, gateway cause 11).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,8 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::FutureExt;
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::FutureProducer;
 use tracing::Instrument;
 use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::events::{
@@ -21,13 +29,12 @@ use vramgate_shared::telemetry::{self, bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 
 use crate::budget::{ByteBudget, Held};
 use crate::failure::Failure;
-use crate::input::InputSource;
+use crate::input::{InputSource, Opened};
 use crate::metrics::Metrics;
 use crate::consume::offsets::{SharedOffsets, Ticket};
-use crate::consume::client::KafkaEvents;
-use crate::produce::{self, Outgoing};
+use crate::produce::{self, Outgoing, Producer};
 use crate::task::Task;
-use crate::tasks::Converted;
+use crate::tasks::{Converted, Plan};
 use crate::call::{self, client::InferCall};
 
 /// Log lines a second, per kind of line; the rest are counted in `log_lines_suppressed_total`.
@@ -37,9 +44,9 @@ static DEAD_LETTER_LOG: LogLimit = LogLimit::new(20);
 /// Charged per record on top of its key and value: the message struct, its task and tracking.
 pub const RECORD_OVERHEAD_BYTES: u64 = 2048;
 
-/// What every record task shares.
+/// What every record shares.
 pub struct Shared {
-    pub producer: FutureProducer<KafkaEvents>,
+    pub producer: Producer,
     pub offsets: Arc<SharedOffsets>,
     pub input: InputSource,
     pub budget: Arc<ByteBudget>,
@@ -48,22 +55,47 @@ pub struct Shared {
     pub in_flight: AtomicUsize,
     /// The consumer group, for the spans.
     pub group_id: String,
+    /// Where a record whose output the broker refused goes on retrying: an acknowledgement
+    /// arrives on the producer's thread, outside the runtime.
+    pub runtime: tokio::runtime::Handle,
 }
 
-/// Counts a record in flight until it is dropped, whatever path the record takes.
-struct InFlight<'a> {
-    shared: &'a Shared,
-    task: &'a Task,
+/// A record between fetched and finished, with what it holds: its ticket, its bytes and its
+/// place in the in-flight count (given back when it is dropped, whatever path it took).
+struct Record {
+    shared: Arc<Shared>,
+    task: Arc<Task>,
+    message: OwnedMessage,
+    ticket: Ticket,
+    held: Held,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for Record {
     fn drop(&mut self) {
         self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         self.task.hot.in_flight.dec();
     }
 }
 
-/// Called by the fetch loop for each record, before it spawns [`handle`]: counts and charges it.
+impl Record {
+    /// Its output is acknowledged: the offset may be committed. A sampled record gets its
+    /// `commit` span when a confirmed commit covers it.
+    fn finish(self, span: &tracing::Span) {
+        self.shared.offsets.finish_traced(&self.ticket, context::sampled_context(span));
+    }
+
+    /// Revoked since it was fetched: the partition's new owner reads it again from the last
+    /// commit, so writing its output here would only make a duplicate.
+    fn stale(&self) -> bool {
+        if self.shared.offsets.is_current(&self.ticket) {
+            return false;
+        }
+        self.shared.metrics.stale.inc();
+        true
+    }
+}
+
+/// Called by the fetch loop for each record, before [`start`]: counts and charges it.
 pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, Held) {
     task.hot.consumed.inc();
     task.hot.in_flight.inc();
@@ -74,13 +106,12 @@ pub fn admit(shared: &Shared, task: &Task, message: &OwnedMessage) -> (Ticket, H
     (ticket, held)
 }
 
-/// Processes one record to its end: a produced result or dead letter, then finishes its ticket.
-/// All of it runs in a CONSUMER span `process <topic>`, which continues the trace the record's
-/// headers carry (or starts one, noting a refused `traceparent`). While nothing exports, the
-/// span carries only what its log lines show (task, topic, partition, offset, event id): its
-/// other fields would be visited for every record and never read.
-pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held) {
-    let span = if telemetry::exports_spans() {
+/// A CONSUMER span `process <topic>` for the record, which continues the trace its headers
+/// carry (or starts one, noting a refused `traceparent`). While nothing exports, the span
+/// carries only what its log lines show (task, topic, partition, offset, event id): its other
+/// fields would be visited for every record and never read.
+fn process_span(shared: &Shared, task: &Task, message: &OwnedMessage) -> tracing::Span {
+    if telemetry::exports_spans() {
         tracing::info_span!(
             "process",
             otel.name = task.hot.process_span.as_str(),
@@ -108,106 +139,175 @@ pub async fn handle(shared: Arc<Shared>, task: Arc<Task>, message: OwnedMessage,
             task = %task.name,
             event_id = tracing::field::Empty,
         )
-    };
+    }
+}
+
+/// Starts a record, in its poll round's task: parses and checks it and opens its input, all
+/// in its `process` span. A record refused there has its dead letter produced at once and is
+/// finished by its acknowledgement; one that goes on becomes a task ([`go_on`]).
+pub fn start(shared: &Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held) {
+    let span = process_span(shared, &task, &message);
     // Read once: the span continues it, and with tracing off the outputs carry it.
     let carried = Carried::from_headers(produce::kafka_headers(&message));
     carried.adopt(&span);
-    handle_in_span(shared, task, message, carried, ticket, held).instrument(span).await
-}
-
-async fn handle_in_span(
-    shared: Arc<Shared>,
-    task: Arc<Task>,
-    message: OwnedMessage,
-    carried: Carried,
-    ticket: Ticket,
-    mut held: Held,
-) {
-    let _in_flight = InFlight { shared: &shared, task: &task };
-    if !shared.offsets.is_current(&ticket) {
-        // Revoked before it started: the partition's new owner reads it from the last commit.
-        shared.metrics.stale.inc();
+    let record = Record { shared: shared.clone(), task, message, ticket, held };
+    if record.stale() {
         return;
     }
     let started = Instant::now();
-    let outcome = AssertUnwindSafe(process(&shared, &task, &message, &mut held, started))
+    let checked = {
+        let _entered = span.enter();
+        std::panic::catch_unwind(AssertUnwindSafe(|| check(&record.shared, &record.task, &record.message)))
+            .unwrap_or_else(|_| Err(Rejection::anonymous(panicked(Stage::Parse))))
+    };
+    match checked {
+        Ok(checked) => {
+            tokio::spawn(go_on(record, carried, checked, started).instrument(span));
+        }
+        Err(rejection) => {
+            let written = Written::DeadLetter(refused(&span, &record.shared.metrics, &record.task, &record.message, rejection));
+            write_now(record, carried, span, written);
+        }
+    }
+}
+
+fn panicked(stage: Stage) -> Failure {
+    Failure::new(ErrorKind::Internal, stage, "the gateway panicked while processing this record; see its log")
+}
+
+/// A record that passed its checks: converts, calls the worker, writes its result (or its dead
+/// letter), then finishes.
+async fn go_on(mut record: Record, carried: Carried, checked: Checked, started: Instant) {
+    let outcome = AssertUnwindSafe(convert_and_call(&record.shared, &record.task, &mut record.held, checked, started))
         .catch_unwind()
         .await
-        .unwrap_or_else(|_| {
-            Err(Rejection::anonymous(Failure::new(
-                ErrorKind::Internal,
-                Stage::Postprocess,
-                "the gateway panicked while processing this record; see its log",
-            )))
-        });
-    if !shared.offsets.is_current(&ticket) {
-        // Revoked while it ran and the drain gave up on it: the new owner redoes it, so writing
-        // this output too would only make a duplicate.
-        shared.metrics.stale.inc();
+        .unwrap_or_else(|_| Err(Rejection::anonymous(panicked(Stage::Postprocess))));
+    if record.stale() {
         return;
     }
-    // What was written is kept (not copied out of): a refused output is trimmed from it.
-    let (out, written) = match outcome {
+    let span = tracing::Span::current();
+    let written = match outcome {
         Ok(result) => {
-            tracing::Span::current().record("vramgate.outcome", "result");
+            span.record("vramgate.outcome", "result");
             if RESULT_LOG.allow() {
                 tracing::info!(total_ms = result.timings_ms.total, attempts = result.attempts, "result ready");
             } else {
-                shared.metrics.log_suppressed.with_label_values(&["result"]).inc();
+                record.shared.metrics.log_suppressed.with_label_values(&["result"]).inc();
             }
-            let payload = serde_json::to_vec(&result).expect("result events always serialise");
-            let out = Outgoing {
+            Written::Result(result)
+        }
+        Err(rejection) => Written::DeadLetter(refused(&span, &record.shared.metrics, &record.task, &record.message, rejection)),
+    };
+    write(record, carried, written, None).await;
+    drop(span);
+}
+
+/// A rejection made a dead letter: noted on the span, logged (within the rate limit), counted.
+fn refused(span: &tracing::Span, metrics: &Metrics, task: &Task, message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent {
+    let kind = rejection.failure.kind;
+    span.record("vramgate.outcome", "dead_letter");
+    span.record("otel.status_code", "ERROR");
+    span.record("error.type", kind.as_str());
+    span.record("otel.status_description", bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES));
+    if DEAD_LETTER_LOG.allow() {
+        let _entered = span.enter();
+        let error = bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES);
+        tracing::warn!(kind = kind.as_str(), error, "dead-lettering record");
+    } else {
+        metrics.log_suppressed.with_label_values(&["dead_letter"]).inc();
+    }
+    metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
+    dead_letter(message, rejection)
+}
+
+/// The output a record's outcome became, as written.
+enum Written {
+    Result(ResultEvent),
+    DeadLetter(DeadLetterEvent),
+}
+
+impl Written {
+    /// The record to produce: its topic, payload and headers.
+    fn outgoing<'a>(&self, task: &'a Task, message: &OwnedMessage) -> Outgoing<'a> {
+        match self {
+            Written::Result(result) => Outgoing {
                 topic: task.results_topic.as_str(),
                 span_name: task.hot.send_result_span.as_str(),
-                payload,
+                payload: serde_json::to_vec(result).expect("result events always serialise"),
                 headers: OwnedHeaders::new_with_capacity(2),
-            };
-            (out, Written::Result(result))
-        }
-        Err(rejection) => {
-            let kind = rejection.failure.kind;
-            let span = tracing::Span::current();
-            span.record("vramgate.outcome", "dead_letter");
-            span.record("otel.status_code", "ERROR");
-            span.record("error.type", kind.as_str());
-            span.record("otel.status_description", bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES));
-            if DEAD_LETTER_LOG.allow() {
-                let error = bounded(&rejection.failure.message, LOG_FIELD_MAX_BYTES);
-                tracing::warn!(kind = kind.as_str(), error, "dead-lettering record");
-            } else {
-                shared.metrics.log_suppressed.with_label_values(&["dead_letter"]).inc();
+            },
+            Written::DeadLetter(letter) => {
+                // Sized up front: growing from serde_json's default capacity copied the source
+                // record's base64 a few times over.
+                let source = &letter.source;
+                let size = 512
+                    + letter.error.message.len()
+                    + source.value_b64.as_ref().map_or(0, String::len)
+                    + source.key_b64.as_ref().map_or(0, String::len);
+                let mut payload = Vec::with_capacity(size);
+                serde_json::to_writer(&mut payload, letter).expect("dead letters always serialise");
+                Outgoing {
+                    topic: task.dlq_topic.as_str(),
+                    span_name: task.hot.send_dead_letter_span.as_str(),
+                    payload,
+                    headers: produce::dead_letter_headers(message, &letter.error),
+                }
             }
-            shared.metrics.dead_letters.with_label_values(&[&task.name, kind.as_str()]).inc();
-            let headers = produce::dead_letter_headers(&message, &rejection.failure);
-            let letter = dead_letter(&message, rejection);
-            // Sized up front: growing from serde_json's default capacity copied the source
-            // record's base64 a few times over.
-            let source = &letter.source;
-            let size = 512
-                + letter.error.message.len()
-                + source.value_b64.as_ref().map_or(0, String::len)
-                + source.key_b64.as_ref().map_or(0, String::len);
-            let mut payload = Vec::with_capacity(size);
-            serde_json::to_writer(&mut payload, &letter).expect("dead letters always serialise");
-            let out = Outgoing {
-                topic: task.dlq_topic.as_str(),
-                span_name: task.hot.send_dead_letter_span.as_str(),
-                payload,
-                headers,
-            };
-            (out, Written::DeadLetter(letter))
         }
-    };
-    let (out_topic, out_bytes) = (out.topic, out.payload.len());
-    match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, out).await {
-        Ok(()) => match written {
+    }
+
+    fn acknowledged(&self, task: &Task) {
+        match self {
             Written::Result(_) => task.hot.produced_result.inc(),
             Written::DeadLetter(_) => task.hot.produced_dead_letter.inc(),
-        },
+        }
+    }
+}
+
+/// Produces a record's output without a task: its acknowledgement, on the producer's polling
+/// thread, finishes the record. A refused first attempt goes on as [`write`] does, on the
+/// runtime.
+fn write_now(record: Record, carried: Carried, span: tracing::Span, written: Written) {
+    let task = record.task.clone();
+    let shared = record.shared.clone();
+    let Outgoing { topic, span_name, payload, headers } = written.outgoing(&task, &record.message);
+    let (send, headers) = {
+        let _entered = span.enter();
+        produce::sending(span_name, topic, payload.len(), headers, &carried)
+    };
+    let key = record.message.key().map(<[u8]>::to_vec);
+    produce::send_then(&shared.producer, topic, key.as_deref(), &payload, headers, send, move |acked| match acked {
+        Ok(()) => {
+            written.acknowledged(&record.task);
+            record.finish(&span);
+        }
+        Err(refusal) => {
+            let runtime = record.shared.runtime.clone();
+            runtime.spawn(write(record, carried, written, Some(refusal.error)).instrument(span));
+        }
+    });
+}
+
+/// Produces a record's output until the broker acknowledges it, then finishes the record. An
+/// output refused for good is replaced by a trimmed dead letter, so the partition goes on and
+/// the producer learns why. `refused`: a first attempt that already failed.
+async fn write(record: Record, carried: Carried, written: Written, refused: Option<KafkaError>) {
+    let Record { shared, task, message, .. } = &record;
+    let out = written.outgoing(task, message);
+    let (out_topic, out_bytes) = (out.topic, out.payload.len());
+    let delivered = match refused {
+        Some(error) if !produce::retrying(&shared.metrics, &error, out_topic, produce::FIRST_RETRY_DELAY) => Err(error),
+        Some(_) => {
+            tokio::time::sleep(produce::FIRST_RETRY_DELAY).await;
+            produce::deliver(&shared.producer, &shared.metrics, message, &carried, out).await
+        }
+        None => produce::deliver(&shared.producer, &shared.metrics, message, &carried, out).await,
+    };
+    match delivered {
+        Ok(()) => written.acknowledged(task),
         Err(error) => {
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
-            // not ours): a trimmed dead letter stands in for the output, so the partition
-            // goes on and the producer learns why.
+            // not ours): a trimmed dead letter stands in for the output.
             let (id, task_name, refused) = match &written {
                 Written::Result(r) => (Some(r.id.as_str()), Some(r.task.as_str()), produce::Refused::Result),
                 Written::DeadLetter(l) => (
@@ -219,7 +319,7 @@ async fn handle_in_span(
             let trimmed = produce::trimmed_dead_letter(
                 &task.dlq_topic,
                 &task.hot.send_dead_letter_span,
-                &message,
+                message,
                 id,
                 task_name,
                 refused,
@@ -229,7 +329,7 @@ async fn handle_in_span(
             );
             tracing::error!(error = %error, topic = out_topic, bytes = out_bytes, "output refused by the broker; writing a trimmed dead letter");
             let trimmed_topic = trimmed.topic;
-            match produce::deliver(&shared.producer, &shared.metrics, &message, &carried, trimmed).await {
+            match produce::deliver(&shared.producer, &shared.metrics, message, &carried, trimmed).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
                     if matches!(written, Written::Result(_)) {
@@ -250,13 +350,7 @@ async fn handle_in_span(
             }
         }
     }
-    shared.offsets.finish_traced(&ticket, context::sampled_context(&tracing::Span::current()));
-}
-
-/// The output a record's outcome became, as written.
-enum Written {
-    Result(ResultEvent),
-    DeadLetter(DeadLetterEvent),
+    record.finish(&tracing::Span::current());
 }
 
 /// A failure plus what was known about the request when it happened.
@@ -272,13 +366,17 @@ impl Rejection {
     }
 }
 
-async fn process(
-    shared: &Shared,
-    task: &Task,
-    message: &OwnedMessage,
-    held: &mut Held,
-    started: Instant,
-) -> Result<ResultEvent, Rejection> {
+/// A request that passed every check made before its input is read.
+struct Checked {
+    id: String,
+    task: String,
+    plan: Arc<dyn Plan>,
+    opened: Opened,
+}
+
+/// The checks made at once, in the record's poll round: the request parses, its id, version
+/// and task are right, its options make a plan, and its input opens within the size limit.
+fn check(shared: &Shared, task: &Task, message: &OwnedMessage) -> Result<Checked, Rejection> {
     let value = message.payload().ok_or_else(|| {
         Rejection::anonymous(Failure::new(
             ErrorKind::InvalidRequest,
@@ -286,56 +384,60 @@ async fn process(
             "record has no value (a tombstone); expected a json request",
         ))
     })?;
-    let request = parse_request(value)?;
-    check_id(&request.id)?;
+    let RequestEvent { version, id, task: task_name, input, options } = parse_request(value)?;
+    check_id(&id)?;
     let span = tracing::Span::current();
-    span.record("event_id", request.id.as_str());
-    span.record("messaging.message.id", request.id.as_str());
-    let reject = |failure: Failure| Rejection {
-        failure,
-        id: Some(request.id.clone()),
-        task: Some(request.task.clone()),
-    };
-    if request.version > SCHEMA_VERSION {
+    span.record("event_id", id.as_str());
+    span.record("messaging.message.id", id.as_str());
+    let reject = |failure: Failure| Rejection { failure, id: Some(id.clone()), task: Some(task_name.clone()) };
+    if version > SCHEMA_VERSION {
         return Err(reject(Failure::new(
             ErrorKind::InvalidRequest,
             Stage::Parse,
-            format!("request version {} is newer than this gateway reads ({SCHEMA_VERSION})", request.version),
+            format!("request version {version} is newer than this gateway reads ({SCHEMA_VERSION})"),
         )));
     }
-    if request.task != task.name {
+    if task_name != task.name {
         return Err(reject(Failure::new(
             ErrorKind::UnknownTask,
             Stage::Parse,
             format!(
-                "request task '{}' does not match topic {}, which carries '{}' requests",
-                request.task,
+                "request task '{task_name}' does not match topic {}, which carries '{}' requests",
                 message.topic(),
                 task.name
             ),
         )));
     }
-    let plan = task.converter.plan(request.options.as_ref()).map_err(reject)?;
+    let plan = task.converter.plan(options.as_ref()).map_err(reject)?;
+    let opened = shared.input.open(input).map_err(|e| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string())))?;
+    Ok(Checked { id, task: task_name, plan, opened })
+}
 
-    // Read the input, its bytes reserved from the budget first.
+async fn convert_and_call(
+    shared: &Shared,
+    task: &Task,
+    held: &mut Held,
+    checked: Checked,
+    started: Instant,
+) -> Result<ResultEvent, Rejection> {
     let convert_started = Instant::now();
     let record_bytes = held.bytes();
-    let fetch_failed = |e: crate::input::FetchError| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string()));
-    let opened = shared.input.open(&request.input).await.map_err(fetch_failed)?;
-    held.grow(opened.size()).await;
-    let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
+    // Read the input, its bytes reserved from the budget first.
+    held.grow(checked.opened.size()).await;
+    let Checked { id, task: task_name, plan, opened } = checked;
+    let reject = |failure: Failure| Rejection { failure, id: Some(id.clone()), task: Some(task_name.clone()) };
+    let bytes = shared.input.read(opened).await.map_err(|e| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string())))?;
 
     // Check the header (limits, format) and reserve what decoding will hold, before decoding.
     held.grow(plan.probe(&bytes).map_err(reject)?).await;
     let queue = shared.metrics.cpu_queue.with_label_values(&[&task.name]);
     queue.inc();
-    let job = plan.clone();
     let input_bytes = bytes.len();
     let format = task.config.converter.as_str();
     let result = on_pool(&task.pool, task.pool.current_num_threads(), move || {
         let span = tracing::info_span!("convert", input.format = format, input.bytes = input_bytes, output.elements = tracing::field::Empty);
         let _entered = span.enter();
-        let converted = job.convert(&bytes);
+        let converted = plan.convert(&bytes);
         if let Ok(c) = &converted {
             span.record("output.elements", c.tensor.shape.iter().product::<usize>());
         }
@@ -347,7 +449,7 @@ async fn process(
     let convert_ms = call::ms(convert_started.elapsed());
 
     // One encoded body that every attempt re-sends; the input and tensor are gone after it.
-    let infer_call = InferCall::new(&request.id, &tensor, outputs);
+    let infer_call = InferCall::new(&id, &tensor, outputs);
     drop(tensor);
     held.shrink_to(record_bytes + infer_call.body_len() as u64);
 
@@ -356,8 +458,8 @@ async fn process(
     let output = finish.output(&call.output.tensors).map_err(reject)?;
     Ok(ResultEvent {
         version: SCHEMA_VERSION,
-        id: request.id.clone(),
-        task: request.task.clone(),
+        id,
+        task: task_name,
         status: "ok".into(),
         model: call.output.model,
         output,

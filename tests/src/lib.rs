@@ -507,29 +507,50 @@ pub async fn wait_group_balanced(group: &str, members: usize, timeout: Duration)
 /// Records of `topic` not covered by `group`'s committed offsets, summed over partitions
 /// (a partition with no commit counts all its records).
 pub fn uncommitted_records(group: &str, topic: &str) -> anyhow::Result<i64> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()?;
-    let timeout = Duration::from_secs(10);
-    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-    let partitions = metadata.topics().first().map_or(0, |t| t.partitions().len()) as i32;
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..partitions {
-        tpl.add_partition(topic, p);
+    CommitProbe::new(group, topic)?.uncommitted()
+}
+
+/// [`uncommitted_records`] asked again and again through one client: a benchmark that polls
+/// every few milliseconds would otherwise start a librdkafka client (threads, connections,
+/// metadata) each time, on the cores of the process it measures.
+pub struct CommitProbe {
+    consumer: BaseConsumer,
+    topic: String,
+    partitions: i32,
+}
+
+impl CommitProbe {
+    pub fn new(group: &str, topic: &str) -> anyhow::Result<Self> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()?;
+        let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+        let partitions = metadata.topics().first().map_or(0, |t| t.partitions().len()) as i32;
+        Ok(CommitProbe { consumer, topic: topic.to_string(), partitions })
     }
-    let committed = consumer.committed_offsets(tpl, timeout)?;
-    let mut behind = 0;
-    for p in 0..partitions {
-        let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
-        let at = match committed.find_partition(topic, p).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o,
-            _ => low,
-        };
-        behind += high - at;
+
+    /// Records not covered by the group's committed offsets now.
+    pub fn uncommitted(&self) -> anyhow::Result<i64> {
+        let (consumer, topic) = (&self.consumer, self.topic.as_str());
+        let timeout = Duration::from_secs(10);
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..self.partitions {
+            tpl.add_partition(topic, p);
+        }
+        let committed = consumer.committed_offsets(tpl, timeout)?;
+        let mut behind = 0;
+        for p in 0..self.partitions {
+            let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+            let at = match committed.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => low,
+            };
+            behind += high - at;
+        }
+        Ok(behind)
     }
-    Ok(behind)
 }
 
 impl Drop for Service {

@@ -1,5 +1,5 @@
-//! The fetch thread: it owns the consumer's poll, hands each record to a tokio task
-//! ([`crate::record`]), and decides what to pause. Commits are the commit thread's
+//! The fetch thread: it owns the consumer's poll, hands each poll round's records to a tokio
+//! task that starts them ([`crate::record`]), and decides what to pause. Commits are the commit thread's
 //! ([`super::commit`]).
 //!
 //! Flow control has two speeds. At a bound (`max_in_flight` records past the last confirmed
@@ -12,7 +12,6 @@
 //! `permit_wait_ms` for a GPU permit has its own partitions paused.
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,11 +63,8 @@ struct Admitted {
     held: Held,
 }
 
-impl Admitted {
-    fn handle(self, shared: Arc<Shared>) -> impl Future<Output = ()> + Send + 'static {
-        record::handle(shared, self.task, self.message, self.ticket, self.held)
-    }
-}
+/// Records a round's task starts before it lets others run on its thread.
+const STARTS_BETWEEN_YIELDS: usize = 64;
 
 /// The fetch thread's state.
 pub struct Fetch {
@@ -142,10 +138,11 @@ impl Fetch {
     /// record can exhaust, is still looked at after each one.
     ///
     /// Each record is admitted (counted, charged, given its ticket) as it is taken, and the
-    /// round's records are handed to the runtime together, in one task that spawns each
-    /// record's task from inside the runtime. Spawned from this thread one by one, every
-    /// record went through the runtime's shared injection queue and could wake a parked worker
-    /// thread: a lock and often a futex call per record.
+    /// round's records are handed to the runtime together, in one task that starts each
+    /// ([`record::start`]: checked at once, a task of its own only if it goes on to a worker).
+    /// Spawned from this thread one by one, every record went through the runtime's shared
+    /// injection queue and could wake a parked worker thread: a lock and often a futex call
+    /// per record.
     fn poll_round(&self, last_error: &mut Option<Instant>) {
         let room = self.config.max_in_flight.saturating_sub(self.window()).clamp(1, ROUND);
         let mut round = Vec::with_capacity(room.min(64));
@@ -171,8 +168,11 @@ impl Fetch {
         if !round.is_empty() {
             let shared = self.shared.clone();
             self.runtime.spawn(async move {
-                for admitted in round {
-                    tokio::spawn(admitted.handle(shared.clone()));
+                for (i, Admitted { task, message, ticket, held }) in round.into_iter().enumerate() {
+                    if i > 0 && i % STARTS_BETWEEN_YIELDS == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                    record::start(&shared, task, message, ticket, held);
                 }
             });
         }

@@ -42,7 +42,7 @@ use crate::wav::{noise, write_wav, SampleFormat};
 use crate::{
     brokers, cpu_seconds, delete_topics, env_or, gateway_base_env, image_task_env, proc_status_kib, producer, request_file,
     scratch_dir, send_all,
-    start_gateway, uncommitted_records, unique, voice_task_env, TaskTopics,
+    start_gateway, unique, CommitProbe, voice_task_env, TaskTopics,
 };
 
 const PARTITIONS: i32 = 3;
@@ -194,7 +194,6 @@ fn relay_lane(
 ) -> anyhow::Result<usize> {
     use rdkafka::consumer::CommitMode;
     use rdkafka::message::Message;
-    use vramgate_gateway::failure::Failure;
     use vramgate_gateway::produce::{dead_letter_headers, source_record};
     use vramgate_shared::events::{DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, Stage, SCHEMA_VERSION};
     let consumer: BaseConsumer = ClientConfig::new()
@@ -225,13 +224,13 @@ fn relay_lane(
         let path = root.join(uri.rsplit('/').next().unwrap_or_default());
         let error = std::fs::File::open(&path).expect_err("the bench's inputs are missing");
         let text = format!("input file {} was not found under the gateway's input root ({error})", path.display());
-        let failure = Failure::new(ErrorKind::InputNotFound, Stage::Fetch, text);
-        let headers = dead_letter_headers(&message, &failure);
+        let error = ErrorInfo { kind: ErrorKind::InputNotFound, message: text, stage: Stage::Fetch };
+        let headers = dead_letter_headers(&message, &error);
         let letter = DeadLetterEvent {
             version: SCHEMA_VERSION,
             id: Some(request.id),
             task: Some(request.task),
-            error: ErrorInfo { kind: failure.kind, message: failure.message, stage: failure.stage },
+            error,
             attempts: 0,
             source: source_record(&message),
         };
@@ -295,8 +294,9 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
         anyhow::ensure!(Instant::now() < deadline, "the gateway consumed nothing; log:\n{}", gateway.log_tail());
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
+    let probe = CommitProbe::new(&group, &topics.requests)?;
     loop {
-        if uncommitted_records(&group, &topics.requests)? == 0 {
+        if probe.uncommitted()? == 0 {
             break;
         }
         anyhow::ensure!(Instant::now() < deadline, "the gateway did not finish; log:\n{}", gateway.log_tail());
