@@ -197,8 +197,12 @@ fn client_defaults(config: &GatewayConfig, consumer: bool) -> ClientConfig {
         // What it would add, no duplicate from librdkafka's own retries, is already outside
         // the at-least-once contract: a gateway restart redoes records too, and consumers
         // dedupe by event id. `enable.idempotence = true` in [kafka.properties] turns it on.
+        // linger.ms 2: a record's commit waits for its output's acknowledgement, and the
+        // in-flight window for that commit, so the linger is paid by every record of the window
+        // (gateway cause 13); 2 ms moved more records a second than 5 in paired runs, at the
+        // same CPU per record.
         c.set("acks", "all")
-            .set("linger.ms", "5")
+            .set("linger.ms", "2")
             .set("max.in.flight.requests.per.connection", "5");
     }
     c

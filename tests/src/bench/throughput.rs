@@ -147,7 +147,7 @@ fn raw_consume(topic: &str, count: usize) -> anyhow::Result<(f64, f64, f64, f64)
 /// allows: a thread polls a `BaseConsumer`, parses the request, opens its input under the root
 /// (missing), and hands the same dead letter the gateway writes (JSON with the source record in
 /// base64, the same seven headers) to a `BaseProducer` with the gateway's output settings
-/// (`acks=all`, `linger.ms=5`, 5 requests in flight); it commits its consumer's position
+/// (`acks=all`, `linger.ms=2`, 5 requests in flight); it commits its consumer's position
 /// asynchronously every 200 ms, as auto-commit does, and once more, synchronously, at its end.
 /// One thread reads every partition, or (`per_partition`) one thread per partition, each with
 /// its own consumer, sharing the producer. No task, span, window or byte budget: what it leaves
@@ -157,7 +157,7 @@ fn raw_relay(topic: &str, out_topic: &str, root: &Path, per_partition: bool) -> 
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("acks", "all")
-        .set("linger.ms", "5")
+        .set("linger.ms", "2")
         .set("max.in.flight.requests.per.connection", "5")
         .create()?;
     let group = unique("relay");
