@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::Router;
-use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 pub struct Metrics {
     registry: Registry,
@@ -29,6 +29,10 @@ pub struct Metrics {
     pub stale: prometheus::IntCounter,
     pub uncommitted: IntGauge,
     pub commits: IntCounterVec,
+    /// Seconds from a record's fetch to its one output acknowledged, per task.
+    pub record_seconds: HistogramVec,
+    /// Seconds an offset commit took, sent to answered.
+    pub commit_seconds: Histogram,
     pub log_suppressed: IntCounterVec,
     pub kafka_errors: IntCounterVec,
     pub produce_retries: prometheus::IntCounter,
@@ -88,8 +92,26 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(produce_retry_seconds.clone())).expect("unique metric");
+        let record_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "record_seconds",
+                "Seconds from a record's fetch to its one output (result or dead letter) acknowledged: with the commit round trip, how long it holds its place in the in-flight window",
+            )
+            .buckets(vec![0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]),
+            &["task"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(record_seconds.clone())).expect("unique metric");
+        let commit_seconds = Histogram::with_opts(
+            HistogramOpts::new("offset_commit_seconds", "Seconds from an offset commit sent to the broker's answer")
+                .buckets(vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0]),
+        )
+        .expect("valid metric");
+        registry.register(Box::new(commit_seconds.clone())).expect("unique metric");
         let per_worker = ["task", "worker"];
         Arc::new(Metrics {
+            record_seconds,
+            commit_seconds,
             workers: gauge("workers", "Workers the task knows (listed, or found in DNS)", &["task"]),
             worker_requests: counter("worker_requests_total", "Calls made to each worker", &per_worker),
             worker_throttled: counter("worker_throttled_total", "503/429 answers of each worker", &per_worker),

@@ -68,6 +68,8 @@ struct Record {
     message: OwnedMessage,
     ticket: Ticket,
     held: Held,
+    /// When it was fetched: its time in the in-flight window is measured from here.
+    fetched: Instant,
 }
 
 impl Drop for Record {
@@ -82,6 +84,7 @@ impl Record {
     /// `commit` span when a confirmed commit covers it.
     fn finish(self, span: &tracing::Span) {
         self.shared.offsets.finish_traced(&self.ticket, context::sampled_context(span));
+        self.task.hot.record_seconds.observe(self.fetched.elapsed().as_secs_f64());
     }
 
     /// Revoked since it was fetched: the partition's new owner reads it again from the last
@@ -145,12 +148,12 @@ fn process_span(shared: &Shared, task: &Task, message: &OwnedMessage) -> tracing
 /// Starts a record, in its poll round's task: parses and checks it and opens its input, all
 /// in its `process` span. A record refused there has its dead letter produced at once and is
 /// finished by its acknowledgement; one that goes on becomes a task ([`go_on`]).
-pub fn start(shared: &Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held) {
+pub fn start(shared: &Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticket: Ticket, held: Held, fetched: Instant) {
     let span = process_span(shared, &task, &message);
     // Read once: the span continues it, and with tracing off the outputs carry it.
     let carried = Carried::from_headers(produce::kafka_headers(&message));
     carried.adopt(&span);
-    let record = Record { shared: shared.clone(), task, message, ticket, held };
+    let record = Record { shared: shared.clone(), task, message, ticket, held, fetched };
     if record.stale() {
         return;
     }

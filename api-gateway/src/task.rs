@@ -43,6 +43,7 @@ pub struct Hot {
     pub in_flight: IntGauge,
     pub produced_result: IntCounter,
     pub produced_dead_letter: IntCounter,
+    pub record_seconds: prometheus::Histogram,
 }
 
 impl Hot {
@@ -55,6 +56,7 @@ impl Hot {
             in_flight: metrics.in_flight.with_label_values(&[name]),
             produced_result: metrics.produced.with_label_values(&[name, "result"]),
             produced_dead_letter: metrics.produced.with_label_values(&[name, "dead_letter"]),
+            record_seconds: metrics.record_seconds.with_label_values(&[name]),
         }
     }
 }

@@ -412,6 +412,13 @@ async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_movi
     let produced = |outcome: &str| metrics.sum("vramgate_gateway_records_produced_total", &[("outcome", outcome)]);
     assert_eq!(produced("dead_letter"), poisons.len() as f64, "{}", metrics.text);
     assert_eq!(produced("result"), good.len() as f64, "{}", metrics.text);
+    // Every finished record, refused at once or served by the worker, is timed from its fetch
+    // to its output acknowledged; the commits that followed, sent to answered.
+    let records = metrics.sum("vramgate_gateway_record_seconds_count", &[]);
+    assert_eq!(records, (poisons.len() + good.len()) as f64, "{}", metrics.text);
+    let seconds = metrics.sum("vramgate_gateway_record_seconds_sum", &[]);
+    assert!(seconds > 0.0 && seconds / records < 60.0, "mean {} s:\n{}", seconds / records, metrics.text);
+    assert!(metrics.sum("vramgate_gateway_offset_commit_seconds_count", &[]) >= 1.0, "{}", metrics.text);
 
     terminate(&mut gateway).await;
     drop(worker);

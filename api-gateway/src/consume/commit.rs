@@ -86,7 +86,9 @@ impl Commits {
         for (tp, position) in positions {
             let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(*position));
         }
+        let sent = Instant::now();
         let result = consumer.commit(&tpl, CommitMode::Sync);
+        self.metrics.commit_seconds.observe(sent.elapsed().as_secs_f64());
         let label = if result.is_ok() { "ok" } else { "error" };
         self.metrics.commits.with_label_values(&[label]).inc();
         result

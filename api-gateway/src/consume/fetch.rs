@@ -61,6 +61,7 @@ struct Admitted {
     message: OwnedMessage,
     ticket: Ticket,
     held: Held,
+    fetched: Instant,
 }
 
 /// Records handed to the runtime together, in one task that starts them in turn. Small
@@ -181,8 +182,8 @@ impl Fetch {
     fn hand_over(&self, chunk: Vec<Admitted>) {
         let shared = self.shared.clone();
         self.runtime.spawn(async move {
-            for Admitted { task, message, ticket, held } in chunk {
-                record::start(&shared, task, message, ticket, held);
+            for Admitted { task, message, ticket, held, fetched } in chunk {
+                record::start(&shared, task, message, ticket, held, fetched);
             }
         });
     }
@@ -194,8 +195,9 @@ impl Fetch {
             tracing::error!(topic = message.topic(), "record from a topic no task reads; skipped");
             return None;
         };
+        let fetched = Instant::now();
         let (ticket, held) = record::admit(&self.shared, task, &message);
-        Some(Admitted { task: task.clone(), message, ticket, held })
+        Some(Admitted { task: task.clone(), message, ticket, held, fetched })
     }
 
     /// Records past the last confirmed commit (or, if more, records unfinished): what bounds

@@ -269,6 +269,11 @@ pub struct GatewayRun {
     pub bound: u64,
     pub dead_letters: i64,
     pub commits: f64,
+    /// Mean seconds from fetch to output acknowledged, and per commit round trip (the
+    /// gateway's own histograms).
+    pub record_seconds: f64,
+    pub commit_seconds: f64,
+    pub max_in_flight: usize,
 }
 
 async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyhow::Result<GatewayRun> {
@@ -306,7 +311,9 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     let cpu = cpu_seconds(pid) - cpu_start;
     let broker = broker_cpu() - broker_start;
     let peak_rss = proc_status_kib(pid, "VmHWM:").unwrap_or(0) * 1024;
-    let commits = gateway.metrics().await?.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]);
+    let scrape = gateway.metrics().await?;
+    let commits = scrape.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]);
+    let mean = |name: &str| scrape.sum(&format!("{name}_sum"), &[]) / scrape.sum(&format!("{name}_count"), &[]).max(1.0);
     Ok(GatewayRun {
         rate: count as f64 / elapsed,
         cpu_per_1000: cpu / count as f64 * 1000.0,
@@ -316,6 +323,12 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
         bound,
         dead_letters: topic_records(&topics.dlq)?,
         commits,
+        record_seconds: mean("vramgate_gateway_record_seconds"),
+        commit_seconds: mean("vramgate_gateway_offset_commit_seconds"),
+        max_in_flight: std::env::var("VRAMGATE_GATEWAY_MAX_IN_FLIGHT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(defaults.max_in_flight),
     })
 }
 
@@ -539,5 +552,15 @@ pub fn print_p4(p4: &P4) {
         gw.bound as f64 / MIB
     );
     println!("    commits                   {:.0}", gw.commits);
+    // Little's law: at most max_in_flight records are past the last confirmed commit, so the
+    // rate is at most max_in_flight ÷ the mean time a record holds its place.
+    println!(
+        "    time in the window        fetch → output acknowledged {:.1} ms + commit round trip {:.1} ms (means); \
+         max_in_flight {} ÷ rate = {:.1} ms",
+        gw.record_seconds * 1000.0,
+        gw.commit_seconds * 1000.0,
+        gw.max_in_flight,
+        gw.max_in_flight as f64 / gw.rate * 1000.0
+    );
     println!("    dead letters              {} of {count}   lost {}", gw.dead_letters, count as i64 - gw.dead_letters);
 }
