@@ -183,7 +183,11 @@ impl Fetch {
         let shared = self.shared.clone();
         self.runtime.spawn(async move {
             for Admitted { task, message, ticket, held, fetched } in chunk {
-                record::start(&shared, task, message, ticket, held, fetched);
+                // A panic in one record's start must not drop the rest of the chunk unstarted.
+                let start = || record::start(&shared, task, message, ticket, held, fetched);
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(start)).is_err() {
+                    tracing::error!("starting a record panicked; see the log above");
+                }
             }
         });
     }
