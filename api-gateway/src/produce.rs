@@ -210,18 +210,21 @@ fn mark_refused(span: &tracing::Span, error: &KafkaError) {
 /// Produces `out` keyed like `source`, under a PRODUCER span `send <topic>` whose trace
 /// context it carries (with tracing off: the context `source` carried, when it was valid),
 /// retrying transient errors with backoff until the broker acknowledges. Returns a permanent
-/// error.
+/// error. `refused`: a first attempt already made and refused ([`send_then`]); the backoff
+/// goes on from it rather than starting over.
 pub async fn deliver(
     producer: &Producer,
     metrics: &Metrics,
     source: &OwnedMessage,
     carried: &Carried,
     out: Outgoing<'_>,
+    refused: Option<KafkaError>,
 ) -> Result<(), KafkaError> {
     let Outgoing { topic, span_name, payload, headers } = out;
     let (span, headers) = sending(span_name, topic, payload.len(), headers, carried);
-    let result =
-        send_until_acknowledged(producer, metrics, source, topic, &payload, headers).instrument(span.clone()).await;
+    let result = send_until_acknowledged(producer, metrics, source, topic, &payload, headers, refused)
+        .instrument(span.clone())
+        .await;
     if let Err(error) = &result {
         mark_refused(&span, error);
     }
@@ -256,7 +259,7 @@ async fn send_once(producer: &Producer, topic: &str, key: Option<&[u8]>, payload
 }
 
 /// Whether a failed attempt is worth another; counts and logs the retry.
-pub fn retrying(metrics: &Metrics, error: &KafkaError, topic: &str, delay: Duration) -> bool {
+fn retrying(metrics: &Metrics, error: &KafkaError, topic: &str, delay: Duration) -> bool {
     if is_permanent(error) {
         return false;
     }
@@ -268,9 +271,6 @@ pub fn retrying(metrics: &Metrics, error: &KafkaError, topic: &str, delay: Durat
     true
 }
 
-/// The first wait before a failed output is produced again; it doubles up to 10 s.
-pub const FIRST_RETRY_DELAY: Duration = Duration::from_millis(200);
-
 async fn send_until_acknowledged(
     producer: &Producer,
     metrics: &Metrics,
@@ -278,9 +278,17 @@ async fn send_until_acknowledged(
     topic: &str,
     payload: &[u8],
     headers: OwnedHeaders,
+    refused: Option<KafkaError>,
 ) -> Result<(), KafkaError> {
+    let mut delay = Duration::from_millis(200);
     let mut headers = headers;
-    let mut delay = FIRST_RETRY_DELAY;
+    if let Some(error) = refused {
+        if !retrying(metrics, &error, topic, delay) {
+            return Err(error);
+        }
+        tokio::time::sleep(delay).await;
+        delay *= 2;
+    }
     loop {
         let refused = match send_once(producer, topic, source.key(), payload, headers).await {
             Ok(()) => return Ok(()),

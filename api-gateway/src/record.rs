@@ -298,15 +298,7 @@ async fn write(record: Record, carried: Carried, written: Written, refused: Opti
     let Record { shared, task, message, .. } = &record;
     let out = written.outgoing(task, message);
     let (out_topic, out_bytes) = (out.topic, out.payload.len());
-    let delivered = match refused {
-        Some(error) if !produce::retrying(&shared.metrics, &error, out_topic, produce::FIRST_RETRY_DELAY) => Err(error),
-        Some(_) => {
-            tokio::time::sleep(produce::FIRST_RETRY_DELAY).await;
-            produce::deliver(&shared.producer, &shared.metrics, message, &carried, out).await
-        }
-        None => produce::deliver(&shared.producer, &shared.metrics, message, &carried, out).await,
-    };
-    match delivered {
+    match produce::deliver(&shared.producer, &shared.metrics, message, &carried, out, refused).await {
         Ok(()) => written.acknowledged(task),
         Err(error) => {
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
@@ -332,7 +324,7 @@ async fn write(record: Record, carried: Carried, written: Written, refused: Opti
             );
             tracing::error!(error = %error, topic = out_topic, bytes = out_bytes, "output refused by the broker; writing a trimmed dead letter");
             let trimmed_topic = trimmed.topic;
-            match produce::deliver(&shared.producer, &shared.metrics, message, &carried, trimmed).await {
+            match produce::deliver(&shared.producer, &shared.metrics, message, &carried, trimmed, None).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
                     if matches!(written, Written::Result(_)) {
