@@ -33,6 +33,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -284,9 +285,10 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     let gateway = start_gateway(&env).await?;
     let pid = gateway.pid();
     let base_rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0) * 1024;
-    // The defaults of config/gateway.toml, which this run does not change.
-    let defaults = vramgate_gateway::config::GatewayConfig::default();
-    let bound = defaults.max_held_bytes + defaults.kafka.queue_max_kbytes * 1024;
+    // What the gateway read: its defaults, under any VRAMGATE_GATEWAY_* this process passes on.
+    let config: vramgate_gateway::config::GatewayConfig =
+        vramgate_shared::config::load(None, "VRAMGATE_GATEWAY_").context("reading the gateway's settings")?;
+    let bound = config.max_held_bytes + config.kafka.queue_max_kbytes * 1024;
 
     // Wait for the first consumed record, then for every offset to be committed.
     let deadline = Instant::now() + Duration::from_secs(900);
@@ -325,10 +327,7 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
         commits,
         record_seconds: mean("vramgate_gateway_record_seconds"),
         commit_seconds: mean("vramgate_gateway_offset_commit_seconds"),
-        max_in_flight: std::env::var("VRAMGATE_GATEWAY_MAX_IN_FLIGHT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(defaults.max_in_flight),
+        max_in_flight: config.max_in_flight,
     })
 }
 
