@@ -38,6 +38,18 @@ async fn topics_with_limit(prefix: &str, max_message_bytes: usize) -> TaskTopics
     topics
 }
 
+/// Creates `<base>.requests` and `.results` (1 partition each), not `.dlq`.
+async fn topics_but_the_dlq(prefix: &str) -> TaskTopics {
+    let base = unique(prefix);
+    let topics = TaskTopics {
+        requests: format!("{base}.requests"),
+        results: format!("{base}.results"),
+        dlq: format!("{base}.dlq"),
+    };
+    vramgate_tests::create_topics(&[&topics.requests, &topics.results], 1).await.expect("topics");
+    topics
+}
+
 /// A worker serving the VAD model, a WAV file under a fresh input root, and a gateway whose
 /// voice task reads `topics`.
 struct Setup {
@@ -200,13 +212,7 @@ async fn odd_records_and_forged_trace_headers_neither_crash_nor_flood() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_tells_a_missing_topic_and_a_worker_that_is_gone() {
     // The dead-letter topic is missing: the gateway runs, but is not ready, and says why.
-    let base = unique("ready");
-    let topics = TaskTopics {
-        requests: format!("{base}.requests"),
-        results: format!("{base}.results"),
-        dlq: format!("{base}.dlq"),
-    };
-    vramgate_tests::create_topics(&[&topics.requests, &topics.results], 1).await.expect("topics");
+    let topics = topics_but_the_dlq("ready").await;
     let Setup { _worker: mut worker, gateway, .. } = setup(&topics, "ready").await;
     let body = gateway.wait_readiness(|status, body| status == 503 && body["checks"]["kafka"] != "not checked yet").await;
     let kafka = body["checks"]["kafka"].as_str().unwrap_or_default();
@@ -295,4 +301,69 @@ async fn wrong_credentials_make_the_gateway_not_ready_with_a_clear_reason_and_no
     let metrics = gateway.metrics().await.expect("metrics");
     let auth = metrics.sum("vramgate_gateway_kafka_client_errors_total", &[("kind", "authentication")]);
     assert!(auth >= 1.0, "authentication failures are counted:\n{}", metrics.text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_the_broker_refuses_for_a_while_is_retried_and_lands_once() {
+    // Records refused before any worker call (their input is missing) have their dead letter
+    // produced at once, and finished by its acknowledgement. Here the dead-letter topic is
+    // missing at first and an output times out after 1.5 s, so every first attempt fails: the
+    // records must go on to the retries, hold their commit back meanwhile, and land exactly
+    // once when the topic appears.
+    let topics = topics_but_the_dlq("dlq-later").await;
+    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
+    let root = scratch_dir("dlq-later");
+    let group = unique("gw");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend(voice_task_env(&topics));
+    env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    env.push(("KAFKA__PROPERTIES__MESSAGE_TIMEOUT_MS", "1500".into()));
+    let gateway = start_gateway(&env).await.expect("gateway");
+
+    let producer = producer();
+    let ids: Vec<String> = (0..3).map(|i| unique(&format!("missing-{i}"))).collect();
+    for id in &ids {
+        let body = request_file(id, "voice", &root.join(format!("{id}.wav")));
+        send(&producer, &topics.requests, id, &body).await.expect("send");
+    }
+
+    // Wait for the first attempts to fail and be retried.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let metrics = gateway.metrics().await.expect("metrics");
+        if metrics.sum("vramgate_gateway_produce_retries_total", &[]) >= ids.len() as f64 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no retries yet; log:\n{}", gateway.log_tail());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        uncommitted_records(&group, &topics.requests).expect("offsets"),
+        ids.len() as i64,
+        "nothing is committed while the dead letters are refused"
+    );
+
+    vramgate_tests::create_topics(&[&topics.dlq], 1).await.expect("dlq topic");
+    let records = collect(&[&topics.results, &topics.dlq], Duration::from_secs(60), |got| {
+        ids.iter().all(|id| got.contains_key(id))
+    })
+    .await
+    .expect("collect");
+    wait_committed(&gateway, &group, &topics.requests).await;
+    // Read again after the commit: a retry that doubled an output would show by now.
+    let records_after = collect(&[&topics.dlq], Duration::from_secs(2), |_| false).await.expect("collect");
+    for id in &ids {
+        let got = records.get(id).unwrap_or_else(|| panic!("no dead letter for {id}; log:\n{}", gateway.log_tail()));
+        assert_eq!(got[0].topic, topics.dlq);
+        assert_eq!(got[0].value["error"]["kind"], "input_not_found", "{}", got[0].value);
+        assert_eq!(records_after.get(id).map_or(0, Vec::len), 1, "{id} was written exactly once");
+    }
+    let metrics = gateway.metrics().await.expect("metrics");
+    assert_eq!(
+        metrics.sum("vramgate_gateway_dead_letters_total", &[("kind", "input_not_found")]),
+        ids.len() as f64,
+        "{}",
+        metrics.text
+    );
+    drop(worker);
 }
