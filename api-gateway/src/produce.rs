@@ -145,7 +145,7 @@ fn refusal(error: KafkaError, message: &BorrowedMessage<'_>) -> Refusal {
 /// The PRODUCER span `send <topic>` of an output (a child of the current span), and its
 /// headers with the trace context added: the span's, or with tracing off the context `carried`
 /// brought in, when it was valid.
-pub fn sending(span_name: &str, topic: &str, body_len: usize, mut headers: OwnedHeaders, carried: &Carried) -> (tracing::Span, OwnedHeaders) {
+pub fn sending(span_name: &str, topic: &str, body_len: usize, headers: OwnedHeaders, carried: &Carried) -> (tracing::Span, OwnedHeaders) {
     let span = tracing::info_span!(
         "send",
         otel.name = span_name,
@@ -158,7 +158,15 @@ pub fn sending(span_name: &str, topic: &str, body_len: usize, mut headers: Owned
         otel.status_description = tracing::field::Empty,
         error.type = tracing::field::Empty,
     );
-    let trace = context::headers_of(&span).or_else(|| match carried {
+    let headers = with_trace_context(headers, &span, carried);
+    (span, headers)
+}
+
+/// `headers` with the trace context added: `span`'s, or with tracing off the context `carried`
+/// brought in, when it was valid. For a first attempt made without a `send` span (nothing
+/// exports), `span` is the record's, perhaps none.
+pub fn with_trace_context(mut headers: OwnedHeaders, span: &tracing::Span, carried: &Carried) -> OwnedHeaders {
+    let trace = context::headers_of(span).or_else(|| match carried {
         Carried::Parent(parent) => Some(context::to_headers(parent)),
         _ => None,
     });
@@ -168,7 +176,7 @@ pub fn sending(span_name: &str, topic: &str, body_len: usize, mut headers: Owned
             headers = headers.insert(Header { key: "tracestate", value: Some(state.as_bytes()) });
         }
     }
-    (span, headers)
+    headers
 }
 
 /// Produces an output once, without waiting: `then` runs with its outcome on the producer's

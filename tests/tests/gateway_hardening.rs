@@ -358,6 +358,12 @@ async fn a_dead_letter_the_broker_refuses_for_a_while_is_retried_and_lands_once(
         assert_eq!(got[0].value["error"]["kind"], "input_not_found", "{}", got[0].value);
         assert_eq!(records_after.get(id).map_or(0, Vec::len), 1, "{id} was written exactly once");
     }
+    // The retry's log line names its record, though a first attempt has no span while nothing
+    // exports.
+    let log = std::fs::read_to_string(&gateway.service.log).expect("gateway log");
+    let retried = log.lines().find(|l| l.contains("produce failed; retrying")).expect("a retry was logged");
+    assert!(ids.iter().any(|id| retried.contains(&format!("event_id={id}"))), "{retried}");
+    assert!(retried.contains(&format!("messaging.destination.name={}", topics.requests)), "{retried}");
     let metrics = gateway.metrics().await.expect("metrics");
     assert_eq!(
         metrics.sum("vramgate_gateway_dead_letters_total", &[("kind", "input_not_found")]),
