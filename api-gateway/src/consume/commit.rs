@@ -3,9 +3,11 @@
 //! outcome is known: a position counts as committed only once the broker acknowledged it, a
 //! failed commit is counted and its positions are offered again to the next one.
 //!
-//! It commits every `commit_interval_ms`, and at once when the records waiting for a commit
-//! reach a quarter of `max_in_flight`: the in-flight window is counted from the last
-//! *confirmed* commit, so waiting for the timer with a full window would stall fetching. One
+//! It looks at the watermarks every millisecond while any record is in the window (every
+//! 10 ms while none is), and commits every `commit_interval_ms`, and at once when the records
+//! waiting for a commit reach a quarter of `max_in_flight`: the in-flight window is counted
+//! from the last *confirmed* commit, so waiting for the timer with a full window would stall
+//! fetching. One
 //! commit at a time, each covering every partition that advanced; the fetch thread goes on
 //! fetching meanwhile.
 //!
@@ -113,6 +115,18 @@ impl Policy {
     }
 }
 
+/// How long the commit thread sleeps before it looks again: a tick while any record is past the
+/// last confirmed commit, the idle tick only while none is. Right after a commit nothing is
+/// committable, yet the next records' outputs are on their way and finish within milliseconds;
+/// sleeping the idle tick then held the whole window for up to 10 ms (gateway cause 15).
+fn next_tick(in_window: usize) -> Duration {
+    if in_window > 0 {
+        TICK
+    } else {
+        IDLE_TICK
+    }
+}
+
 /// Runs the commit loop until `stop` is set. The final commit is the caller's (after its
 /// records drained).
 pub fn run<C: ConsumerContext>(consumer: &BaseConsumer<C>, commits: &Commits, policy: Policy, stop: &AtomicBool) {
@@ -121,8 +135,11 @@ pub fn run<C: ConsumerContext>(consumer: &BaseConsumer<C>, commits: &Commits, po
     let mut tick = TICK;
     while !stop.load(Ordering::SeqCst) {
         std::thread::sleep(tick);
-        let committable = commits.offsets.lock().committable();
-        tick = if committable > 0 { TICK } else { IDLE_TICK };
+        let (committable, in_window) = {
+            let offsets = commits.offsets.lock();
+            (offsets.committable(), offsets.uncommitted())
+        };
+        tick = next_tick(in_window);
         if !policy.due(committable, last.elapsed()) {
             continue;
         }
@@ -157,5 +174,21 @@ mod tests {
         check(64, 0, true);
         check(63, 0, false);
         assert_eq!(Policy::new(200, 1).eager_after, 1);
+    }
+
+    #[test]
+    fn a_window_on_its_way_is_looked_at_every_tick_though_nothing_is_committable_yet() {
+        // Right after a commit: records fetched, their outputs not yet acknowledged.
+        use super::super::offsets::OffsetTracker;
+        let mut t = OffsetTracker::new();
+        let tickets: Vec<_> = (0..4).map(|o| t.begin(("t".to_string(), 0), o)).collect();
+        assert_eq!(t.committable(), 0);
+        assert_eq!(next_tick(t.uncommitted()), TICK);
+        for ticket in &tickets {
+            t.finish(ticket);
+        }
+        let taken = t.take_advanced();
+        t.confirm(&taken);
+        assert_eq!(next_tick(t.uncommitted()), IDLE_TICK, "an empty window may idle");
     }
 }
