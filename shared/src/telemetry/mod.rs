@@ -40,7 +40,7 @@ use tracing_subscriber::fmt::{self, FmtContext, FormatEvent, FormatFields, Forma
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::filter::FilterExt as _;
+use tracing_subscriber::filter::{FilterExt as _, LevelFilter};
 use tracing_subscriber::{EnvFilter, Layer};
 
 /// The `[telemetry]` table of a service's config. The `OTEL_*` variables override it.
@@ -140,9 +140,7 @@ pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
     let json = std::env::var("VRAMGATE_LOG_FORMAT").is_ok_and(|v| v == "json");
     let ansi = std::io::stderr().is_terminal();
     let provider = tracer_provider(&service, config);
-    let log_spans = service.log_spans;
-    let logged = tracing_subscriber::filter::filter_fn(move |meta| !meta.is_span() || log_spans.contains(&meta.name()))
-        .and(env_filter());
+    let logged = log_filter(service.log_spans, env_filter());
     let logs = if json {
         fmt::layer().with_writer(std::io::stderr).fmt_fields(LogFields).event_format(JsonLines).with_filter(logged).boxed()
     } else {
@@ -168,6 +166,22 @@ pub fn init(service: Service<'_>, config: &TelemetryConfig) -> Telemetry {
         tracing::info!(service = service.name, "exporting traces over OTLP");
     }
     Telemetry { provider }
+}
+
+/// What the log layer writes: events that pass `levels`, and of spans only those named in
+/// `log_spans`. The span test is a closure, which knows no level, so it is given `levels`' own
+/// bound as its hint: without one the subscriber's bound is `TRACE`, `LogTracer` (installed by
+/// `try_init`) takes that as the `log` crate's maximum, and every trace and debug line that
+/// rdkafka writes through `log` on the message path is then handed to the subscriber to be
+/// refused, one by one (1.6% of the gateway's CPU on its fast lane).
+fn log_filter<S>(log_spans: &'static [&'static str], levels: EnvFilter) -> impl tracing_subscriber::layer::Filter<S>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    let bound = tracing_subscriber::layer::Filter::<S>::max_level_hint(&levels).unwrap_or(LevelFilter::TRACE);
+    tracing_subscriber::filter::filter_fn(move |meta| !meta.is_span() || log_spans.contains(&meta.name()))
+        .with_max_level_hint(bound)
+        .and(levels)
 }
 
 /// A standard variable's value, when set and not blank.
@@ -429,9 +443,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_log_filter_bounds_the_level_so_log_records_below_it_are_never_dispatched() {
+        use tracing_subscriber::layer::Filter;
+        let logged = log_filter::<tracing_subscriber::Registry>(&["process"], EnvFilter::new("info"));
+        assert_eq!(logged.max_level_hint(), Some(LevelFilter::INFO));
+        let logged = log_filter::<tracing_subscriber::Registry>(&["process"], EnvFilter::new("warn,vramgate=debug"));
+        assert_eq!(logged.max_level_hint(), Some(LevelFilter::DEBUG));
+        let logs = fmt::layer().with_writer(std::io::sink).with_filter(log_filter(&["process"], EnvFilter::new("info")));
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(logs), || {
+            assert_eq!(LevelFilter::current(), LevelFilter::INFO, "the subscriber's bound, which LogTracer copies");
+        });
+    }
+
+    #[test]
     fn without_an_exporter_only_the_logged_spans_are_made() {
-        let logged = tracing_subscriber::filter::filter_fn(|meta| !meta.is_span() || meta.name() == "process")
-            .and(EnvFilter::new("info"));
+        let logged = log_filter(&["process"], EnvFilter::new("info"));
         let logs = fmt::layer().with_writer(std::io::sink).fmt_fields(LogFields).with_filter(logged).boxed();
         let layers: Vec<Box<dyn Layer<tracing_subscriber::Registry> + Send + Sync>> = vec![logs];
         tracing::subscriber::with_default(tracing_subscriber::registry().with(layers), || {
