@@ -4,10 +4,11 @@
 //!
 //! **Why measure.** Whether batching pays depends on the model, the device and the input size.
 //! Measured on this 2-core CPU with one torch thread (plain libtorch loop, items per second):
-//! Silero VAD on 1 s clips runs 90/s alone and 340/s in batches of 8 (its recurrent steps are
-//! tiny ops whose fixed cost a batch shares); MTCNN P-Net on 64² images gains about 35% at
-//! batch 4, is flat at 160², and at 320² is slower per image in any batch (its activations
-//! outgrow the caches; docs/performance.md). On a GPU a batch of small images is usually
+//! Silero VAD (silero-vad 6.2) on 1 s clips runs 160/s alone, 105/s in batches of 2, 190/s in
+//! batches of 4 and 324/s in batches of 8 (its recurrent steps are tiny ops whose fixed cost a
+//! batch shares, past a dip at 2); MTCNN P-Net on 64² images gains about 35% at batch 4, is
+//! flat at 160², and at 320² is slower per image in any batch (its activations outgrow the
+//! caches; docs/performance.md). On a GPU a batch of small images is usually
 //! nearly as fast as one image, until the card is full. A fixed `max_batch_size = 8` was right
 //! for one of these and wrong for the others.
 //!
@@ -20,13 +21,17 @@
 //! granted in memory, nor past the capacity learned from OOMs: `engine.rs`).
 //!
 //! * **At start-up** each model is timed on a few sizes (`Model::batching_probe_sizes`) at
-//!   batch 1, 2, 4, … — doubling until it stops paying by [`GAIN`], up to [`CALIBRATION_MAX`]
-//!   rows and within [`CALIBRATION_BUDGET`] per model — so the first requests already get a
-//!   measured limit. A class not calibrated takes the limit of the nearest class that was.
+//!   batch 1, 2, 4, … — doubling until two sizes in a row measured slower than the best so
+//!   far, up to [`CALIBRATION_MAX`] rows and within [`CALIBRATION_BUDGET`] per model — so the
+//!   first requests already get a measured limit. One size that measures slower, or a gain
+//!   too small to choose, does not end the search: Silero on 4 s clips runs 42/s alone, 28/s
+//!   at 2, 49/s at 4 and 87/s at 8. A class not
+//!   calibrated takes the limit of the nearest class that was.
 //! * **Online** every batch's duration updates its class's figures. One batch in
-//!   [`EXPLORE_EVERY`] of a class may hold up to twice the limit (when that many requests are
-//!   waiting), so that a size that pays more than measured so far — a less loaded machine, a
-//!   GPU with room — is found and the limit grows; a larger size measured worse is not chosen.
+//!   [`EXPLORE_EVERY`] of a class may hold more than the limit (when that many requests are
+//!   waiting): twice it, and every other time four times it, so that a size that pays more
+//!   than measured so far — a less loaded machine, a GPU with room — is found past a dip of
+//!   one size, and the limit grows; a larger size measured worse is not chosen.
 //!   On a GPU, where throughput keeps rising with the batch until the card is busy, the limit
 //!   keeps doubling and memory is what bounds the batch: the members' grants of the admission
 //!   budget and the learned capacity.
@@ -131,11 +136,13 @@ impl BatchSizer {
         let limit = limit_of(&classes, class, self.bound, self.initial);
         let entry = classes.entry(class).or_default();
         entry.batches += 1;
-        if entry.batches % EXPLORE_EVERY == 0 {
-            (limit * 2).min(self.bound)
-        } else {
-            limit.min(self.bound)
+        if entry.batches % EXPLORE_EVERY != 0 {
+            return limit.min(self.bound);
         }
+        // Twice the limit, and every other exploration four times it: one size that does not
+        // pay (Silero at 2) must not hide a larger one that does.
+        let factor = if (entry.batches / EXPLORE_EVERY) % 2 == 0 { 4 } else { 2 };
+        (limit * factor).min(self.bound)
     }
 
     /// The chosen batch size for items of `item_elements`, without exploring.
@@ -168,9 +175,9 @@ impl BatchSizer {
         classes.iter().filter(|(_, c)| !c.rates.is_empty()).map(|(&k, _)| (k, limit_of(&classes, k, self.bound, self.initial))).collect()
     }
 
-    /// Times `model` at start-up: for each probe size, batch 1, 2, 4, … until two doublings in
-    /// a row have not beaten the best by [`GAIN`] or one measured clearly slower (a gain can
-    /// show only at 4 after none at 2: P-Net on 64² images), up to [`CALIBRATION_MAX`] and
+    /// Times `model` at start-up: for each probe size, batch 1, 2, 4, … until two sizes in a
+    /// row measured slower than the best so far ([`Doubling`]; a gain can show only at 4 or 8
+    /// after none, or a loss, at 2: P-Net on 64² images, Silero), up to [`CALIBRATION_MAX`] and
     /// within [`CALIBRATION_BUDGET`]. Each size and batch is run once untimed (libtorch
     /// prepares kernels per shape), then three times timed; the fastest counts. An error (an
     /// OOM on a small device) ends that size's doubling.
@@ -179,8 +186,7 @@ impl BatchSizer {
         let started = Instant::now();
         for size in model.batching_probe_sizes() {
             let item_elements = model.probe_input_elements(1, size) as u64;
-            let mut best = 0.0_f64;
-            let mut misses = 0;
+            let mut doubling = Doubling::default();
             let mut rows = 1;
             while rows <= CALIBRATION_MAX.min(self.bound) && started.elapsed() < CALIBRATION_BUDGET {
                 let elements = model.probe_input_elements(rows, size);
@@ -203,15 +209,8 @@ impl BatchSizer {
                     break;
                 }
                 self.record(item_elements, rows, fastest);
-                let rate = rows as f64 / fastest;
-                if rate >= best * GAIN {
-                    best = rate;
-                    misses = 0;
-                } else {
-                    misses += 1;
-                    if misses == 2 || rate < best / GAIN {
-                        break;
-                    }
+                if !doubling.go_on(rows as f64 / fastest) {
+                    break;
                 }
                 rows *= 2;
             }
@@ -222,6 +221,31 @@ impl BatchSizer {
             limits = ?self.limits().iter().map(|(k, l)| (1u64 << k, *l)).collect::<Vec<_>>(),
             "batch sizes calibrated: (elements per item from, batch size limit)"
         );
+    }
+}
+
+/// The start-up search's stopping rule: go on doubling the batch until two sizes in a row
+/// measured slower than the best so far (the fastest size that beat the one before it by
+/// [`GAIN`]). A size that is no slower, though too little faster to be chosen, goes on: the
+/// gain may come at the next doubling. [`CALIBRATION_BUDGET`] bounds a curve that stays flat.
+#[derive(Debug, Default)]
+struct Doubling {
+    best: f64,
+    slower: u32,
+}
+
+impl Doubling {
+    /// The rate (items per second) of the size just timed; whether to time twice that size.
+    fn go_on(&mut self, rate: f64) -> bool {
+        if rate < self.best {
+            self.slower += 1;
+        } else {
+            self.slower = 0;
+            if rate >= self.best * GAIN {
+                self.best = rate;
+            }
+        }
+        self.slower < 2
     }
 }
 
@@ -303,6 +327,40 @@ mod tests {
         // The explored size measured better: it becomes the limit (bounded by the config).
         feed(&sizer, 1000, 6, 300.0);
         assert_eq!(sizer.limit(1000), 6);
+    }
+
+    #[test]
+    fn exploration_looks_past_one_size_that_does_not_pay() {
+        // Silero on 1 s clips (silero-vad 6.2, one torch thread): slower per clip at 2.
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 16_000, 1, 160.0);
+        feed(&sizer, 16_000, 2, 105.0);
+        assert_eq!(sizer.limit(16_000), 1);
+        let explored: Vec<usize> =
+            (0..4 * EXPLORE_EVERY).map(|_| sizer.allowed(16_000)).filter(|&a| a != 1).collect();
+        assert_eq!(explored, vec![2, 4, 2, 4], "twice the limit, then four times it, in turn");
+        feed(&sizer, 16_000, 4, 190.0);
+        assert_eq!(sizer.limit(16_000), 4, "found past the dip");
+        feed(&sizer, 16_000, 8, 324.0);
+        assert_eq!(sizer.limit(16_000), 8);
+    }
+
+    #[test]
+    fn the_start_up_search_goes_on_past_one_size_that_does_not_pay() {
+        // The rates of batch 1, 2, 4, 8, 16 in turn; the search times the next size while
+        // `go_on` says so.
+        let timed = |rates: &[f64]| {
+            let mut doubling = Doubling::default();
+            rates.iter().position(|&r| !doubling.go_on(r)).map_or(rates.len(), |last| last + 1)
+        };
+        // Silero on 1 s clips: a dip at 2, then a gain at 4 and 8: all five sizes timed.
+        assert_eq!(timed(&[160.0, 105.0, 190.0, 324.0, 330.0]), 5);
+        // Silero on 4 s clips: a dip at 2, too small a gain at 4, twice as fast at 8.
+        assert_eq!(timed(&[42.3, 27.5, 45.0, 87.0, 90.0]), 5);
+        // P-Net at 320²: slower in any batch; stops after two sizes slower than batch 1.
+        assert_eq!(timed(&[100.0, 80.0, 70.0, 60.0, 50.0]), 3);
+        // A gain only at 4 (P-Net on 64²), then two slower: stops after 16.
+        assert_eq!(timed(&[400.0, 420.0, 540.0, 520.0, 500.0, 480.0]), 5);
     }
 
     #[test]
