@@ -297,12 +297,24 @@ pub async fn worker_rate(
             }
         }
     };
-    // Warm-up: every connection opened, every batch size the worker may choose seen once.
-    let warm = futures::future::join_all((0..concurrency.max(2) * 2).map(|_| call())).await;
-    for w in warm {
-        if !w? {
-            bail!("the worker refused a warm-up request for {} {}", case.model.name(), case.label);
+    // Warm-up: every connection opened, every batch size the worker may choose seen once, at
+    // the concurrency that is timed (`concurrency` clients, two calls each). More at once would
+    // leave the worker expecting overlapping requests for its `OVERLAP_MEMORY` (1 s) into the
+    // timed run, and a lone client's requests would wait the batching window meanwhile: a
+    // state the warm-up made, not one a lone client's traffic brings.
+    let chain = || {
+        let call = call.clone();
+        async move {
+            for _ in 0..2 {
+                if !call().await? {
+                    bail!("the worker refused a warm-up request for {} {}", case.model.name(), case.label);
+                }
+            }
+            anyhow::Ok(())
         }
+    };
+    for warmed in futures::future::join_all((0..concurrency.max(1)).map(|_| chain())).await {
+        warmed?;
     }
     let stop = Arc::new(AtomicBool::new(false));
     let (done, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
