@@ -25,8 +25,8 @@
 //!   far, up to [`CALIBRATION_MAX`] rows and within [`CALIBRATION_BUDGET`] per model — so the
 //!   first requests already get a measured limit. One size that measures slower, or a gain
 //!   too small to choose, does not end the search: Silero on 4 s clips runs 42/s alone, 28/s
-//!   at 2, 49/s at 4 and 87/s at 8. A class not
-//!   calibrated takes the limit of the nearest class that was.
+//!   at 2, 49/s at 4 and 87/s at 8. A class not calibrated takes the limit of the nearest
+//!   class that was.
 //! * **Online** every batch's duration updates its class's figures. One batch in
 //!   [`EXPLORE_EVERY`] of a class may hold more than the limit (when that many requests are
 //!   waiting): twice it, and every other time four times it, so that a size that pays more

@@ -178,7 +178,7 @@ fn log_filter<S>(log_spans: &'static [&'static str], levels: EnvFilter) -> impl 
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
-    let bound = tracing_subscriber::layer::Filter::<S>::max_level_hint(&levels).unwrap_or(LevelFilter::TRACE);
+    let bound = levels.max_level_hint().unwrap_or(LevelFilter::TRACE);
     tracing_subscriber::filter::filter_fn(move |meta| !meta.is_span() || log_spans.contains(&meta.name()))
         .with_max_level_hint(bound)
         .and(levels)
