@@ -490,11 +490,26 @@ pub struct P4 {
     pub relay: (f64, f64, f64),
     pub relay_parallel: (f64, f64, f64),
     pub gateway: GatewayRun,
-    /// Every round's raw consumer and gateway records/s, in the order run; the fields above
-    /// are the round whose gateway / raw ratio is the median.
-    pub rounds: Vec<(f64, f64)>,
-    /// Events sent and not found among the dead letters, over every round.
+    /// Every round, in the order run; the fields above are the round whose gateway / raw
+    /// ratio is the median.
+    pub rounds: Vec<P4Round>,
+}
+
+/// One P4 round's headline figures.
+#[derive(Debug, Clone, Copy)]
+pub struct P4Round {
+    /// Records/s of the raw consumer and of the gateway.
+    pub raw: f64,
+    pub gateway: f64,
+    /// Events sent and not found among the dead letters.
     pub lost: i64,
+}
+
+impl P4 {
+    /// Events lost over every round.
+    pub fn lost(&self) -> i64 {
+        self.rounds.iter().map(|r| r.lost).sum()
+    }
 }
 
 /// P4: `VRAMGATE_BENCH_EVENTS` (default 100,000) tiny events, the raw consumer, the relays,
@@ -510,11 +525,10 @@ pub async fn p4() -> anyhow::Result<P4> {
         eprintln!("P4: round {round}: gateway {:.0} records/s, raw {:.0}, ratio {:.3}", run.gateway.rate, run.raw, run.gateway.rate / run.raw);
         runs.push(run);
     }
-    let rates: Vec<(f64, f64)> = runs.iter().map(|r| (r.raw, r.gateway.rate)).collect();
-    let lost = runs.iter().map(|r| r.lost).sum();
+    let rounds: Vec<P4Round> = runs.iter().flat_map(|r| r.rounds.iter().copied()).collect();
     runs.sort_by(|a, b| (a.gateway.rate / a.raw).total_cmp(&(b.gateway.rate / b.raw)));
     let median = runs.swap_remove(runs.len() / 2);
-    Ok(P4 { rounds: rates, lost, ..median })
+    Ok(P4 { rounds, ..median })
 }
 
 async fn p4_round(count: usize) -> anyhow::Result<P4> {
@@ -530,19 +544,19 @@ async fn p4_round(count: usize) -> anyhow::Result<P4> {
     let relay_parallel = raw_relay(&topics.requests, &topics.results, &root, true)?;
     let gateway = gateway_consume(&topics, &root, count).await?;
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
-    let lost = count as i64 - gateway.dead_letters;
-    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway, rounds: Vec::new(), lost })
+    let round = P4Round { raw, gateway: gateway.rate, lost: count as i64 - gateway.dead_letters };
+    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway, rounds: vec![round] })
 }
 
 /// Prints P4's figures.
 pub fn print_p4(p4: &P4) {
-    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw, rounds, lost } = p4;
+    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw, rounds } = p4;
     let (count, raw, raw_streaming) = (*count, *raw, *raw_streaming);
     println!();
     println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
     println!("    {count} tiny records, {PARTITIONS} partitions, one local broker, config/gateway.toml defaults");
     let each: Vec<String> =
-        rounds.iter().map(|(raw, gateway)| format!("{:.3} ({:.1}k / {:.1}k)", gateway / raw, gateway / 1000.0, raw / 1000.0)).collect();
+        rounds.iter().map(|r| format!("{:.3} ({:.1}k / {:.1}k)", r.gateway / r.raw, r.gateway / 1000.0, r.raw / 1000.0)).collect();
     println!("    rounds, gateway / raw     {}", each.join(", "));
     println!("    the median round of {}:", rounds.len());
     let per_1000 = |cpu: f64| cpu / count as f64 * 1000.0;
@@ -596,9 +610,10 @@ pub fn print_p4(p4: &P4) {
         gw.max_in_flight as f64 / gw.rate * 1000.0
     );
     println!(
-        "    dead letters              {} of {count}   lost {} (over all {} rounds: {lost})",
+        "    dead letters              {} of {count}   lost {} (over all {} rounds: {})",
         gw.dead_letters,
         count as i64 - gw.dead_letters,
-        rounds.len()
+        rounds.len(),
+        p4.lost()
     );
 }
