@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
             Some(gw.peak_rss as f64 / gw.bound as f64),
             "≤ 1",
         );
-        line("P4 lost (sent − dead letters, all rounds)", format!("{}", p4.lost()), String::new(), None, "0");
+        line("P4 lost (sent − dead letters, all rounds, warm-up included)", format!("{}", p4.lost()), String::new(), None, "0");
     }
     if let Some(p1) = &p1 {
         let (c, a) = (&p1.bytes, &p1.safe);

@@ -495,6 +495,8 @@ pub struct P4 {
     /// Every round, in the order run; the fields above are the round whose gateway / raw
     /// ratio is the median.
     pub rounds: Vec<P4Round>,
+    /// The untimed rounds that warmed the broker up (their events count for `lost` too).
+    pub warmup: Vec<P4Round>,
 }
 
 /// One P4 round's headline figures.
@@ -508,9 +510,9 @@ pub struct P4Round {
 }
 
 impl P4 {
-    /// Events lost over every round.
+    /// Events lost over every round, the warm-up's included.
     pub fn lost(&self) -> i64 {
-        self.rounds.iter().map(|r| r.lost).sum()
+        self.rounds.iter().chain(&self.warmup).map(|r| r.lost).sum()
     }
 }
 
@@ -531,12 +533,12 @@ pub async fn p4() -> anyhow::Result<P4> {
     let rounds: usize = env_or("VRAMGATE_BENCH_P4_ROUNDS", 3);
     let warmup = Duration::from_secs_f64(env_or("VRAMGATE_BENCH_P4_WARMUP_SECONDS", 90.0_f64).max(0.0));
     let started = Instant::now();
-    let mut round = 0;
+    let mut warm = Vec::new();
     while started.elapsed() < warmup {
-        round += 1;
         let run = p4_round(count).await?;
         let (done, of) = (started.elapsed().as_secs_f64(), warmup.as_secs_f64());
-        eprintln!("P4: warm-up round {round} (untimed, {done:.0} s of {of:.0}): {}", round_line(&run));
+        eprintln!("P4: warm-up round {} (untimed, {done:.0} s of {of:.0}): {}", warm.len() + 1, round_line(&run));
+        warm.extend(run.rounds);
     }
     let mut runs = Vec::new();
     for round in 1..=rounds.max(1) {
@@ -547,17 +549,18 @@ pub async fn p4() -> anyhow::Result<P4> {
     let rounds: Vec<P4Round> = runs.iter().flat_map(|r| r.rounds.iter().copied()).collect();
     runs.sort_by(|a, b| (a.gateway.rate / a.raw).total_cmp(&(b.gateway.rate / b.raw)));
     let median = runs.swap_remove(runs.len() / 2);
-    Ok(P4 { rounds, ..median })
+    Ok(P4 { rounds, warmup: warm, ..median })
 }
 
 /// One round's headline, as printed while the bench runs.
 fn round_line(run: &P4) -> String {
     format!(
-        "gateway {:.0} records/s, raw {:.0}, ratio {:.3}, broker {:.3} CPU s / 1000 records on the gateway's path",
+        "gateway {:.0} records/s, raw {:.0}, ratio {:.3}, broker {:.3} CPU s / 1000 records on the gateway's path, lost {}",
         run.gateway.rate,
         run.raw,
         run.gateway.rate / run.raw,
-        run.gateway.broker_cpu_per_1000
+        run.gateway.broker_cpu_per_1000,
+        run.lost()
     )
 }
 
@@ -575,12 +578,12 @@ async fn p4_round(count: usize) -> anyhow::Result<P4> {
     let gateway = gateway_consume(&topics, &root, count).await?;
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
     let round = P4Round { raw, gateway: gateway.rate, lost: count as i64 - gateway.dead_letters };
-    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway, rounds: vec![round] })
+    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway, rounds: vec![round], warmup: Vec::new() })
 }
 
 /// Prints P4's figures.
 pub fn print_p4(p4: &P4) {
-    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw, rounds } = p4;
+    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw, rounds, warmup } = p4;
     let (count, raw, raw_streaming) = (*count, *raw, *raw_streaming);
     println!();
     println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
@@ -640,10 +643,11 @@ pub fn print_p4(p4: &P4) {
         gw.max_in_flight as f64 / gw.rate * 1000.0
     );
     println!(
-        "    dead letters              {} of {count}   lost {} (over all {} rounds: {})",
+        "    dead letters              {} of {count}   lost {} (over all {} rounds and {} warm-up rounds: {})",
         gw.dead_letters,
         count as i64 - gw.dead_letters,
         rounds.len(),
+        warmup.len(),
         p4.lost()
     );
 }
