@@ -479,8 +479,9 @@ pub fn print_p2(rows: &[P2Row]) {
     }
 }
 
-/// P4's figures: the raw consumer's and the gateway's, on the same records.
-pub struct P4 {
+/// One P4 round's figures: the raw consumer's, the relays' and the gateway's, on the same
+/// records.
+pub struct P4Run {
     pub count: usize,
     /// Records/s from `assign` to the last record, and from the first record to the last.
     pub raw: f64,
@@ -492,8 +493,20 @@ pub struct P4 {
     pub relay: (f64, f64, f64),
     pub relay_parallel: (f64, f64, f64),
     pub gateway: GatewayRun,
-    /// Every round, in the order run; the fields above are the round whose gateway / raw
-    /// ratio is the median.
+}
+
+impl P4Run {
+    /// The figures every round is listed with.
+    pub fn headline(&self) -> P4Round {
+        P4Round { raw: self.raw, gateway: self.gateway.rate, lost: self.count as i64 - self.gateway.dead_letters }
+    }
+}
+
+/// P4 over all its rounds.
+pub struct P4 {
+    /// The round whose gateway / raw ratio is the median, in full.
+    pub median: P4Run,
+    /// Every timed round, in the order run.
     pub rounds: Vec<P4Round>,
     /// The untimed rounds that warmed the broker up (their events count for `lost` too).
     pub warmup: Vec<P4Round>,
@@ -531,14 +544,14 @@ impl P4 {
 pub async fn p4() -> anyhow::Result<P4> {
     let count: usize = env_or("VRAMGATE_BENCH_EVENTS", 100_000);
     let rounds: usize = env_or("VRAMGATE_BENCH_P4_ROUNDS", 3);
-    let warmup = Duration::from_secs_f64(env_or("VRAMGATE_BENCH_P4_WARMUP_SECONDS", 90.0_f64).max(0.0));
+    let warm_for = Duration::from_secs_f64(env_or("VRAMGATE_BENCH_P4_WARMUP_SECONDS", 90.0_f64).max(0.0));
     let started = Instant::now();
-    let mut warm = Vec::new();
-    while started.elapsed() < warmup {
+    let mut warmup = Vec::new();
+    while started.elapsed() < warm_for {
         let run = p4_round(count).await?;
-        let (done, of) = (started.elapsed().as_secs_f64(), warmup.as_secs_f64());
-        eprintln!("P4: warm-up round {} (untimed, {done:.0} s of {of:.0}): {}", warm.len() + 1, round_line(&run));
-        warm.extend(run.rounds);
+        let (done, of) = (started.elapsed().as_secs_f64(), warm_for.as_secs_f64());
+        eprintln!("P4: warm-up round {} (untimed, {done:.0} s of {of:.0}): {}", warmup.len() + 1, round_line(&run));
+        warmup.push(run.headline());
     }
     let mut runs = Vec::new();
     for round in 1..=rounds.max(1) {
@@ -546,25 +559,25 @@ pub async fn p4() -> anyhow::Result<P4> {
         eprintln!("P4: round {round}: {}", round_line(&run));
         runs.push(run);
     }
-    let rounds: Vec<P4Round> = runs.iter().flat_map(|r| r.rounds.iter().copied()).collect();
+    let rounds: Vec<P4Round> = runs.iter().map(P4Run::headline).collect();
     runs.sort_by(|a, b| (a.gateway.rate / a.raw).total_cmp(&(b.gateway.rate / b.raw)));
     let median = runs.swap_remove(runs.len() / 2);
-    Ok(P4 { rounds, warmup: warm, ..median })
+    Ok(P4 { median, rounds, warmup })
 }
 
 /// One round's headline, as printed while the bench runs.
-fn round_line(run: &P4) -> String {
+fn round_line(run: &P4Run) -> String {
     format!(
         "gateway {:.0} records/s, raw {:.0}, ratio {:.3}, broker {:.3} CPU s / 1000 records on the gateway's path, lost {}",
         run.gateway.rate,
         run.raw,
         run.gateway.rate / run.raw,
         run.gateway.broker_cpu_per_1000,
-        run.lost()
+        run.headline().lost
     )
 }
 
-async fn p4_round(count: usize) -> anyhow::Result<P4> {
+async fn p4_round(count: usize) -> anyhow::Result<P4Run> {
     let topics = TaskTopics::create("bench-p4", PARTITIONS).await?;
     let root = scratch_dir("bench-p4");
     let started = Instant::now();
@@ -577,13 +590,13 @@ async fn p4_round(count: usize) -> anyhow::Result<P4> {
     let relay_parallel = raw_relay(&topics.requests, &topics.results, &root, true)?;
     let gateway = gateway_consume(&topics, &root, count).await?;
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
-    let round = P4Round { raw, gateway: gateway.rate, lost: count as i64 - gateway.dead_letters };
-    Ok(P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway, rounds: vec![round], warmup: Vec::new() })
+    Ok(P4Run { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway })
 }
 
 /// Prints P4's figures.
 pub fn print_p4(p4: &P4) {
-    let P4 { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw, rounds, warmup } = p4;
+    let P4 { median, rounds, warmup } = p4;
+    let P4Run { count, raw, raw_streaming, raw_cpu, raw_broker, relay, relay_parallel, gateway: gw } = median;
     let (count, raw, raw_streaming) = (*count, *raw, *raw_streaming);
     println!();
     println!("P4  gateway (consume → parse → input check → dead letter → commit) vs raw librdkafka consume");
@@ -645,7 +658,7 @@ pub fn print_p4(p4: &P4) {
     println!(
         "    dead letters              {} of {count}   lost {} (over all {} rounds and {} warm-up rounds: {})",
         gw.dead_letters,
-        count as i64 - gw.dead_letters,
+        median.headline().lost,
         rounds.len(),
         warmup.len(),
         p4.lost()
