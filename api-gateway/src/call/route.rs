@@ -16,9 +16,11 @@
 //! (its 503s lower only its limit).
 //!
 //! Only workers in service are chosen, and among them those with a permit free when there are
-//! any (else the best one is waited for). A worker that just failed this request is avoided
-//! when another is in service. With no worker in service, the ejected one due back first is
-//! tried, so a set of one behaves as a single worker always did.
+//! any (else the best one is waited for); by memory, a worker known to be short of room for
+//! the request does not count as one with a permit free, so the roomiest is waited for
+//! instead of the request queueing on a full worker and coming back 503. A worker that just
+//! failed this request is avoided when another is in service. With no worker in service, the
+//! ejected one due back first is tried, so a set of one behaves as a single worker always did.
 
 use crate::config::Routing;
 
@@ -40,6 +42,14 @@ pub struct Candidate {
     pub just_failed: bool,
 }
 
+impl Candidate {
+    /// Its last report, less this gateway's sends since, leaves less room than the request
+    /// costs.
+    fn known_short(&self) -> bool {
+        self.free.is_some_and(|free| free < self.cost)
+    }
+}
+
 /// Picks a candidate by `routing`; `turn` is the round-robin counter (advanced by the caller).
 /// `None` only when there are no candidates.
 pub fn choose(routing: Routing, candidates: &[Candidate], turn: usize) -> Option<usize> {
@@ -55,8 +65,15 @@ pub fn choose(routing: Routing, candidates: &[Candidate], turn: usize) -> Option
     if routing == Routing::RoundRobin {
         return Some(pool[turn % pool.len()]);
     }
-    let with_permit: Vec<usize> = pool.iter().copied().filter(|&i| candidates[i].permit_free).collect();
-    let pool = if with_permit.is_empty() { pool } else { with_permit };
+    // A free permit beats more room, but not on a worker known to be short of room for this
+    // request: sent there, it waits in that worker's queue and is likely refused (503), where
+    // waiting here for the roomiest worker's permit costs no retry.
+    let ready: Vec<usize> = pool
+        .iter()
+        .copied()
+        .filter(|&i| candidates[i].permit_free && (routing != Routing::Memory || !candidates[i].known_short()))
+        .collect();
+    let pool = if ready.is_empty() { pool } else { ready };
     match routing {
         Routing::LeastInFlight => pool.into_iter().min_by_key(|&i| (candidates[i].in_flight, i)),
         _ => pool.into_iter().max_by_key(|&i| memory_rank(&candidates[i], i)),
@@ -93,6 +110,20 @@ mod tests {
             w.permit_free = false;
         }
         assert_eq!(choose(Routing::Memory, &c, 0), Some(2), "all busy: the roomiest is waited for");
+    }
+
+    #[test]
+    fn a_free_permit_on_a_worker_short_of_room_does_not_beat_waiting_for_room() {
+        let mut c = vec![worker(Some(50)), worker(Some(4_000)), worker(None)];
+        c[1].permit_free = false;
+        c[2].permit_free = false;
+        assert_eq!(choose(Routing::Memory, &c, 0), Some(1), "50 free < 100 needed: wait for the roomiest");
+        c[2].permit_free = true;
+        assert_eq!(choose(Routing::Memory, &c, 0), Some(2), "unknown room with a free permit is tried");
+        let mut c = vec![worker(Some(50)), worker(Some(80))];
+        c[1].permit_free = false;
+        assert_eq!(choose(Routing::Memory, &c, 0), Some(1), "all short: the least short is waited for");
+        assert_eq!(choose(Routing::LeastInFlight, &c, 0), Some(0), "other policies ignore room");
     }
 
     #[test]
