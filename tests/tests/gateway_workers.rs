@@ -7,7 +7,9 @@
 //! - one of them SIGKILLed mid-run and restarted: every event still ends in a result or a dead
 //!   letter, the dead worker is ejected, the others take its calls, and it rejoins;
 //! - workers found in DNS (a DNS server run by the test): added and removed endpoints are
-//!   followed without a restart.
+//!   followed without a restart;
+//! - a worker another client loaded while the gateway last heard from it: once that load
+//!   drains, the gateway's estimate of its room is refreshed without a call of its own.
 
 use std::collections::HashSet;
 use std::net::Ipv4Addr;
@@ -245,5 +247,81 @@ async fn workers_found_in_dns_are_added_and_removed_without_a_restart() {
     let dead: usize = ids.iter().filter_map(|id| records.get(id)).flatten().filter(|r| r.topic == topics.dlq).count();
     assert_eq!(dead, 0, "dead letters from valid inputs");
     drop(b);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// What the gateway knows of a worker's room comes with the worker's answers; load that another
+/// client (another gateway; here the test) put on it is in the last answer the gateway got, and
+/// when that load drains the gateway has nothing to learn it from but a refresh of the stale
+/// report (`call::workers::STALE_REPORT`). Without it the worker would stay "short" here, and
+/// by memory a short worker is not sent to while another has room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use vramgate_tests::oip_client::{infer, test_audio};
+
+    let root = scratch_dir("fleet-stale");
+    // A set budget: one that followed the machine's free memory would move under the test.
+    let fixed = "memory_budget_bytes = 1073741824\nmemory_reserve_bytes = 0\nmemory_reserve_fraction = 0.0\n";
+    let worker = start_worker_on(&worker_config(fixed, &[VAD_MODEL]), "127.0.0.1:0").await.expect("worker starts");
+    let http = reqwest::Client::new();
+    let state: serde_json::Value =
+        http.get(format!("{}/vramgate/state", worker.url)).send().await.expect("state").json().await.expect("json");
+    let budget = state["admission"]["budget"].as_f64().expect("a budget");
+
+    // Another client keeps the worker busy: 6 callers, 30 s clips, back to back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load: Vec<_> = (0..6)
+        .map(|i| {
+            let (http, url, stop) = (http.clone(), worker.url.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut calls = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = infer(&http, &url, "silero_vad", "audio", vec![1, 480_000], test_audio(480_000, i), None).await;
+                    calls += 1;
+                }
+                calls
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let topics = TaskTopics::create("fleet-stale", 2).await.expect("topics");
+    let mut env = gateway_base_env(&unique("gw"), &worker.url, &root);
+    env.extend([("TASKS__IMAGE__ENABLED", "false".to_string())]);
+    env.extend(voice_task_env(&topics));
+    let gateway = start_gateway(&env).await.expect("gateway starts");
+    let collector = Collector::start(&[&topics.results, &topics.dlq]).expect("collector");
+    let events: Vec<(String, Vec<u8>)> = (0..10)
+        .map(|i| {
+            let id = unique("stale");
+            let value = fleet::voice_event(&root, &id, i, 2.0);
+            (id, value)
+        })
+        .collect();
+    send_all(&producer(), &topics.requests, &events, 16).await.expect("send");
+    let ids: HashSet<String> = events.iter().map(|(id, _)| id.clone()).collect();
+    assert!(
+        collector.wait_until(Duration::from_secs(120), |got| ids.iter().all(|id| got.contains_key(id))).await,
+        "the gateway's events did not finish; log:\n{}",
+        gateway.log_tail()
+    );
+    let free = |m: &vramgate_tests::metrics::Scrape| m.sum("vramgate_gateway_worker_free_estimate", &[("worker", worker.url.as_str())]);
+    let loaded = free(&gateway.metrics().await.expect("metrics"));
+    stop.store(true, Ordering::Relaxed);
+    let mut direct = 0;
+    for task in load {
+        direct += task.await.expect("a load task");
+    }
+    let drained = Instant::now();
+    let refreshed = wait_metrics(&gateway, Duration::from_secs(10), |m| free(m) == budget).await;
+    eprintln!(
+        "budget {budget}; the gateway's estimate of free room under the other client's load {loaded} \
+         ({direct} calls of it), back to the budget {:?} after that load ended: {refreshed}",
+        drained.elapsed()
+    );
+    assert!(loaded < budget, "the other client's load never showed in the gateway's estimate ({loaded} of {budget})");
+    assert!(refreshed, "the gateway still expects {} free of {budget} with the worker idle", free(&gateway.metrics().await.expect("metrics")));
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -1,5 +1,6 @@
 //! Keeps a task's worker set current: probes workers that are out of service or not heard from
-//! yet every [`PROBE_INTERVAL`], and, for workers found in DNS, resolves the name again every
+//! yet every [`PROBE_INTERVAL`] (and refreshes stale reports of load, `workers::STALE_REPORT`),
+//! and, for workers found in DNS, resolves the name again every
 //! `refresh_seconds` and adds and removes endpoints as the answer changes, without a restart.
 //!
 //! Two resolvers:

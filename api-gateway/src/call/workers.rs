@@ -35,6 +35,12 @@ pub const EJECT_AFTER_FAILURES: u32 = 3;
 /// First ejection; each further one without a success in between doubles it, up to the max.
 pub const EJECT_BACKOFF_BASE: Duration = Duration::from_secs(1);
 pub const EJECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// A report this old, from a worker that was not idle when it reported and that this gateway
+/// has no call on now, is refreshed by a probe: nothing else would correct it (reports come
+/// with answers), and by memory a worker known to be short of room is not sent to while
+/// another has room, so a load that other gateways put on it and took away again would keep
+/// it idle here.
+pub const STALE_REPORT: Duration = Duration::from_secs(1);
 
 static EJECT_LOG: LogLimit = LogLimit::new(20);
 
@@ -55,6 +61,8 @@ struct Health {
     /// Estimated cost of this gateway's calls sent since the last report and still running.
     unreported: u64,
     in_flight: usize,
+    /// When the last report arrived.
+    reported_at: Option<Instant>,
     failures: u32,
     /// `Some`: out of service; probed once this instant passes.
     ejected_until: Option<Instant>,
@@ -114,17 +122,32 @@ impl Endpoint {
         }
         h.generation += 1;
         h.unreported = 0;
+        h.reported_at = Some(Instant::now());
     }
 
     /// Records a probe's full state report for `model`.
     fn observe_state(&self, state: &WorkerState, model: &str) {
-        let mut h = self.health();
+        Self::take_state(&mut self.health(), state, model);
+    }
+
+    fn take_state(h: &mut Health, state: &WorkerState, model: &str) {
         h.admission = Some(state.admission);
         if let Some(estimate) = state.models.get(model) {
             h.estimate = Some(*estimate);
         }
         h.generation += 1;
         h.unreported = 0;
+        h.reported_at = Some(Instant::now());
+    }
+
+    /// A refresh of a stale report answered with `state`: taken unless a call was sent while
+    /// it was on its way (that call's answer will report, and the probe's figures may predate
+    /// it).
+    fn refreshed(&self, state: &WorkerState, model: &str) {
+        let mut h = self.health();
+        if h.in_flight == 0 {
+            Self::take_state(&mut h, state, model);
+        }
     }
 
     /// The call `sent` ended with `outcome`. Returns whether this took the worker out of service.
@@ -173,6 +196,16 @@ impl Endpoint {
     /// Whether the worker is out of service and due to be probed.
     fn due_for_probe(&self, now: Instant) -> bool {
         self.health().ejected_until.is_some_and(|until| until <= now)
+    }
+
+    /// Whether its last report is worth refreshing at `now` ([`STALE_REPORT`]): in service, no
+    /// call of this gateway on it, and it had admitted or queued work when it reported.
+    fn stale(&self, now: Instant) -> bool {
+        let h = self.health();
+        h.ejected_until.is_none()
+            && h.in_flight == 0
+            && h.admission.is_some_and(|a| a.admitted > 0 || a.queued > 0)
+            && h.reported_at.is_some_and(|at| now.saturating_duration_since(at) >= STALE_REPORT)
     }
 
     /// Whether the worker has never reported (just discovered, or back from an ejection).
@@ -341,11 +374,14 @@ impl WorkerSet {
     }
 
     /// Probes every endpoint that is due (out of service past its backoff) or has not reported
-    /// yet, with `http` (whose timeout bounds each probe).
+    /// yet, and refreshes stale reports ([`STALE_REPORT`]), with `http` (whose timeout bounds
+    /// each probe). A failed refresh changes nothing: the worker's own answers decide whether
+    /// it is out of service.
     pub async fn probe(&self, http: &reqwest::Client) {
         let now = Instant::now();
         for endpoint in self.endpoints() {
-            if !(endpoint.due_for_probe(now) || (endpoint.unknown() && !endpoint.is_ejected())) {
+            let refresh = endpoint.stale(now);
+            if !(refresh || endpoint.due_for_probe(now) || (endpoint.unknown() && !endpoint.is_ejected())) {
                 continue;
             }
             let answer = http.get(format!("{}{}", endpoint.url, worker_state::STATE_PATH)).send().await;
@@ -353,6 +389,12 @@ impl WorkerSet {
                 Ok(r) if r.status().is_success() => r.json::<WorkerState>().await.ok(),
                 _ => None,
             };
+            if refresh {
+                if let Some(state) = &state {
+                    endpoint.refreshed(state, &self.model);
+                }
+                continue;
+            }
             let was_out = endpoint.is_ejected();
             let back = endpoint.probed(state.as_ref().ok_or(()), &self.model);
             if back {
@@ -468,6 +510,34 @@ mod tests {
         for _ in 0..10 {
             assert!(!b.finish(b.send(1), Err(&busy)), "503s never eject");
         }
+    }
+
+    #[test]
+    fn a_report_of_load_goes_stale_once_no_call_is_left_to_refresh_it() {
+        let set = set(&["http://a"]);
+        let a = set.endpoints()[0].clone();
+        let later = |by: Duration| Instant::now() + by;
+        assert!(!a.stale(later(STALE_REPORT * 2)), "no report yet: the unknown-worker probe covers it");
+        a.observe(&report(10_000, 0));
+        assert!(!a.stale(later(STALE_REPORT * 2)), "it was idle when it reported: nothing to learn");
+        a.observe(&report(10_000, 9_000));
+        assert!(!a.stale(Instant::now()), "fresh");
+        assert!(a.stale(later(STALE_REPORT * 2)), "loaded, old, and no call of ours will refresh it");
+        let sent = a.send(1);
+        assert!(!a.stale(later(STALE_REPORT * 2)), "a call in flight will bring a report");
+        let idle = WorkerState {
+            admission: Admission { unit: Unit::Bytes, budget: 10_000, admitted: 0, queued: 0, queued_requests: 0 },
+            models: Default::default(),
+        };
+        a.refreshed(&idle, "m");
+        assert_eq!(a.free(), Some(1_000 - 101), "a refresh that crossed a send is dropped");
+        a.finish(sent, Ok(()));
+        a.refreshed(&idle, "m");
+        assert_eq!(a.free(), Some(10_000), "taken with no call on the way");
+        assert!(!a.stale(later(STALE_REPORT * 2)), "idle now");
+        let failed = CallError::Unreachable { message: "refused".into() };
+        a.finish(a.send(1), Err(&failed));
+        assert!(!a.stale(later(STALE_REPORT * 2)), "ejected: the backoff's probe covers it");
     }
 
     #[test]
