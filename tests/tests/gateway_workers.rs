@@ -262,17 +262,20 @@ async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains
     use vramgate_tests::oip_client::{infer, test_audio};
 
     let root = scratch_dir("fleet-stale");
-    // A set budget: one that followed the machine's free memory would move under the test.
-    let fixed = "memory_budget_bytes = 1073741824\nmemory_reserve_bytes = 0\nmemory_reserve_fraction = 0.0\n";
+    // A set budget (one that followed the machine's free memory would move under the test) of
+    // three Silero requests (its fit: 7.5 MiB each, whatever the length), so that the other
+    // client's 8 callers always have work admitted or queued: no report in that time can show
+    // the worker idle, whichever moment it is taken at.
+    let fixed = "memory_budget_bytes = 25165824\nmemory_reserve_bytes = 0\nmemory_reserve_fraction = 0.0\n";
     let worker = start_worker_on(&worker_config(fixed, &[VAD_MODEL]), "127.0.0.1:0").await.expect("worker starts");
     let http = reqwest::Client::new();
     let state: serde_json::Value =
         http.get(format!("{}/vramgate/state", worker.url)).send().await.expect("state").json().await.expect("json");
     let budget = state["admission"]["budget"].as_f64().expect("a budget");
 
-    // Another client keeps the worker busy: 6 callers, 30 s clips, back to back.
+    // Another client keeps the worker busy: 8 callers, 30 s clips, back to back.
     let stop = Arc::new(AtomicBool::new(false));
-    let load: Vec<_> = (0..6)
+    let load: Vec<_> = (0..8)
         .map(|i| {
             let (http, url, stop) = (http.clone(), worker.url.clone(), stop.clone());
             tokio::spawn(async move {
