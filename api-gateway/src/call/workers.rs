@@ -140,12 +140,17 @@ impl Endpoint {
         h.reported_at = Some(Instant::now());
     }
 
-    /// A refresh of a stale report answered with `state`: taken unless a call was sent while
-    /// it was on its way (that call's answer will report, and the probe's figures may predate
-    /// it).
-    fn refreshed(&self, state: &WorkerState, model: &str) {
+    /// Counts the reports taken: a refresh sent under one count is stale if another arrived.
+    fn generation(&self) -> u64 {
+        self.health().generation
+    }
+
+    /// A refresh of a stale report, sent when the report count was `generation`, answered
+    /// with `state`: taken unless a call was sent or answered while it was on its way (that
+    /// answer reports, and the probe's figures may predate it).
+    fn refreshed(&self, state: &WorkerState, model: &str, generation: u64) {
         let mut h = self.health();
-        if h.in_flight == 0 {
+        if h.in_flight == 0 && h.generation == generation {
             Self::take_state(&mut h, state, model);
         }
     }
@@ -380,8 +385,8 @@ impl WorkerSet {
     pub async fn probe(&self, http: &reqwest::Client) {
         let now = Instant::now();
         for endpoint in self.endpoints() {
-            let refresh = endpoint.stale(now);
-            if !(refresh || endpoint.due_for_probe(now) || (endpoint.unknown() && !endpoint.is_ejected())) {
+            let refresh = endpoint.stale(now).then(|| endpoint.generation());
+            if !(refresh.is_some() || endpoint.due_for_probe(now) || (endpoint.unknown() && !endpoint.is_ejected())) {
                 continue;
             }
             let answer = http.get(format!("{}{}", endpoint.url, worker_state::STATE_PATH)).send().await;
@@ -389,9 +394,9 @@ impl WorkerSet {
                 Ok(r) if r.status().is_success() => r.json::<WorkerState>().await.ok(),
                 _ => None,
             };
-            if refresh {
+            if let Some(generation) = refresh {
                 if let Some(state) = &state {
-                    endpoint.refreshed(state, &self.model);
+                    endpoint.refreshed(state, &self.model, generation);
                 }
                 continue;
             }
@@ -529,10 +534,14 @@ mod tests {
             admission: Admission { unit: Unit::Bytes, budget: 10_000, admitted: 0, queued: 0, queued_requests: 0 },
             models: Default::default(),
         };
-        a.refreshed(&idle, "m");
+        let generation = a.generation();
+        a.refreshed(&idle, "m", generation);
         assert_eq!(a.free(), Some(1_000 - 101), "a refresh that crossed a send is dropped");
         a.finish(sent, Ok(()));
-        a.refreshed(&idle, "m");
+        a.observe(&report(10_000, 9_500));
+        a.refreshed(&idle, "m", generation);
+        assert_eq!(a.free(), Some(500), "a refresh older than the last answer is dropped");
+        a.refreshed(&idle, "m", a.generation());
         assert_eq!(a.free(), Some(10_000), "taken with no call on the way");
         assert!(!a.stale(later(STALE_REPORT * 2)), "idle now");
         let failed = CallError::Unreachable { message: "refused".into() };
