@@ -19,8 +19,8 @@ use vramgate_tests::dns::DnsServer;
 use vramgate_tests::fleet::{self, fleet_env, mixed_events, run_load, shares, start_cards};
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
-    gateway_base_env, producer, request_file, scratch_dir, send_all, start_gateway, start_worker_on, unique,
-    voice_task_env, worker_config, Collector, Gateway, TaskTopics, VAD_MODEL,
+    gateway_base_env, producer, request_file, scratch_dir, send_all, start_gateway, start_worker, start_worker_on,
+    unique, voice_task_env, worker_config, Collector, Gateway, TaskTopics, VAD_MODEL,
 };
 
 const EVENTS_PER_TASK: usize = 150;
@@ -259,6 +259,7 @@ async fn workers_found_in_dns_are_added_and_removed_without_a_restart() {
 async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    use vramgate_shared::worker_state::{WorkerState, STATE_PATH};
     use vramgate_tests::oip_client::{infer, test_audio};
 
     let root = scratch_dir("fleet-stale");
@@ -267,11 +268,11 @@ async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains
     // client's 8 callers always have work admitted or queued: no report in that time can show
     // the worker idle, whichever moment it is taken at.
     let fixed = "memory_budget_bytes = 25165824\nmemory_reserve_bytes = 0\nmemory_reserve_fraction = 0.0\n";
-    let worker = start_worker_on(&worker_config(fixed, &[VAD_MODEL]), "127.0.0.1:0").await.expect("worker starts");
+    let worker = start_worker(&worker_config(fixed, &[VAD_MODEL])).await.expect("worker starts");
     let http = reqwest::Client::new();
-    let state: serde_json::Value =
-        http.get(format!("{}/vramgate/state", worker.url)).send().await.expect("state").json().await.expect("json");
-    let budget = state["admission"]["budget"].as_f64().expect("a budget");
+    let state: WorkerState =
+        http.get(format!("{}{STATE_PATH}", worker.url)).send().await.expect("state").json().await.expect("json");
+    let budget = state.admission.budget as f64;
 
     // Another client keeps the worker busy: 8 callers, 30 s clips, back to back.
     let stop = Arc::new(AtomicBool::new(false));
@@ -281,7 +282,8 @@ async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains
             tokio::spawn(async move {
                 let mut calls = 0u32;
                 while !stop.load(Ordering::Relaxed) {
-                    let _ = infer(&http, &url, "silero_vad", "audio", vec![1, 480_000], test_audio(480_000, i), None).await;
+                    let clip = test_audio(480_000, i);
+                    let _ = infer(&http, &url, "silero_vad", "audio", vec![1, 480_000], clip, None).await;
                     calls += 1;
                 }
                 calls
@@ -310,7 +312,9 @@ async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains
         "the gateway's events did not finish; log:\n{}",
         gateway.log_tail()
     );
-    let free = |m: &vramgate_tests::metrics::Scrape| m.sum("vramgate_gateway_worker_free_estimate", &[("worker", worker.url.as_str())]);
+    let free = |m: &vramgate_tests::metrics::Scrape| {
+        m.sum("vramgate_gateway_worker_free_estimate", &[("worker", worker.url.as_str())])
+    };
     let loaded = free(&gateway.metrics().await.expect("metrics"));
     stop.store(true, Ordering::Relaxed);
     let mut direct = 0;
@@ -325,6 +329,7 @@ async fn a_report_of_load_from_another_client_is_refreshed_once_that_load_drains
         drained.elapsed()
     );
     assert!(loaded < budget, "the other client's load never showed in the gateway's estimate ({loaded} of {budget})");
-    assert!(refreshed, "the gateway still expects {} free of {budget} with the worker idle", free(&gateway.metrics().await.expect("metrics")));
+    let now = free(&gateway.metrics().await.expect("metrics"));
+    assert!(refreshed, "the gateway still expects {now} free of {budget} with the worker idle");
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -70,6 +70,20 @@ struct Health {
     ejections_in_a_row: u32,
 }
 
+impl Health {
+    /// Takes a report, from an answer's headers or a probe: the worker's admission and, when
+    /// it came with one, the model's estimate. Every call sent before it is in it.
+    fn report(&mut self, admission: Admission, estimate: Option<Estimate>) {
+        self.admission = Some(admission);
+        if estimate.is_some() {
+            self.estimate = estimate;
+        }
+        self.generation += 1;
+        self.unreported = 0;
+        self.reported_at = Some(Instant::now());
+    }
+}
+
 /// A call on its way to an endpoint: what it counts against the endpoint until it ends.
 pub struct Sent {
     generation: u64,
@@ -115,43 +129,23 @@ impl Endpoint {
         let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let Some(admission) = Admission::from_headers(get) else { return };
         let estimate = get(worker_state::HEADER_ESTIMATE).and_then(worker_state::parse_estimate_header);
-        let mut h = self.health();
-        h.admission = Some(admission);
-        if estimate.is_some() {
-            h.estimate = estimate;
-        }
-        h.generation += 1;
-        h.unreported = 0;
-        h.reported_at = Some(Instant::now());
+        self.health().report(admission, estimate);
     }
 
     /// Records a probe's full state report for `model`.
     fn observe_state(&self, state: &WorkerState, model: &str) {
-        Self::take_state(&mut self.health(), state, model);
+        self.health().report(state.admission, state.models.get(model).copied());
     }
 
-    fn take_state(h: &mut Health, state: &WorkerState, model: &str) {
-        h.admission = Some(state.admission);
-        if let Some(estimate) = state.models.get(model) {
-            h.estimate = Some(*estimate);
-        }
-        h.generation += 1;
-        h.unreported = 0;
-        h.reported_at = Some(Instant::now());
-    }
-
-    /// Counts the reports taken: a refresh sent under one count is stale if another arrived.
-    fn generation(&self) -> u64 {
-        self.health().generation
-    }
-
-    /// A refresh of a stale report, sent when the report count was `generation`, answered
-    /// with `state`: taken unless a call was sent or answered while it was on its way (that
-    /// answer reports, and the probe's figures may predate it).
+    /// A refresh of a stale report, sent under report count `generation` (from [`stale`]),
+    /// answered with `state`: taken unless a call was sent or answered while it was on its way
+    /// (that answer reports, and the probe's figures may predate it).
+    ///
+    /// [`stale`]: Self::stale
     fn refreshed(&self, state: &WorkerState, model: &str, generation: u64) {
         let mut h = self.health();
         if h.in_flight == 0 && h.generation == generation {
-            Self::take_state(&mut h, state, model);
+            h.report(state.admission, state.models.get(model).copied());
         }
     }
 
@@ -204,13 +198,15 @@ impl Endpoint {
     }
 
     /// Whether its last report is worth refreshing at `now` ([`STALE_REPORT`]): in service, no
-    /// call of this gateway on it, and it had admitted or queued work when it reported.
-    fn stale(&self, now: Instant) -> bool {
+    /// call of this gateway on it, and it had admitted or queued work when it reported. `Some`:
+    /// the report count the refresh is sent under (for [`refreshed`](Self::refreshed)).
+    fn stale(&self, now: Instant) -> Option<u64> {
         let h = self.health();
-        h.ejected_until.is_none()
+        let stale = h.ejected_until.is_none()
             && h.in_flight == 0
             && h.admission.is_some_and(|a| a.admitted > 0 || a.queued > 0)
-            && h.reported_at.is_some_and(|at| now.saturating_duration_since(at) >= STALE_REPORT)
+            && h.reported_at.is_some_and(|at| now.saturating_duration_since(at) >= STALE_REPORT);
+        stale.then_some(h.generation)
     }
 
     /// Whether the worker has never reported (just discovered, or back from an ejection).
@@ -385,7 +381,7 @@ impl WorkerSet {
     pub async fn probe(&self, http: &reqwest::Client) {
         let now = Instant::now();
         for endpoint in self.endpoints() {
-            let refresh = endpoint.stale(now).then(|| endpoint.generation());
+            let refresh = endpoint.stale(now);
             if !(refresh.is_some() || endpoint.due_for_probe(now) || (endpoint.unknown() && !endpoint.is_ejected())) {
                 continue;
             }
@@ -521,32 +517,46 @@ mod tests {
     fn a_report_of_load_goes_stale_once_no_call_is_left_to_refresh_it() {
         let set = set(&["http://a"]);
         let a = set.endpoints()[0].clone();
-        let later = |by: Duration| Instant::now() + by;
-        assert!(!a.stale(later(STALE_REPORT * 2)), "no report yet: the unknown-worker probe covers it");
+        let old = || Instant::now() + STALE_REPORT * 2;
+        assert_eq!(a.stale(old()), None, "no report yet: the unknown-worker probe covers it");
         a.observe(&report(10_000, 0));
-        assert!(!a.stale(later(STALE_REPORT * 2)), "it was idle when it reported: nothing to learn");
+        assert_eq!(a.stale(old()), None, "it was idle when it reported: nothing to learn");
         a.observe(&report(10_000, 9_000));
-        assert!(!a.stale(Instant::now()), "fresh");
-        assert!(a.stale(later(STALE_REPORT * 2)), "loaded, old, and no call of ours will refresh it");
+        assert_eq!(a.stale(Instant::now()), None, "fresh");
+        let generation = a.stale(old()).expect("loaded, old, and no call of ours will refresh it");
         let sent = a.send(1);
-        assert!(!a.stale(later(STALE_REPORT * 2)), "a call in flight will bring a report");
+        assert_eq!(a.stale(old()), None, "a call in flight will bring a report");
         let idle = WorkerState {
             admission: Admission { unit: Unit::Bytes, budget: 10_000, admitted: 0, queued: 0, queued_requests: 0 },
             models: Default::default(),
         };
-        let generation = a.generation();
         a.refreshed(&idle, "m", generation);
         assert_eq!(a.free(), Some(1_000 - 101), "a refresh that crossed a send is dropped");
         a.finish(sent, Ok(()));
         a.observe(&report(10_000, 9_500));
         a.refreshed(&idle, "m", generation);
         assert_eq!(a.free(), Some(500), "a refresh older than the last answer is dropped");
-        a.refreshed(&idle, "m", a.generation());
+        let generation = a.stale(old()).expect("the last answer showed load too");
+        a.refreshed(&idle, "m", generation);
         assert_eq!(a.free(), Some(10_000), "taken with no call on the way");
-        assert!(!a.stale(later(STALE_REPORT * 2)), "idle now");
+        assert_eq!(a.stale(old()), None, "idle now");
         let failed = CallError::Unreachable { message: "refused".into() };
         a.finish(a.send(1), Err(&failed));
-        assert!(!a.stale(later(STALE_REPORT * 2)), "ejected: the backoff's probe covers it");
+        assert_eq!(a.stale(old()), None, "ejected: the backoff's probe covers it");
+    }
+
+    #[tokio::test]
+    async fn a_refresh_that_fails_changes_nothing() {
+        // A port nothing listens on: the refresh is refused at once.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+        let set = set(&[&format!("http://{closed}")]);
+        let a = set.endpoints()[0].clone();
+        a.observe(&report(10_000, 9_000));
+        a.health().reported_at = Instant::now().checked_sub(STALE_REPORT * 2);
+        assert!(a.stale(Instant::now()).is_some());
+        set.probe(&reqwest::Client::new()).await;
+        assert!(!a.is_ejected(), "only the worker's answers to calls take it out of service");
+        assert_eq!(a.free(), Some(1_000), "the report stands");
     }
 
     #[test]
