@@ -17,6 +17,8 @@ use std::time::Instant;
 
 use rubato::audioadapter_buffers::direct::InterleavedSlice;
 use rubato::{Async, Fft, FixedAsync, FixedSync, Resampler, SincInterpolationParameters};
+use vramgate_gateway::audio::wav::SampleFormat as Enc;
+use vramgate_gateway::audio::wav_write::{chunk, fmt_body, fmt_extensible, riff, wav_bytes};
 use vramgate_gateway::audio::{resample, wav};
 
 type Decoded = Result<(u32, u16, Vec<f32>), String>;
@@ -102,94 +104,7 @@ fn symphonia(bytes: &[u8]) -> Decoded {
 const DECODERS: [(&str, Decoder); 3] =
     [("wav.rs", ours), ("hound", hound), ("symphonia", symphonia)];
 
-// ---------------------------------------------------------------- test-file writer
-
-#[derive(Clone, Copy, Debug)]
-enum Enc {
-    U8,
-    I16,
-    I24,
-    I32,
-    F32,
-    F64,
-}
-
-impl Enc {
-    fn bits(self) -> u16 {
-        match self {
-            Enc::U8 => 8,
-            Enc::I16 => 16,
-            Enc::I24 => 24,
-            Enc::I32 | Enc::F32 => 32,
-            Enc::F64 => 64,
-        }
-    }
-    fn tag(self) -> u16 {
-        match self {
-            Enc::F32 | Enc::F64 => 3,
-            _ => 1,
-        }
-    }
-    fn encode(self, x: f32, out: &mut Vec<u8>) {
-        let int = |bits: u32| (f64::from(x) * ((1u64 << (bits - 1)) - 1) as f64).round() as i64;
-        match self {
-            Enc::U8 => out.push((int(8) + 128) as u8),
-            Enc::I16 => out.extend_from_slice(&(int(16) as i16).to_le_bytes()),
-            Enc::I24 => out.extend_from_slice(&(int(24) as i32).to_le_bytes()[..3]),
-            Enc::I32 => out.extend_from_slice(&(int(32) as i32).to_le_bytes()),
-            Enc::F32 => out.extend_from_slice(&x.to_le_bytes()),
-            Enc::F64 => out.extend_from_slice(&f64::from(x).to_le_bytes()),
-        }
-    }
-}
-
-fn chunk(id: &[u8; 4], body: &[u8], declared: Option<u32>) -> Vec<u8> {
-    let mut out = id.to_vec();
-    out.extend_from_slice(&declared.unwrap_or(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(body);
-    if body.len() % 2 == 1 {
-        out.push(0);
-    }
-    out
-}
-
-fn riff(chunks: &[Vec<u8>], declared: Option<u32>) -> Vec<u8> {
-    let body: Vec<u8> = chunks.concat();
-    let mut out = b"RIFF".to_vec();
-    out.extend_from_slice(&declared.unwrap_or(body.len() as u32 + 4).to_le_bytes());
-    out.extend_from_slice(b"WAVE");
-    out.extend_from_slice(&body);
-    out
-}
-
-fn fmt_body(tag: u16, channels: u16, rate: u32, bits: u16) -> Vec<u8> {
-    let block_align = channels * bits.div_ceil(8);
-    let mut b = Vec::new();
-    b.extend_from_slice(&tag.to_le_bytes());
-    b.extend_from_slice(&channels.to_le_bytes());
-    b.extend_from_slice(&rate.to_le_bytes());
-    b.extend_from_slice(&(rate * u32::from(block_align)).to_le_bytes());
-    b.extend_from_slice(&block_align.to_le_bytes());
-    b.extend_from_slice(&bits.to_le_bytes());
-    b
-}
-
-fn fmt_extensible(channels: u16, rate: u32, bits: u16, valid: u16, sub_tag: u16) -> Vec<u8> {
-    let mut b = fmt_body(0xFFFE, channels, rate, bits);
-    b.extend_from_slice(&22u16.to_le_bytes());
-    b.extend_from_slice(&valid.to_le_bytes());
-    let mask: u32 = if channels == 2 { 3 } else { 4 };
-    b.extend_from_slice(&mask.to_le_bytes());
-    b.extend_from_slice(&sub_tag.to_le_bytes());
-    b.extend_from_slice(&[0, 0, 0, 0, 0x10, 0, 0x80, 0, 0, 0xAA, 0, 0x38, 0x9B, 0x71]);
-    b
-}
-
-fn encode_all(enc: Enc, samples: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(samples.len() * usize::from(enc.bits() / 8));
-    samples.iter().for_each(|&x| enc.encode(x, &mut out));
-    out
-}
+// ---------------------------------------------------------------- test content (files: audio::wav_write)
 
 /// Speech-like test content: a few harmonics with a slow amplitude wobble and a little noise.
 fn content(channels: u16, rate: u32, seconds: f64) -> Vec<f32> {
@@ -211,20 +126,6 @@ fn content(channels: u16, rate: u32, seconds: f64) -> Vec<f32> {
         }
     }
     out
-}
-
-fn plain(enc: Enc, channels: u16, rate: u32, samples: &[f32]) -> Vec<u8> {
-    riff(
-        &[
-            chunk(
-                b"fmt ",
-                &fmt_body(enc.tag(), channels, rate, enc.bits()),
-                None,
-            ),
-            chunk(b"data", &encode_all(enc, samples), None),
-        ],
-        None,
-    )
 }
 
 // ---------------------------------------------------------------- (a) decode speed
@@ -252,7 +153,7 @@ fn decode_speed() {
         ("float32 mono 48 kHz", Enc::F32, 1, 48_000),
     ];
     for (name, enc, channels, rate) in cases {
-        let bytes = plain(enc, channels, rate, &content(channels, rate, 60.0));
+        let bytes = wav_bytes(enc, channels, rate, &content(channels, rate, 60.0));
         let mut row = format!("| {name} | {} |", bytes.len());
         for (_, decode) in DECODERS {
             let (secs, out) = best_of(5, || decode(std::hint::black_box(&bytes)));
@@ -292,10 +193,10 @@ fn acceptance() {
     let s1 = content(1, 16_000, 0.25);
     let s2 = content(2, 22_050, 0.25);
     let fmt16 = chunk(b"fmt ", &fmt_body(1, 1, 16_000, 16), None);
-    let data16 = encode_all(Enc::I16, &s1);
+    let data16 = Enc::I16.encode(&s1);
     let mut files: Vec<(String, Vec<u8>)> = Vec::new();
     for enc in [Enc::U8, Enc::I16, Enc::I24, Enc::I32, Enc::F32, Enc::F64] {
-        files.push((format!("plain {enc:?} stereo"), plain(enc, 2, 22_050, &s2)));
+        files.push((format!("plain {enc:?} stereo"), wav_bytes(enc, 2, 22_050, &s2)));
     }
     for (enc, valid, sub) in [
         (Enc::I16, 16, 1),
@@ -313,7 +214,7 @@ fn acceptance() {
                         &fmt_extensible(2, 22_050, enc.bits(), valid, sub),
                         None,
                     ),
-                    chunk(b"data", &encode_all(enc, &s2), None),
+                    chunk(b"data", &enc.encode(&s2), None),
                 ],
                 None,
             ),
@@ -374,7 +275,7 @@ fn acceptance() {
     ));
     files.push((
         "odd-sized u8 data chunk".into(),
-        plain(Enc::U8, 1, 8_000, &s1[..1_001]),
+        wav_bytes(Enc::U8, 1, 8_000, &s1[..1_001]),
     ));
     files.push((
         "chunks after data".into(),
@@ -405,7 +306,7 @@ fn acceptance() {
         "data size 0".into(),
         riff(&[fmt16.clone(), chunk(b"data", &data16, Some(0))], None),
     ));
-    let mut cut = plain(Enc::I16, 2, 22_050, &s2);
+    let mut cut = wav_bytes(Enc::I16, 2, 22_050, &s2);
     cut.truncate(cut.len() - 1_001); // upload cut mid-frame
     files.push(("file cut mid-frame (sizes say more)".into(), cut));
     files.push((

@@ -4,6 +4,9 @@
 use std::path::Path;
 use std::process::Command;
 
+use vramgate_gateway::audio::wav::SampleFormat as Encoding;
+use vramgate_gateway::audio::wav_write::{chunk, fmt_body, fmt_extensible, riff};
+
 /// How samples are stored in the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SampleFormat {
@@ -90,7 +93,8 @@ pub fn noise(len: usize, amplitude: f32, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Writes interleaved samples (`channels` per frame) as a WAV file.
+/// Writes interleaved samples (`channels` per frame) as a WAV file, with an extra `LIST`
+/// chunk between `fmt ` and `data` that readers must skip.
 pub fn write_wav(
     path: &Path,
     samples: &[f32],
@@ -98,61 +102,24 @@ pub fn write_wav(
     channels: u16,
     format: SampleFormat,
 ) -> std::io::Result<()> {
-    let (tag, bits): (u16, u16) = match format {
-        SampleFormat::U8 => (1, 8),
-        SampleFormat::I16 => (1, 16),
-        SampleFormat::I24 => (1, 24),
-        SampleFormat::I32 => (1, 32),
-        SampleFormat::F32 => (3, 32),
-        SampleFormat::ExtensibleI16 => (0xFFFE, 16),
+    let encoding = match format {
+        SampleFormat::U8 => Encoding::U8,
+        SampleFormat::I16 | SampleFormat::ExtensibleI16 => Encoding::I16,
+        SampleFormat::I24 => Encoding::I24,
+        SampleFormat::I32 => Encoding::I32,
+        SampleFormat::F32 => Encoding::F32,
     };
-    let block_align = channels * bits / 8;
-    let mut data = Vec::with_capacity(samples.len() * usize::from(bits / 8));
-    for &s in samples {
-        let s = s.clamp(-1.0, 1.0);
-        match format {
-            SampleFormat::U8 => data.push(((s * 127.0).round() as i16 + 128) as u8),
-            SampleFormat::I16 | SampleFormat::ExtensibleI16 => {
-                data.extend_from_slice(&((s * 32767.0).round() as i16).to_le_bytes())
-            }
-            SampleFormat::I24 => {
-                let v = (s * 8_388_607.0).round() as i32;
-                data.extend_from_slice(&v.to_le_bytes()[..3]);
-            }
-            SampleFormat::I32 => data.extend_from_slice(&((f64::from(s) * 2_147_483_647.0).round() as i32).to_le_bytes()),
-            SampleFormat::F32 => data.extend_from_slice(&s.to_le_bytes()),
-        }
-    }
-    let mut fmt = Vec::new();
-    fmt.extend_from_slice(&tag.to_le_bytes());
-    fmt.extend_from_slice(&channels.to_le_bytes());
-    fmt.extend_from_slice(&sample_rate.to_le_bytes());
-    fmt.extend_from_slice(&(sample_rate * u32::from(block_align)).to_le_bytes());
-    fmt.extend_from_slice(&block_align.to_le_bytes());
-    fmt.extend_from_slice(&bits.to_le_bytes());
-    if format == SampleFormat::ExtensibleI16 {
-        fmt.extend_from_slice(&22u16.to_le_bytes());
-        fmt.extend_from_slice(&bits.to_le_bytes()); // valid bits
-        fmt.extend_from_slice(&0u32.to_le_bytes()); // channel mask
-        // KSDATAFORMAT_SUBTYPE_PCM
-        fmt.extend_from_slice(&[
-            0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
-        ]);
-    }
-    let mut out = Vec::new();
-    out.extend_from_slice(b"RIFF");
-    let list = b"LIST\x04\x00\x00\x00INFO"; // an extra chunk readers must skip
-    let riff_len = 4 + (8 + fmt.len()) + list.len() + (8 + data.len());
-    out.extend_from_slice(&(riff_len as u32).to_le_bytes());
-    out.extend_from_slice(b"WAVE");
-    out.extend_from_slice(b"fmt ");
-    out.extend_from_slice(&(fmt.len() as u32).to_le_bytes());
-    out.extend_from_slice(&fmt);
-    out.extend_from_slice(list);
-    out.extend_from_slice(b"data");
-    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    out.extend_from_slice(&data);
-    std::fs::write(path, out)
+    let bits = encoding.bits();
+    let fmt = match format {
+        SampleFormat::ExtensibleI16 => fmt_extensible(channels, sample_rate, bits, bits, encoding.format_tag()),
+        _ => fmt_body(encoding.format_tag(), channels, sample_rate, bits),
+    };
+    let clamped: Vec<f32> = samples.iter().map(|s| s.clamp(-1.0, 1.0)).collect();
+    let file = riff(
+        &[chunk(b"fmt ", &fmt, None), chunk(b"LIST", b"INFO", None), chunk(b"data", &encoding.encode(&clamped), None)],
+        None,
+    );
+    std::fs::write(path, file)
 }
 
 /// A test clip: where the speech is, in seconds, and the interleaved samples.

@@ -59,15 +59,15 @@
 use thiserror::Error;
 
 /// `WAVE_FORMAT_PCM`: integer samples.
-const FORMAT_PCM: u16 = 0x0001;
+pub const FORMAT_PCM: u16 = 0x0001;
 /// `WAVE_FORMAT_IEEE_FLOAT`: 32- or 64-bit float samples.
-const FORMAT_IEEE_FLOAT: u16 = 0x0003;
+pub const FORMAT_IEEE_FLOAT: u16 = 0x0003;
 /// `WAVE_FORMAT_EXTENSIBLE`: the real format lives in the sub-format GUID.
-const FORMAT_EXTENSIBLE: u16 = 0xFFFE;
+pub const FORMAT_EXTENSIBLE: u16 = 0xFFFE;
 
 /// Bytes 2..16 shared by every `KSDATAFORMAT_SUBTYPE_*` GUID derived from a
 /// classic format tag; the first two bytes carry that tag little-endian.
-const KSDATAFORMAT_GUID_TAIL: [u8; 14] = [
+pub const KSDATAFORMAT_GUID_TAIL: [u8; 14] = [
     0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
 ];
 
@@ -190,9 +190,9 @@ pub enum WavError {
     TooLong { frames: u64, max: u64 },
 }
 
-/// How one sample is stored in the data chunk.
+/// How one sample is stored in the data chunk. (`wav_write` adds what writing needs.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SampleFormat {
+pub enum SampleFormat {
     U8,
     I16,
     I24,
@@ -202,7 +202,8 @@ enum SampleFormat {
 }
 
 impl SampleFormat {
-    fn bytes(self) -> u16 {
+    /// Bytes per stored sample.
+    pub fn bytes(self) -> u16 {
         match self {
             SampleFormat::U8 => 1,
             SampleFormat::I16 => 2,
@@ -548,104 +549,21 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// Sample encodings the test writer can produce.
-    #[derive(Debug, Clone, Copy)]
-    enum Enc {
-        U8,
-        I16,
-        I24,
-        I32,
-        F32,
-        F64,
-    }
+    use crate::audio::wav_write::{chunk, fmt_body, fmt_extensible, wav_bytes as plain_wav};
+    use SampleFormat as Enc;
 
-    impl Enc {
-        fn bits(self) -> u16 {
-            match self {
-                Enc::U8 => 8,
-                Enc::I16 => 16,
-                Enc::I24 => 24,
-                Enc::I32 | Enc::F32 => 32,
-                Enc::F64 => 64,
-            }
-        }
-
-        fn tag(self) -> u16 {
-            match self {
-                Enc::F32 | Enc::F64 => FORMAT_IEEE_FLOAT,
-                _ => FORMAT_PCM,
-            }
-        }
-
-        /// Largest decode error: half a quantisation step plus the asymmetric
-        /// full-scale (encoding uses 2^(n-1) - 1, decoding divides by 2^(n-1)).
-        fn tolerance(self) -> f32 {
-            match self {
-                Enc::F32 | Enc::F64 => 1e-7,
-                _ => 2.0 / (1u64 << (self.bits() - 1)) as f32,
-            }
-        }
-
-        fn encode(self, x: f32, out: &mut Vec<u8>) {
-            let int = |bits: u32| (f64::from(x) * ((1u64 << (bits - 1)) - 1) as f64).round() as i64;
-            match self {
-                Enc::U8 => out.push((int(8) + 128) as u8),
-                Enc::I16 => out.extend_from_slice(&(int(16) as i16).to_le_bytes()),
-                Enc::I24 => out.extend_from_slice(&(int(24) as i32).to_le_bytes()[..3]),
-                Enc::I32 => out.extend_from_slice(&(int(32) as i32).to_le_bytes()),
-                Enc::F32 => out.extend_from_slice(&x.to_le_bytes()),
-                Enc::F64 => out.extend_from_slice(&f64::from(x).to_le_bytes()),
-            }
-        }
-    }
-
-    fn chunk(id: &[u8; 4], body: &[u8], declared: Option<u32>) -> Vec<u8> {
-        let mut out = id.to_vec();
-        out.extend_from_slice(&declared.unwrap_or(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(body);
-        if body.len() % 2 == 1 {
-            out.push(0);
-        }
-        out
-    }
-
+    /// A RIFF container whose size is the true one.
     fn riff(chunks: &[Vec<u8>]) -> Vec<u8> {
-        let body: Vec<u8> = chunks.concat();
-        let mut out = b"RIFF".to_vec();
-        out.extend_from_slice(&(body.len() as u32 + 4).to_le_bytes());
-        out.extend_from_slice(b"WAVE");
-        out.extend_from_slice(&body);
-        out
+        crate::audio::wav_write::riff(chunks, None)
     }
 
-    fn fmt_body(tag: u16, channels: u16, rate: u32, bits: u16) -> Vec<u8> {
-        let block_align = channels * bits.div_ceil(8);
-        let mut b = Vec::new();
-        b.extend_from_slice(&tag.to_le_bytes());
-        b.extend_from_slice(&channels.to_le_bytes());
-        b.extend_from_slice(&rate.to_le_bytes());
-        // The header's byte rate, as a writer would compute it (wrapping: some cases use an
-        // absurd rate on purpose, and debug builds check overflow).
-        b.extend_from_slice(&rate.wrapping_mul(u32::from(block_align)).to_le_bytes());
-        b.extend_from_slice(&block_align.to_le_bytes());
-        b.extend_from_slice(&bits.to_le_bytes());
-        b
-    }
-
-    fn fmt_extensible(channels: u16, rate: u32, bits: u16, valid: u16, sub_tag: u16) -> Vec<u8> {
-        let mut b = fmt_body(FORMAT_EXTENSIBLE, channels, rate, bits);
-        b.extend_from_slice(&22u16.to_le_bytes());
-        b.extend_from_slice(&valid.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes()); // channel mask: unused by the decoder
-        b.extend_from_slice(&sub_tag.to_le_bytes());
-        b.extend_from_slice(&KSDATAFORMAT_GUID_TAIL);
-        b
-    }
-
-    fn encode_all(enc: Enc, samples: &[f32]) -> Vec<u8> {
-        let mut out = Vec::new();
-        samples.iter().for_each(|&x| enc.encode(x, &mut out));
-        out
+    /// Largest decode error: half a quantisation step plus the asymmetric full-scale
+    /// (encoding uses 2^(n-1) - 1, decoding divides by 2^(n-1)).
+    fn tolerance(enc: Enc) -> f32 {
+        match enc {
+            Enc::F32 | Enc::F64 => 1e-7,
+            _ => 2.0 / (1u64 << (enc.bits() - 1)) as f32,
+        }
     }
 
     /// Interleaved test signal covering full scale, zero and odd values.
@@ -660,17 +578,6 @@ mod tests {
                 }
             })
             .collect()
-    }
-
-    fn plain_wav(enc: Enc, channels: u16, rate: u32, samples: &[f32]) -> Vec<u8> {
-        riff(&[
-            chunk(
-                b"fmt ",
-                &fmt_body(enc.tag(), channels, rate, enc.bits()),
-                None,
-            ),
-            chunk(b"data", &encode_all(enc, samples), None),
-        ])
     }
 
     fn check_decode(bytes: &[u8], rate: u32, channels: u16, expected: &[f32], tol: f32) {
@@ -691,7 +598,7 @@ mod tests {
         assert_eq!(decode_wav(bytes), Err(expected));
     }
 
-    const ALL_ENCODINGS: [Enc; 6] = [Enc::U8, Enc::I16, Enc::I24, Enc::I32, Enc::F32, Enc::F64];
+    const ALL_ENCODINGS: [Enc; 6] = Enc::ALL;
 
     #[test]
     fn every_plain_format_round_trips_within_quantisation_tolerance() {
@@ -699,7 +606,7 @@ mod tests {
             for (channels, rate) in [(1u16, 16_000u32), (2, 44_100), (6, 48_000), (1, 1_000)] {
                 let samples = signal(channels, 50);
                 let bytes = plain_wav(enc, channels, rate, &samples);
-                check_decode(&bytes, rate, channels, &samples, enc.tolerance());
+                check_decode(&bytes, rate, channels, &samples, tolerance(enc));
             }
         }
     }
@@ -724,9 +631,9 @@ mod tests {
                     &fmt_extensible(2, 22_050, enc.bits(), valid, sub),
                     None,
                 ),
-                chunk(b"data", &encode_all(enc, &samples), None),
+                chunk(b"data", &enc.encode(&samples), None),
             ]);
-            check_decode(&bytes, 22_050, 2, &samples, enc.tolerance());
+            check_decode(&bytes, 22_050, 2, &samples, tolerance(enc));
         }
     }
 
@@ -752,7 +659,7 @@ mod tests {
         ];
         for (enc, data, expected) in cases {
             let bytes = riff(&[
-                chunk(b"fmt ", &fmt_body(enc.tag(), 1, 8_000, enc.bits()), None),
+                chunk(b"fmt ", &fmt_body(enc.format_tag(), 1, 8_000, enc.bits()), None),
                 chunk(b"data", &data, None),
             ]);
             check_decode(&bytes, 8_000, 1, &expected, 1e-9);
@@ -770,7 +677,7 @@ mod tests {
     fn odd_sized_unknown_chunks_are_skipped_with_padding() {
         let samples = signal(1, 33); // 33 bytes of u8 data: odd data chunk too
         let fmt = chunk(b"fmt ", &fmt_body(FORMAT_PCM, 1, 8_000, 8), None);
-        let data = chunk(b"data", &encode_all(Enc::U8, &samples), None);
+        let data = chunk(b"data", &Enc::U8.encode(&samples), None);
         let junk = |id: &[u8; 4], len: usize| chunk(id, &vec![0xAB; len], None);
         let layouts = [
             vec![junk(b"JUNK", 3), fmt.clone(), data.clone()],
@@ -789,34 +696,34 @@ mod tests {
             vec![fmt.clone(), data.clone(), junk(b"LIST", 5)],
         ];
         for layout in layouts {
-            check_decode(&riff(&layout), 8_000, 1, &samples, Enc::U8.tolerance());
+            check_decode(&riff(&layout), 8_000, 1, &samples, tolerance(Enc::U8));
         }
     }
 
     #[test]
     fn oversized_data_size_uses_whole_frames_present() {
         let samples = signal(2, 10);
-        let mut data = encode_all(Enc::I16, &samples);
+        let mut data = Enc::I16.encode(&samples);
         data.extend_from_slice(&[1, 2]); // partial trailing frame from a cut-off stream
         for declared in [u32::MAX, 0x7FFF_FFFF, 1_000] {
             let bytes = riff(&[
                 chunk(b"fmt ", &fmt_body(FORMAT_PCM, 2, 16_000, 16), None),
                 chunk(b"data", &data, Some(declared)),
             ]);
-            check_decode(&bytes, 16_000, 2, &samples, Enc::I16.tolerance());
+            check_decode(&bytes, 16_000, 2, &samples, tolerance(Enc::I16));
         }
     }
 
     #[test]
     fn declared_data_size_shorter_than_file_is_respected() {
         let samples = signal(1, 8);
-        let mut data = encode_all(Enc::I16, &samples);
+        let mut data = Enc::I16.encode(&samples);
         data.extend_from_slice(&[0x11; 10]); // trailing bytes outside the declared chunk
         let bytes = riff(&[
             chunk(b"fmt ", &fmt_body(FORMAT_PCM, 1, 16_000, 16), None),
             chunk(b"data", &data, Some(16)),
         ]);
-        check_decode(&bytes, 16_000, 1, &samples, Enc::I16.tolerance());
+        check_decode(&bytes, 16_000, 1, &samples, tolerance(Enc::I16));
     }
 
     #[test]
@@ -1033,7 +940,7 @@ mod tests {
                 &fmt_extensible(2, 16_000, 24, 24, FORMAT_PCM),
                 None,
             ),
-            chunk(b"data", &encode_all(Enc::I24, &samples), None),
+            chunk(b"data", &Enc::I24.encode(&samples), None),
         ]);
         for len in 0..bytes.len() {
             match decode_wav(&bytes[..len]) {
@@ -1149,7 +1056,7 @@ mod tests {
         ) {
             let mut bytes = riff(&[
                 chunk(b"fmt ", &fmt_extensible(2, 16_000, 32, 32, FORMAT_IEEE_FLOAT), None),
-                chunk(b"data", &encode_all(Enc::F32, &signal(2, 8)), None),
+                chunk(b"data", &Enc::F32.encode(&signal(2, 8)), None),
             ]);
             for (at, value) in edits {
                 if let Some(b) = bytes.get_mut(at) {
@@ -1174,13 +1081,13 @@ mod tests {
         ) {
             let samples = signal(channels, frames);
             let fmt = if extensible {
-                fmt_extensible(channels, rate, enc.bits(), enc.bits(), enc.tag())
+                fmt_extensible(channels, rate, enc.bits(), enc.bits(), enc.format_tag())
             } else {
-                fmt_body(enc.tag(), channels, rate, enc.bits())
+                fmt_body(enc.format_tag(), channels, rate, enc.bits())
             };
             let mut chunks: Vec<Vec<u8>> = before.iter().map(|(id, len)| chunk(id, &vec![0x5A; *len], None)).collect();
             chunks.push(chunk(b"fmt ", &fmt, None));
-            chunks.push(chunk(b"data", &encode_all(enc, &samples), None));
+            chunks.push(chunk(b"data", &enc.encode(&samples), None));
             if let Some(len) = after_data {
                 chunks.push(chunk(b"LIST", &vec![0x33; len], None));
             }

@@ -9,6 +9,9 @@ use anyhow::{bail, ensure, Context};
 use image::codecs::jpeg::JpegEncoder;
 use image::{ExtendedColorType, ImageEncoder};
 
+use crate::audio::wav::SampleFormat;
+use crate::audio::wav_write::wav_bytes;
+
 /// Most input files one task's pool may hold (found or generated).
 pub const MAX_POOL_FILES: usize = 10_000;
 /// Most bytes one input file of a folder may have (the gateway's default `max_input_bytes`).
@@ -131,28 +134,15 @@ fn wav(seconds: f64, seed: u64) -> Vec<u8> {
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (rng >> 40) as f64 / (1u64 << 24) as f64 - 0.5
     };
-    let data_bytes = (n * 2) as u32;
-    let mut out = Vec::with_capacity(44 + n * 2);
-    out.extend_from_slice(b"RIFF");
-    out.extend_from_slice(&(36 + data_bytes).to_le_bytes());
-    out.extend_from_slice(b"WAVEfmt ");
-    out.extend_from_slice(&16u32.to_le_bytes());
-    out.extend_from_slice(&1u16.to_le_bytes()); // PCM
-    out.extend_from_slice(&1u16.to_le_bytes()); // mono
-    out.extend_from_slice(&RATE.to_le_bytes());
-    out.extend_from_slice(&(RATE * 2).to_le_bytes());
-    out.extend_from_slice(&2u16.to_le_bytes());
-    out.extend_from_slice(&16u16.to_le_bytes());
-    out.extend_from_slice(b"data");
-    out.extend_from_slice(&data_bytes.to_le_bytes());
-    for i in 0..n {
-        let t = i as f64 / f64::from(RATE);
-        // Bursts of 0.4 s every 1.1 s, a tone with harmonics.
-        let burst = if t % 1.1 < 0.4 { 0.3 * ((t * 220.0 * std::f64::consts::TAU).sin() + 0.5 * (t * 660.0 * std::f64::consts::TAU).sin()) } else { 0.0 };
-        let sample = (burst + 0.02 * noise()).clamp(-1.0, 1.0);
-        out.extend_from_slice(&((sample * 32767.0) as i16).to_le_bytes());
-    }
-    out
+    let samples: Vec<f32> = (0..n)
+        .map(|i| {
+            let t = i as f64 / f64::from(RATE);
+            // Bursts of 0.4 s every 1.1 s, a tone with harmonics.
+            let burst = if t % 1.1 < 0.4 { 0.3 * ((t * 220.0 * std::f64::consts::TAU).sin() + 0.5 * (t * 660.0 * std::f64::consts::TAU).sin()) } else { 0.0 };
+            (burst + 0.02 * noise()) as f32
+        })
+        .collect();
+    wav_bytes(SampleFormat::I16, 1, RATE, &samples)
 }
 
 /// A `width` × `height` JPEG: a gradient with a grid of blobs, so it does not compress to nothing.

@@ -230,6 +230,8 @@ impl Finish for VoiceFinish {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audio::wav::SampleFormat;
+    use crate::audio::wav_write::wav_bytes;
 
     #[test]
     fn options_are_checked() {
@@ -245,23 +247,8 @@ mod tests {
 
     #[test]
     fn probe_refuses_long_audio_before_decoding_and_sizes_the_work() {
-        // 16-bit mono 8 kHz, 2 s: header says 32000 bytes of data
-        let mut wav = Vec::new();
-        wav.extend_from_slice(b"RIFF");
-        wav.extend_from_slice(&(36u32 + 32_000).to_le_bytes());
-        wav.extend_from_slice(b"WAVEfmt ");
-        wav.extend_from_slice(&16u32.to_le_bytes());
-        for v in [1u16, 1] {
-            wav.extend_from_slice(&v.to_le_bytes());
-        }
-        wav.extend_from_slice(&8_000u32.to_le_bytes());
-        wav.extend_from_slice(&16_000u32.to_le_bytes());
-        for v in [2u16, 16] {
-            wav.extend_from_slice(&v.to_le_bytes());
-        }
-        wav.extend_from_slice(b"data");
-        wav.extend_from_slice(&32_000u32.to_le_bytes());
-        wav.resize(wav.len() + 32_000, 0);
+        // 16-bit mono 8 kHz, 2 s: 32000 bytes of data
+        let wav = wav_bytes(SampleFormat::I16, 1, 8_000, &[0.0; 16_000]);
         let info = probe(&wav, 10.0).expect("valid header");
         assert_eq!((info.frames, info.sample_rate, info.channels), (16_000, 8_000, 1));
         // interleaved 64000 + mono 64000 + 2 × 32000 samples × 4 bytes
