@@ -173,6 +173,15 @@ struct Poison {
     at: Option<Position>,
 }
 
+impl Poison {
+    /// A poison record with an id (`unique(prefix)`), keyed by it, whose value `value` builds
+    /// from that id.
+    fn new(what: &'static str, kind: &'static str, task: &'static str, prefix: &str, value: impl FnOnce(&str) -> Vec<u8>) -> Self {
+        let id = unique(prefix);
+        Poison { what, kind, task, value: value(&id), key: id.clone(), id: Some(id), at: None }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_moving() {
     let voice = TaskTopics::create("poison-voice", 1).await.expect("topics");
@@ -211,116 +220,34 @@ async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_movi
             value: b"{this is not json".to_vec(),
             at: None,
         },
-        {
-            let id = unique("unknown-task");
-            let value = json(serde_json::json!({"id": id, "task": "translate", "input": {"uri": file_uri(&good_wav)}}));
-            Poison {
-                what: "a task no gateway serves",
-                id: Some(id.clone()),
-                kind: "unknown_task",
-                task: "voice",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            let id = unique("wrong-topic");
-            let value = json(serde_json::json!({"id": id, "task": "image", "input": {"uri": file_uri(&good_png)}}));
-            Poison {
-                what: "an image request on the voice topic",
-                id: Some(id.clone()),
-                kind: "unknown_task",
-                task: "voice",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            let id = unique("missing");
-            let value = request_file(&id, "voice", &root.join("nope.wav"));
-            Poison {
-                what: "a file that does not exist",
-                id: Some(id.clone()),
-                kind: "input_not_found",
-                task: "voice",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            let id = unique("outside");
-            let value = request_file(&id, "voice", &outside_wav);
-            Poison {
-                // The same answer as a missing file: dead letters must not tell which paths
-                // exist outside the root.
-                what: "a real file outside the input root",
-                id: Some(id.clone()),
-                kind: "input_not_found",
-                task: "voice",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            // A FIFO with no writer: opening or reading it the usual way blocks for ever.
-            let id = unique("fifo");
+        Poison::new("a task no gateway serves", "unknown_task", "voice", "unknown-task", |id| {
+            json(serde_json::json!({"id": id, "task": "translate", "input": {"uri": file_uri(&good_wav)}}))
+        }),
+        Poison::new("an image request on the voice topic", "unknown_task", "voice", "wrong-topic", |id| {
+            json(serde_json::json!({"id": id, "task": "image", "input": {"uri": file_uri(&good_png)}}))
+        }),
+        Poison::new("a file that does not exist", "input_not_found", "voice", "missing", |id| {
+            request_file(id, "voice", &root.join("nope.wav"))
+        }),
+        // The same answer as a missing file: dead letters must not tell which paths exist
+        // outside the root.
+        Poison::new("a real file outside the input root", "input_not_found", "voice", "outside", |id| {
+            request_file(id, "voice", &outside_wav)
+        }),
+        // A FIFO with no writer: opening or reading it the usual way blocks for ever.
+        Poison::new("a fifo under the input root", "unsupported_input", "voice", "fifo", |id| {
             let fifo = root.join("input.fifo");
             let status = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
             assert!(status.success(), "mkfifo failed");
-            let value = request_file(&id, "voice", &fifo);
-            Poison {
-                what: "a fifo under the input root",
-                id: Some(id.clone()),
-                kind: "unsupported_input",
-                task: "voice",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            let id = unique("corrupt");
-            let value = request_file(&id, "voice", &corrupt_wav);
-            Poison {
-                what: "a corrupt wav",
-                id: Some(id.clone()),
-                kind: "invalid_audio",
-                task: "voice",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            let id = unique("truncated");
-            let value = request_file(&id, "image", &truncated_png);
-            Poison {
-                what: "a truncated png",
-                id: Some(id.clone()),
-                kind: "invalid_image",
-                task: "image",
-                key: id,
-                value,
-                at: None,
-            }
-        },
-        {
-            let id = unique("huge");
-            let value = request_inline(&id, "image", &huge_png);
-            Poison {
-                what: "a png declaring 50000 x 50000 pixels",
-                id: Some(id.clone()),
-                kind: "input_too_large",
-                task: "image",
-                key: id,
-                value,
-                at: None,
-            }
-        },
+            request_file(id, "voice", &fifo)
+        }),
+        Poison::new("a corrupt wav", "invalid_audio", "voice", "corrupt", |id| request_file(id, "voice", &corrupt_wav)),
+        Poison::new("a truncated png", "invalid_image", "image", "truncated", |id| {
+            request_file(id, "image", &truncated_png)
+        }),
+        Poison::new("a png declaring 50000 x 50000 pixels", "input_too_large", "image", "huge", |id| {
+            request_inline(id, "image", &huge_png)
+        }),
     ];
 
     // Each poison record is followed on its partition by a good one.
