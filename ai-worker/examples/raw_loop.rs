@@ -17,7 +17,11 @@
 //! the batch; without it a deterministic gradient or tone is used), `--threads N` (default 1),
 //! `--seconds S` (how long to time, default 5), `--warmup N` (calls before timing, default 5),
 //! `--sample-rate HZ` (Silero's, default 16000), `--json` (one JSON object instead of text),
-//! `--no-profiling` (turn TorchScript's profiling executor off, as the worker does).
+//! `--no-profiling` (turn TorchScript's profiling executor off, as the worker does),
+//! `--busy-cpus N` (default 0: N more threads spin on registers alone, touching no memory,
+//! from before the warm-up to the end, standing for a server's request path on the other
+//! CPUs; where CPUs share a physical core or a clock, as the vCPUs of the project's machine
+//! do, it shows what the loop loses when they are not idle).
 //!
 //! Besides the rate it prints the loop thread's time on a CPU and waiting for one (from
 //! `/proc/thread-self/schedstat`) per item: on a shared machine the second says how much of a
@@ -27,6 +31,8 @@
 //! `[batch, 3, H, W]` float tensor; Silero `audio_forward(audio, sample_rate)` with a
 //! `[batch, samples]` float tensor.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -43,6 +49,7 @@ struct Args {
     sample_rate: i64,
     json: bool,
     profiling: bool,
+    busy_cpus: usize,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -57,6 +64,7 @@ fn parse_args() -> anyhow::Result<Args> {
         sample_rate: 16_000,
         json: false,
         profiling: true,
+        busy_cpus: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -74,6 +82,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--sample-rate" => args.sample_rate = value()?.parse()?,
             "--json" => args.json = true,
             "--no-profiling" => args.profiling = false,
+            "--busy-cpus" => args.busy_cpus = value()?.parse()?,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -132,6 +141,20 @@ fn main() -> anyhow::Result<()> {
     let mut sched_before = (0, 0);
     let items: Vec<Tensor> = (0..batch).map(|_| per_item.shallow_clone()).collect();
     let x = Tensor::stack(&items, 0).to_kind(Kind::Float).contiguous();
+    let stop = Arc::new(AtomicBool::new(false));
+    let spinners: Vec<_> = (0..args.busy_cpus)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut x = 1u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..10_000 {
+                        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                    }
+                }
+            })
+        })
+        .collect();
 
     let timed = tch::no_grad(|| -> anyhow::Result<(usize, Duration)> {
         for _ in 0..args.warmup {
@@ -147,8 +170,10 @@ fn main() -> anyhow::Result<()> {
         }
         Ok((calls, started.elapsed()))
     })?;
-    let (calls, elapsed) = timed;
     let sched = schedstat();
+    stop.store(true, Ordering::Relaxed);
+    spinners.into_iter().for_each(|s| s.join().expect("a spinner does not panic"));
+    let (calls, elapsed) = timed;
     let items = calls as f64 * batch as f64;
     // This thread's time on a CPU and waiting for one (runqueue), per item, in ms.
     let on_cpu_ms = (sched.0 - sched_before.0) as f64 / 1e6 / items;
@@ -158,16 +183,17 @@ fn main() -> anyhow::Result<()> {
     let shape = args.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
     if args.json {
         println!(
-            "{{\"kind\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
+            "{{\"kind\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"busy_cpus\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
             args.kind,
             args.threads,
+            args.busy_cpus,
             elapsed.as_secs_f64()
         );
     } else {
         println!(
             "{} {shape}: {items_per_s:.1} items/s ({ms_per_call:.2} ms per call of {batch}, {calls} calls, {} thread(s); \
-             per item {on_cpu_ms:.2} ms on a CPU, {waiting_ms:.2} ms waiting for one)",
-            args.kind, args.threads
+             per item {on_cpu_ms:.2} ms on a CPU, {waiting_ms:.2} ms waiting for one; {} other CPU(s) kept busy)",
+            args.kind, args.threads, args.busy_cpus
         );
     }
     Ok(())

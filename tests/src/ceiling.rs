@@ -127,6 +127,8 @@ pub struct CeilingOptions {
     pub worker_extra: String,
     /// Each figure is measured this many times, alternating raw and worker; the best counts.
     pub rounds: usize,
+    /// Also time the raw loop with one more CPU kept busy ([`CeilingRow::raw_busy_per_s`]).
+    pub busy_raw: bool,
 }
 
 impl CeilingOptions {
@@ -134,7 +136,8 @@ impl CeilingOptions {
     /// and 8; 4 s per figure, best of 2 rounds; one torch thread. Environment overrides:
     /// `VRAMGATE_BENCH_SECONDS`, `VRAMGATE_BENCH_CONCURRENCY` (comma-separated),
     /// `VRAMGATE_BENCH_MODELS` (`pnet`, `vad` or both, comma-separated), `VRAMGATE_BENCH_ROUNDS`
-    /// (default 2).
+    /// (default 2), `VRAMGATE_BENCH_BUSY_RAW` (`0` leaves out the raw loop with one more CPU
+    /// kept busy; default on).
     pub fn from_env() -> Self {
         let seconds = std::env::var("VRAMGATE_BENCH_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(4.0);
         let rounds = std::env::var("VRAMGATE_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
@@ -151,7 +154,8 @@ impl CeilingOptions {
         if models.contains("vad") {
             cases.extend([CeilingCase::clip(1), CeilingCase::clip(5), CeilingCase::clip(30)]);
         }
-        CeilingOptions { cases, concurrency, seconds, torch_threads: 1, worker_extra: String::new(), rounds }
+        let busy_raw = std::env::var("VRAMGATE_BENCH_BUSY_RAW").map_or(true, |v| v != "0");
+        CeilingOptions { cases, concurrency, seconds, torch_threads: 1, worker_extra: String::new(), rounds, busy_raw }
     }
 }
 
@@ -161,6 +165,10 @@ pub struct CeilingRow {
     pub case: CeilingCase,
     /// Items per second of the plain libtorch loop (batch 1), best round.
     pub raw_per_s: f64,
+    /// The same loop while one more thread spins on another CPU (`raw_loop --busy-cpus 1`),
+    /// best round; `None` when not measured. Not the target's baseline: it shows what work on
+    /// another CPU (the worker's request path, the client) costs the model on this machine.
+    pub raw_busy_per_s: Option<f64>,
     /// `(concurrency, items per second)` of the worker over OIP, best round.
     pub worker_per_s: Vec<(usize, f64)>,
     /// Requests that did not answer 200 during the worker runs (must be 0).
@@ -205,8 +213,8 @@ pub struct RawFigures {
 }
 
 /// Runs the plain libtorch loop on `case`'s input (written to a file, so both sides get the
-/// same numbers).
-pub fn raw_rate(case: &CeilingCase, data: &[f32], seconds: f64, threads: usize) -> anyhow::Result<RawFigures> {
+/// same numbers), with `busy_cpus` more threads spinning beside it (0: the loop alone).
+pub fn raw_rate(case: &CeilingCase, data: &[f32], seconds: f64, threads: usize, busy_cpus: usize) -> anyhow::Result<RawFigures> {
     let dir = crate::scratch_dir("ceiling");
     let input = dir.join("input.f32");
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -219,6 +227,7 @@ pub fn raw_rate(case: &CeilingCase, data: &[f32], seconds: f64, threads: usize) 
         .arg("--input")
         .arg(&input)
         .args(["--threads", &threads.to_string(), "--seconds", &seconds.to_string()])
+        .args(["--busy-cpus", &busy_cpus.to_string()])
         .output()
         .context("running raw_loop")?;
     let _ = std::fs::remove_dir_all(&dir);
@@ -355,21 +364,19 @@ pub async fn worker_vs_raw(options: &CeilingOptions) -> anyhow::Result<Vec<Ceili
         let mut row = CeilingRow {
             case: case.clone(),
             raw_per_s: 0.0,
+            raw_busy_per_s: None,
             worker_per_s: options.concurrency.iter().map(|&c| (c, 0.0)).collect(),
             failed: 0,
         };
         for round in 1..=options.rounds.max(1) {
-            let raw = raw_rate(case, &data, options.seconds, options.torch_threads)?;
+            let raw = raw_rate(case, &data, options.seconds, options.torch_threads, 0)?;
             row.raw_per_s = row.raw_per_s.max(raw.items_per_s);
-            eprintln!(
-                "  round {round} {:<10} {:<8} raw        {:>9.1} {}; loop thread {:.2} ms on a CPU, {:.2} ms waiting for one per item",
-                case.model.name(),
-                case.label,
-                raw.items_per_s,
-                case.model.unit(),
-                raw.on_cpu_ms_per_item,
-                raw.runqueue_ms_per_item
-            );
+            print_raw(round, case, "raw", &raw);
+            if options.busy_raw {
+                let busy = raw_rate(case, &data, options.seconds, options.torch_threads, 1)?;
+                row.raw_busy_per_s = Some(row.raw_busy_per_s.unwrap_or(0.0).max(busy.items_per_s));
+                print_raw(round, case, "raw busy", &busy);
+            }
             for (c, best) in row.worker_per_s.iter_mut() {
                 let before = model_time(&worker.url, case.model).await;
                 let sched_before = batch_threads_schedstat(worker.service.pid(), case.model);
@@ -413,6 +420,18 @@ pub async fn worker_vs_raw(options: &CeilingOptions) -> anyhow::Result<Vec<Ceili
     Ok(rows)
 }
 
+fn print_raw(round: usize, case: &CeilingCase, label: &str, raw: &RawFigures) {
+    eprintln!(
+        "  round {round} {:<10} {:<8} {label:<10} {:>9.1} {}; loop thread {:.2} ms on a CPU, {:.2} ms waiting for one per item",
+        case.model.name(),
+        case.label,
+        raw.items_per_s,
+        case.model.unit(),
+        raw.on_cpu_ms_per_item,
+        raw.runqueue_ms_per_item
+    );
+}
+
 /// The worker's `inference_duration_seconds` sum and count and `inference_batch_size` sum for
 /// `model` (zeros when the metrics cannot be read).
 async fn model_time(url: &str, model: CeilingModel) -> (f64, f64, f64) {
@@ -444,4 +463,12 @@ pub fn print_table(rows: &[CeilingRow]) {
     }
     let worst = rows.iter().map(CeilingRow::worst_ratio).fold(f64::INFINITY, f64::min);
     println!("worst worker/raw ratio: {worst:.2} (target >= 0.9)");
+    let busy: Vec<f64> = rows.iter().filter_map(|r| r.raw_busy_per_s.map(|b| b / r.raw_per_s)).collect();
+    if !busy.is_empty() {
+        let (low, high) = busy.iter().fold((f64::INFINITY, 0.0f64), |(l, h), &b| (l.min(b), h.max(b)));
+        println!(
+            "the raw loop with one more CPU kept busy ran at {low:.2}-{high:.2}x of its rate alone: what work beside the \
+             model (the worker's request path, the client) can cost it on this machine"
+        );
+    }
 }
