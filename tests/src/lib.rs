@@ -690,6 +690,22 @@ impl Gateway {
         metrics::scrape(&self.http, &self.metrics_url).await
     }
 
+    /// The gateway's metrics once `done` holds for them (scraped every 200 ms), or the last
+    /// scrape when `timeout` passes first, for the caller's assertions to report. A test that
+    /// has read every output record must still wait for the counters: the gateway counts an
+    /// output when the broker's acknowledgement reaches it, which can be after a consumer has
+    /// read the record.
+    pub async fn metrics_when(&self, timeout: Duration, done: impl Fn(&metrics::Scrape) -> bool) -> anyhow::Result<metrics::Scrape> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let scrape = self.metrics().await;
+            if scrape.as_ref().is_ok_and(&done) || Instant::now() >= deadline {
+                return scrape;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.service.pid()
     }

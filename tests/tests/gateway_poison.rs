@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use vramgate_tests::images::{self, crowd, jpeg, picture, png, with_exif_orientation};
+use vramgate_tests::metrics::Scrape;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
     gateway_base_env,
@@ -150,9 +151,13 @@ async fn images_of_all_shapes_get_faces_inside_their_bounds() {
     }
     assert!(total_faces > 0, "no faces found in any of the crowds: the bounds checks checked nothing");
 
-    let metrics = gateway.metrics().await.expect("metrics");
+    let results = |m: &Scrape| m.sum("vramgate_gateway_records_produced_total", &[("task", "image"), ("outcome", "result")]);
+    let metrics = gateway
+        .metrics_when(Duration::from_secs(30), |m| results(m) >= cases.len() as f64)
+        .await
+        .expect("metrics");
     let consumed = metrics.sum("vramgate_gateway_records_consumed_total", &[("task", "image")]);
-    let produced = metrics.sum("vramgate_gateway_records_produced_total", &[("task", "image"), ("outcome", "result")]);
+    let produced = results(&metrics);
     eprintln!("{} images: {total_faces} faces; metrics: {consumed} consumed, {produced} results", cases.len());
     assert_eq!(consumed, cases.len() as f64, "records_consumed_total{{task=\"image\"}}:\n{}", metrics.text);
     assert_eq!(produced, cases.len() as f64, "records_produced_total{{task=\"image\"}}:\n{}", metrics.text);
@@ -328,7 +333,14 @@ async fn poison_records_each_become_one_dead_letter_and_the_partition_keeps_movi
     }
     assert!(!line.contains("otel.") && !line.contains("messaging.system"), "exporter-only fields logged: {line}");
 
-    let metrics = gateway.metrics().await.expect("metrics");
+    let finished = (poisons.len() + good.len()) as f64;
+    let metrics = gateway
+        .metrics_when(Duration::from_secs(30), |m| {
+            m.sum("vramgate_gateway_record_seconds_count", &[]) >= finished
+                && m.sum("vramgate_gateway_records_produced_total", &[]) >= finished
+        })
+        .await
+        .expect("metrics");
     let dead = |kind: &str| metrics.sum("vramgate_gateway_dead_letters_total", &[("kind", kind)]);
     for kind in ["invalid_json", "unsupported_input", "invalid_audio", "invalid_image", "input_too_large"] {
         assert_eq!(dead(kind), 1.0, "dead_letters_total{{kind=\"{kind}\"}}:\n{}", metrics.text);

@@ -52,16 +52,9 @@ async fn memory_aware_routing_splits_work_by_capacity_with_fewer_503s_than_round
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// Polls `gateway`'s metrics until `done` holds for them, or `timeout`.
+/// Whether `done` came to hold for `gateway`'s metrics within `timeout`.
 async fn wait_metrics(gateway: &Gateway, timeout: Duration, done: impl Fn(&vramgate_tests::metrics::Scrape) -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if gateway.metrics().await.is_ok_and(|m| done(&m)) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    false
+    gateway.metrics_when(timeout, &done).await.is_ok_and(|m| done(&m))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
