@@ -18,7 +18,7 @@
 //! `--seconds S` (how long to time, default 5), `--warmup N` (calls before timing, default 5),
 //! `--sample-rate HZ` (Silero's, default 16000), `--json` (one JSON object instead of text),
 //! `--no-profiling` (turn TorchScript's profiling executor off, as the worker does),
-//! `--busy-cpus N` (default 0: N more threads spin on registers alone, touching no memory,
+//! `--busy-cpus N` (default 0: N more threads spin on one counter each, nothing beyond L1,
 //! from before the warm-up to the end, standing for a server's request path on the other
 //! CPUs; where CPUs share a physical core or a clock, as the vCPUs of the project's machine
 //! do, it shows what the loop loses when they are not idle).

@@ -212,25 +212,43 @@ pub struct RawFigures {
     pub runqueue_ms_per_item: f64,
 }
 
-/// Runs the plain libtorch loop on `case`'s input (written to a file, so both sides get the
-/// same numbers), with `busy_cpus` more threads spinning beside it (0: the loop alone).
-pub fn raw_rate(case: &CeilingCase, data: &[f32], seconds: f64, threads: usize, busy_cpus: usize) -> anyhow::Result<RawFigures> {
-    let dir = crate::scratch_dir("ceiling");
-    let input = dir.join("input.f32");
-    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    std::fs::write(&input, bytes)?;
+/// A case's input as the raw loop reads it (little-endian `f32` in a scratch file, so both
+/// sides get the same numbers), written once per case; the folder goes when it drops.
+pub struct RawInput {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl RawInput {
+    pub fn write(data: &[f32]) -> anyhow::Result<Self> {
+        let dir = crate::scratch_dir("ceiling");
+        let path = dir.join("input.f32");
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, bytes)?;
+        Ok(RawInput { dir, path })
+    }
+}
+
+impl Drop for RawInput {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs the plain libtorch loop on `case`'s `input`, with `busy_cpus` more threads spinning
+/// beside it (0: the loop alone).
+pub fn raw_rate(case: &CeilingCase, input: &RawInput, seconds: f64, threads: usize, busy_cpus: usize) -> anyhow::Result<RawFigures> {
     let shape = case.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
     let output = std::process::Command::new(raw_loop_binary()?)
         .args(["--kind", case.model.kind(), "--shape", &shape, "--json"])
         .arg("--model")
         .arg(repo_root().join("models").join(case.model.file()))
         .arg("--input")
-        .arg(&input)
+        .arg(&input.path)
         .args(["--threads", &threads.to_string(), "--seconds", &seconds.to_string()])
         .args(["--busy-cpus", &busy_cpus.to_string()])
         .output()
         .context("running raw_loop")?;
-    let _ = std::fs::remove_dir_all(&dir);
     if !output.status.success() {
         bail!("raw_loop failed: {}", String::from_utf8_lossy(&output.stderr));
     }
@@ -361,6 +379,7 @@ pub async fn worker_vs_raw(options: &CeilingOptions) -> anyhow::Result<Vec<Ceili
     let mut rows = Vec::new();
     for case in &options.cases {
         let data = case.data();
+        let input = RawInput::write(&data)?;
         let mut row = CeilingRow {
             case: case.clone(),
             raw_per_s: 0.0,
@@ -369,11 +388,11 @@ pub async fn worker_vs_raw(options: &CeilingOptions) -> anyhow::Result<Vec<Ceili
             failed: 0,
         };
         for round in 1..=options.rounds.max(1) {
-            let raw = raw_rate(case, &data, options.seconds, options.torch_threads, 0)?;
+            let raw = raw_rate(case, &input, options.seconds, options.torch_threads, 0)?;
             row.raw_per_s = row.raw_per_s.max(raw.items_per_s);
             print_raw(round, case, "raw", &raw);
             if options.busy_raw {
-                let busy = raw_rate(case, &data, options.seconds, options.torch_threads, 1)?;
+                let busy = raw_rate(case, &input, options.seconds, options.torch_threads, 1)?;
                 row.raw_busy_per_s = Some(row.raw_busy_per_s.unwrap_or(0.0).max(busy.items_per_s));
                 print_raw(round, case, "raw busy", &busy);
             }

@@ -598,11 +598,9 @@ mod tests {
         assert_eq!(decode_wav(bytes), Err(expected));
     }
 
-    const ALL_ENCODINGS: [Enc; 6] = Enc::ALL;
-
     #[test]
     fn every_plain_format_round_trips_within_quantisation_tolerance() {
-        for enc in ALL_ENCODINGS {
+        for enc in Enc::ALL {
             for (channels, rate) in [(1u16, 16_000u32), (2, 44_100), (6, 48_000), (1, 1_000)] {
                 let samples = signal(channels, 50);
                 let bytes = plain_wav(enc, channels, rate, &samples);
@@ -1011,7 +1009,7 @@ mod tests {
     }
 
     fn any_encoding() -> impl Strategy<Value = Enc> {
-        proptest::sample::select(ALL_ENCODINGS.to_vec())
+        proptest::sample::select(Enc::ALL.to_vec())
     }
 
     /// Probe and decode read the same header: they fail alike, or agree on the shape.

@@ -347,7 +347,7 @@ async fn pipeline_case(
     events: usize,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let data = case.data();
-    let raw = ceiling::raw_rate(case, &data, 4.0, 1, 0)?.items_per_s;
+    let raw = ceiling::raw_rate(case, &ceiling::RawInput::write(&data)?, 4.0, 1, 0)?.items_per_s;
     let (direct, failed) = ceiling::worker_rate(&worker.url, case, &data, 8, 4.0).await?;
     anyhow::ensure!(failed == 0, "{failed} direct calls failed");
 
