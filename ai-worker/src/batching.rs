@@ -8,7 +8,7 @@
 //! batches of 4 and 324/s in batches of 8 (its recurrent steps are tiny ops whose fixed cost a
 //! batch shares, past a dip at 2); MTCNN P-Net on 64² images gains about 35% at batch 4, is
 //! flat at 160², and at 320² is slower per image in any batch (its activations outgrow the
-//! caches; docs/performance.md). On a GPU a batch of small images is usually
+//! caches; docs/performance-notes.md). On a GPU a batch of small images is usually
 //! nearly as fast as one image, until the card is full. A fixed `max_batch_size = 8` was right
 //! for one of these and wrong for the others.
 //!

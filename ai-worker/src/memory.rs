@@ -329,7 +329,7 @@ fn kib_field(text: &str, field: &str) -> Option<u64> {
 ///   paged in, by the next batch. An earlier version fixed the threshold at 256 KiB so that
 ///   every freed tensor went back to the OS and every batch's peak showed in `VmHWM`; each
 ///   batch then spent more than half its time in page faults and `munmap` (P-Net 320² on CPU:
-///   0.24× a plain libtorch loop; see docs/performance.md). Peaks are now measured on the
+///   0.24× a plain libtorch loop; see docs/performance-notes.md). Peaks are now measured on the
 ///   batches that are sampled, after a `malloc_trim` ([`MemoryMonitor::peak_scope`]).
 /// * Two malloc arenas: each arena reserves 64 MiB of address space, which under the CPU
 ///   memory cap (`RLIMIT_AS`) would be charged to nobody's estimate.

@@ -64,7 +64,7 @@ impl std::fmt::Display for ComputeDevice {
 pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice, ModelError> {
     // The profiling executor re-specialises graphs over the first calls, which costs seconds
     // per new input shape on CPU; audio lengths vary per request, so it would never settle.
-    // At a fixed shape both executors run equally fast (docs/performance.md).
+    // At a fixed shape both executors run equally fast (docs/performance-notes.md).
     tch::jit::set_profiling_mode(false);
     if threads > 0 {
         tch::set_num_threads(threads as i32);

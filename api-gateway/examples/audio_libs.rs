@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use rubato::audioadapter_buffers::direct::InterleavedSlice;
 use rubato::{Async, Fft, FixedAsync, FixedSync, Resampler, SincInterpolationParameters};
-use vramgate_gateway::audio::wav::SampleFormat as Enc;
-use vramgate_gateway::audio::wav_write::{chunk, fmt_body, fmt_extensible, riff, wav_bytes};
+use vramgate_shared::wav::SampleFormat as Enc;
+use vramgate_shared::wav::{chunk, fmt_body, fmt_extensible, riff, wav_bytes};
 use vramgate_gateway::audio::{resample, wav};
 
 type Decoded = Result<(u32, u16, Vec<f32>), String>;
@@ -104,7 +104,7 @@ fn symphonia(bytes: &[u8]) -> Decoded {
 const DECODERS: [(&str, Decoder); 3] =
     [("wav.rs", ours), ("hound", hound), ("symphonia", symphonia)];
 
-// ---------------------------------------------------------------- test content (files: audio::wav_write)
+// ---------------------------------------------------------------- test content (files: vramgate_shared::wav)
 
 /// Speech-like test content: a few harmonics with a slow amplitude wobble and a little noise.
 fn content(channels: u16, rate: u32, seconds: f64) -> Vec<f32> {

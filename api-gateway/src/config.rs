@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use vramgate_shared::config::Secret;
 
-use crate::kafka::{Connection, Properties};
+use vramgate_shared::kafka::{Connection, Properties};
 
 pub use crate::tasks::image::ImageOptions;
 pub use crate::tasks::voice::{SegmentConfig, WavOptions};
@@ -168,7 +168,7 @@ pub struct KafkaConfig {
     /// Numbers and booleans are taken as their text (a numeric `sasl.password` is a password).
     /// In the environment a name's dots are underscores:
     /// `VRAMGATE_GATEWAY_KAFKA__PROPERTIES__SASL_PASSWORD` sets `sasl.password`. Secret values
-    /// are never printed (see [`crate::kafka`]).
+    /// are never printed (see [`vramgate_shared::kafka`]).
     pub properties: Properties,
 }
 

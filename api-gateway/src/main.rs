@@ -8,7 +8,7 @@ use vramgate_shared::telemetry;
 /// mimalloc rather than glibc's allocator: each record makes a few dozen short-lived
 /// allocations (the message copy, its JSON, the output and its headers), and glibc's spent
 /// about a fifth of the gateway's CPU on them (`_int_malloc`, `_int_free`,
-/// `malloc_consolidate` in a profile of 100k records); see docs/performance.md.
+/// `malloc_consolidate` in a profile of 100k records); see docs/performance-notes.md.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

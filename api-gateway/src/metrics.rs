@@ -1,12 +1,9 @@
-//! The gateway's Prometheus metrics, served as text at `GET /metrics` on `metrics_listen`.
-//! Every name starts with `vramgate_gateway_`.
+//! The gateway's Prometheus metrics: a plain registry that the other modules write into and
+//! [`crate::endpoint`] serves as text at `GET /metrics`. It knows none of its writers. Every
+//! name starts with `vramgate_gateway_`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::http::StatusCode;
-use axum::routing::get;
-use axum::Router;
 use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 pub struct Metrics {
@@ -196,48 +193,4 @@ impl Metrics {
         TextEncoder::new().encode(&self.registry.gather(), &mut buffer).expect("text encoding cannot fail");
         String::from_utf8(buffer).expect("prometheus text is utf-8")
     }
-}
-
-/// Binds the metrics endpoint (with `/healthz` and `/readyz`) and serves it in the background.
-/// Returns the bound address.
-pub async fn serve(
-    listen: &str,
-    metrics: Arc<Metrics>,
-    health: Arc<crate::health::Health>,
-    refresh: impl Fn() + Send + Sync + 'static,
-) -> anyhow::Result<SocketAddr> {
-    use anyhow::Context;
-    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding metrics on {listen}"))?;
-    let addr = listener.local_addr()?;
-    let refresh = Arc::new(refresh);
-    let app = Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let metrics = metrics.clone();
-                let refresh = refresh.clone();
-                async move {
-                    refresh();
-                    metrics.render()
-                }
-            }),
-        )
-        .route("/healthz", get(|| async { "ok" }))
-        .route(
-            "/readyz",
-            get(move || {
-                let health = health.clone();
-                async move {
-                    let (ready, report) = health.report();
-                    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-                    (status, axum::Json(report))
-                }
-            }),
-        );
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "metrics endpoint stopped");
-        }
-    });
-    Ok(addr)
 }

@@ -21,7 +21,8 @@ use crate::config::GatewayConfig;
 use crate::consume::commit::{self, Commits};
 use crate::consume::fetch::Fetch;
 use crate::consume::offsets::SharedOffsets;
-use crate::consume::rebalance::{Flow, RebalanceContext};
+use crate::consume::flow::Flow;
+use crate::consume::rebalance::RebalanceContext;
 use crate::input::InputSource;
 use crate::produce::{Outputs, Producer};
 use crate::metrics::Metrics;
@@ -87,7 +88,7 @@ pub async fn run(
         let shared = shared.clone();
         let tasks = tasks.clone();
         let health = health.clone();
-        crate::metrics::serve(&config.metrics_listen, metrics.clone(), health, move || refresh_gauges(&shared, &tasks))
+        crate::endpoint::serve(&config.metrics_listen, metrics.clone(), health, move || refresh_gauges(&shared, &tasks))
             .await?
     };
     // The one line on stdout: how a supervisor or test finds the metrics port when it was 0.
@@ -165,7 +166,7 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     }
 }
 
-/// The gateway's own defaults for its consumer or its producer; [`crate::kafka::Connection`]
+/// The gateway's own defaults for its consumer or its producer; [`vramgate_shared::kafka::Connection`]
 /// adds the brokers and `[kafka.properties]` over them.
 fn client_defaults(config: &GatewayConfig, consumer: bool) -> ClientConfig {
     let kafka = &config.kafka;
@@ -193,7 +194,7 @@ fn client_defaults(config: &GatewayConfig, consumer: bool) -> ClientConfig {
         // acks=all: an output counts as written (and its record may be committed) only once
         // every in-sync replica has it. Not librdkafka's idempotent mode: up to 2.12 it lets a
         // partition have one produce request in flight and busy-polls while it waits
-        // (docs/performance.md, gateway cause 6), which cost a fifth of the gateway's CPU.
+        // (docs/performance-notes.md, gateway cause 6), which cost a fifth of the gateway's CPU.
         // What it would add, no duplicate from librdkafka's own retries, is already outside
         // the at-least-once contract: a gateway restart redoes records too, and consumers
         // dedupe by event id. `enable.idempotence = true` in [kafka.properties] turns it on.

@@ -12,7 +12,7 @@
 //! awaiting task is woken ([`deliver`]), or a function runs on the producer's polling thread
 //! ([`send_then`]). The second is how a record refused before any worker call finishes: its
 //! dead letter's acknowledgement finishes it there, with no task, future or wake-up of its own
-//! (`docs/performance.md`, gateway cause 11). Whatever goes wrong on that first attempt goes
+//! (`docs/performance-notes.md`, gateway cause 11). Whatever goes wrong on that first attempt goes
 //! back to [`deliver`]'s retries on the runtime.
 //!
 //! Each output carries the W3C trace context of its `send` span, so a downstream consumer

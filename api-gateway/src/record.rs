@@ -9,7 +9,7 @@
 //! acknowledgement, on the producer's polling thread, finishes it. Only a record that goes on to
 //! convert and call a worker is spawned as a task of its own. Both ends are the same: one output
 //! acknowledged, then the ticket finished; the same retries and trimmed dead letter when the
-//! broker refuses the output (`docs/performance.md`, gateway cause 11).
+//! broker refuses the output (`docs/performance-notes.md`, gateway cause 11).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -29,7 +29,7 @@ impl JaegerProcess {
         self.script("stop")
     }
 
-    /// The query API, e.g. for `vramgate_gateway::jaeger::Jaeger`.
+    /// The query API, e.g. for `vramgate_cli::jaeger::Jaeger`.
     pub fn query_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }

@@ -4,19 +4,23 @@
 use std::path::Path;
 use std::process::Command;
 
-use vramgate_gateway::audio::wav::SampleFormat as Encoding;
-use vramgate_gateway::audio::wav_write::{chunk, fmt_body, fmt_extensible, riff};
+use vramgate_shared::wav::SampleFormat as Encoding;
+use vramgate_shared::wav::{chunk, fmt_body, fmt_extensible, riff};
 
-/// How samples are stored in the file.
+/// How samples are stored in the file: an encoding under a classic `fmt ` header, or 16-bit
+/// PCM under a `WAVE_FORMAT_EXTENSIBLE` one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SampleFormat {
-    U8,
-    I16,
-    I24,
-    I32,
-    F32,
-    /// 16-bit PCM in a WAVE_FORMAT_EXTENSIBLE header.
+    Plain(Encoding),
     ExtensibleI16,
+}
+
+impl SampleFormat {
+    pub const U8: Self = Self::Plain(Encoding::U8);
+    pub const I16: Self = Self::Plain(Encoding::I16);
+    pub const I24: Self = Self::Plain(Encoding::I24);
+    pub const I32: Self = Self::Plain(Encoding::I32);
+    pub const F32: Self = Self::Plain(Encoding::F32);
 }
 
 /// Speech synthesised by espeak-ng, mono f32 at its native rate.
@@ -103,11 +107,8 @@ pub fn write_wav(
     format: SampleFormat,
 ) -> std::io::Result<()> {
     let encoding = match format {
-        SampleFormat::U8 => Encoding::U8,
-        SampleFormat::I16 | SampleFormat::ExtensibleI16 => Encoding::I16,
-        SampleFormat::I24 => Encoding::I24,
-        SampleFormat::I32 => Encoding::I32,
-        SampleFormat::F32 => Encoding::F32,
+        SampleFormat::Plain(encoding) => encoding,
+        SampleFormat::ExtensibleI16 => Encoding::I16,
     };
     let bits = encoding.bits();
     let fmt = match format {

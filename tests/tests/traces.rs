@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use vramgate_gateway::jaeger::{Jaeger, Span, Trace};
+use vramgate_cli::jaeger::{Jaeger, Span, Trace};
 use vramgate_tests::images::{crowd, png};
 use vramgate_tests::jaeger::JaegerProcess;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
@@ -89,7 +89,7 @@ async fn wait_for_trace(jaeger: &Jaeger, trace_id: &str, services: &[&str], span
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     match last {
-        Some(trace) => bail!("trace {trace_id} incomplete after 30 s:\n{}", vramgate_gateway::jaeger::render(&trace)),
+        Some(trace) => bail!("trace {trace_id} incomplete after 30 s:\n{}", vramgate_cli::jaeger::render(&trace)),
         None => bail!("Jaeger has no trace {trace_id} after 30 s"),
     }
 }
@@ -111,7 +111,7 @@ fn has_tag(span: &Span, key: &str) -> bool {
 
 /// The checks every completed event's trace passes.
 fn assert_one_trace_across_services(trace: &Trace, requests_topic: &str, results_topic: &str) {
-    let shown = vramgate_gateway::jaeger::render(trace);
+    let shown = vramgate_cli::jaeger::render(trace);
     let by_id = |id: &str| trace.spans.iter().find(|s| s.span_id == id);
     let produce = trace.span(&format!("send {requests_topic}")).unwrap_or_else(|| panic!("no producer span:\n{shown}"));
     assert_eq!(trace.service_of(produce), "vramgate-cli", "{shown}");
@@ -192,7 +192,7 @@ async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow
         let attempts = trace.spans_named("POST").filter(|s| trace.service_of(s) == "api-gateway").count();
         if attempts > 1 {
             retried += 1;
-            let shown = vramgate_gateway::jaeger::render(&trace);
+            let shown = vramgate_cli::jaeger::render(&trace);
             let backoff = trace.span("backoff").unwrap_or_else(|| panic!("a retried event shows its backoff:\n{shown}"));
             assert!(has_tag(backoff, "attempt") && has_tag(backoff, "reason"), "{shown}");
             let throttled = trace.spans_named("POST").any(|s| tag_number(s, "http.response.status_code") == Some(503));
@@ -211,7 +211,7 @@ async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow
     // The dead-lettered event: its trace says why, with error status, and never reached the worker.
     assert_eq!(snapshot[&corrupt_event.id][0].topic, voice.dlq);
     let trace = wait_for_trace(&jaeger, &corrupt_event.trace_id, &["vramgate-cli", "api-gateway"], &[&format!("send {}", voice.dlq)]).await?;
-    let shown = vramgate_gateway::jaeger::render(&trace);
+    let shown = vramgate_cli::jaeger::render(&trace);
     let process = trace.span(&format!("process {}", voice.requests)).expect("consumer span");
     assert_eq!(tag_str(process, "otel.status_code"), Some("ERROR"), "{shown}");
     assert_eq!(tag_str(process, "error.type"), Some("invalid_audio"), "{shown}");
@@ -397,7 +397,7 @@ async fn an_oom_shows_in_the_trace_with_the_batch_before_and_after() -> anyhow::
     }
     assert!(!traces.is_empty(), "no trace shows the OOM; worker log:\n{}", worker.service.log_tail());
     let trace = &traces[0];
-    let shown = vramgate_gateway::jaeger::render(trace);
+    let shown = vramgate_cli::jaeger::render(trace);
     let inferences: Vec<&Span> = trace.spans_named("inference").collect();
     let failed = inferences
         .iter()

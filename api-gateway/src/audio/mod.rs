@@ -3,7 +3,7 @@
 //! Owns the journey from uploaded WAV bytes to what the VAD model consumes and
 //! back: [`wav`] decodes untrusted RIFF/WAVE bytes, [`resample`] converts to
 //! the model's 16 kHz, and [`segments`] turns the model's per-window speech
-//! probabilities into time ranges. [`wav_write`] is the decoder's inverse, for the load
+//! probabilities into time ranges. `vramgate_shared::wav` writes WAV, for the load
 //! generator's clips and the tests' inputs; the request path never writes WAV.
 //!
 //! The WAV parser is our own and the resampler is `rubato`'s; each module's doc
@@ -12,7 +12,6 @@
 pub mod resample;
 pub mod segments;
 pub mod wav;
-pub mod wav_write;
 
 /// Sample rate the VAD model expects.
 pub const VAD_SAMPLE_RATE: u32 = 16_000;

@@ -57,19 +57,8 @@
 //! supported encoding and chunk layout.
 
 use thiserror::Error;
-
-/// `WAVE_FORMAT_PCM`: integer samples.
-pub const FORMAT_PCM: u16 = 0x0001;
-/// `WAVE_FORMAT_IEEE_FLOAT`: 32- or 64-bit float samples.
-pub const FORMAT_IEEE_FLOAT: u16 = 0x0003;
-/// `WAVE_FORMAT_EXTENSIBLE`: the real format lives in the sub-format GUID.
-pub const FORMAT_EXTENSIBLE: u16 = 0xFFFE;
-
-/// Bytes 2..16 shared by every `KSDATAFORMAT_SUBTYPE_*` GUID derived from a
-/// classic format tag; the first two bytes carry that tag little-endian.
-pub const KSDATAFORMAT_GUID_TAIL: [u8; 14] = [
-    0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
-];
+pub use vramgate_shared::wav::SampleFormat;
+use vramgate_shared::wav::{FORMAT_EXTENSIBLE, FORMAT_IEEE_FLOAT, FORMAT_PCM, KSDATAFORMAT_GUID_TAIL};
 
 /// Size of the classic `fmt ` body (`WAVEFORMAT` + `wBitsPerSample`).
 const FMT_MIN_LEN: usize = 16;
@@ -190,46 +179,22 @@ pub enum WavError {
     TooLong { frames: u64, max: u64 },
 }
 
-/// How one sample is stored in the data chunk. (`wav_write` adds what writing needs.)
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SampleFormat {
-    U8,
-    I16,
-    I24,
-    I32,
-    F32,
-    F64,
-}
-
-impl SampleFormat {
-    /// Bytes per stored sample.
-    pub fn bytes(self) -> u16 {
-        match self {
-            SampleFormat::U8 => 1,
-            SampleFormat::I16 => 2,
-            SampleFormat::I24 => 3,
-            SampleFormat::I32 | SampleFormat::F32 => 4,
-            SampleFormat::F64 => 8,
+/// Converts one stored sample; `raw.len()` is always `format.bytes()`.
+fn decode_sample(format: SampleFormat, raw: &[u8]) -> f32 {
+    match *raw {
+        [b] if format == SampleFormat::U8 => (f32::from(b) - 128.0) / 128.0,
+        [a, b] => f32::from(i16::from_le_bytes([a, b])) / 32_768.0,
+        // Shifting into the top of an i32 and back sign-extends the 24-bit value.
+        [a, b, c] => (i32::from_le_bytes([0, a, b, c]) >> 8) as f32 / 8_388_608.0,
+        [a, b, c, d] if format == SampleFormat::I32 => {
+            (f64::from(i32::from_le_bytes([a, b, c, d])) / 2_147_483_648.0) as f32
         }
-    }
-
-    /// Converts one stored sample; `raw.len()` is always `self.bytes()`.
-    fn decode(self, raw: &[u8]) -> f32 {
-        match *raw {
-            [b] if self == SampleFormat::U8 => (f32::from(b) - 128.0) / 128.0,
-            [a, b] => f32::from(i16::from_le_bytes([a, b])) / 32_768.0,
-            // Shifting into the top of an i32 and back sign-extends the 24-bit value.
-            [a, b, c] => (i32::from_le_bytes([0, a, b, c]) >> 8) as f32 / 8_388_608.0,
-            [a, b, c, d] if self == SampleFormat::I32 => {
-                (f64::from(i32::from_le_bytes([a, b, c, d])) / 2_147_483_648.0) as f32
-            }
-            [a, b, c, d] => sanitize_float(f32::from_le_bytes([a, b, c, d])),
-            [a, b, c, d, e, f, g, h] => {
-                sanitize_float(f64::from_le_bytes([a, b, c, d, e, f, g, h]) as f32)
-            }
-            // Unreachable by construction; silence is the safe answer for untrusted input.
-            _ => 0.0,
+        [a, b, c, d] => sanitize_float(f32::from_le_bytes([a, b, c, d])),
+        [a, b, c, d, e, f, g, h] => {
+            sanitize_float(f64::from_le_bytes([a, b, c, d, e, f, g, h]) as f32)
         }
+        // Unreachable by construction; silence is the safe answer for untrusted input.
+        _ => 0.0,
     }
 }
 
@@ -535,7 +500,7 @@ fn decode_samples(data: &[u8], format: Format, max_frames: u64) -> Result<Audio,
     let whole = data.get(..frames * block_align).unwrap_or_default();
     let samples = whole
         .chunks_exact(usize::from(format.sample.bytes()))
-        .map(|raw| format.sample.decode(raw))
+        .map(|raw| decode_sample(format.sample, raw))
         .collect();
     Ok(Audio {
         sample_rate: format.sample_rate,
@@ -549,12 +514,12 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    use crate::audio::wav_write::{chunk, fmt_body, fmt_extensible, wav_bytes as plain_wav};
+    use vramgate_shared::wav::{chunk, fmt_body, fmt_extensible, wav_bytes as plain_wav};
     use SampleFormat as Enc;
 
     /// A RIFF container whose size is the true one.
     fn riff(chunks: &[Vec<u8>]) -> Vec<u8> {
-        crate::audio::wav_write::riff(chunks, None)
+        vramgate_shared::wav::riff(chunks, None)
     }
 
     /// Largest decode error: half a quantisation step plus the asymmetric full-scale

@@ -22,7 +22,8 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use super::lock;
 use super::offsets::{Ticket, TopicPartition};
-use super::rebalance::{Flow, RebalanceContext};
+use super::flow::{Flow, PauseReason};
+use super::rebalance::RebalanceContext;
 use crate::budget::Held;
 use crate::config::GatewayConfig;
 use crate::record::{self, Shared};
@@ -34,26 +35,6 @@ pub const HOLD_BEFORE_PAUSE: Duration = Duration::from_millis(500);
 
 /// Records taken from the consumer in one round before the bounds are looked at again.
 const ROUND: usize = 256;
-
-/// Why partitions are paused, for the pause metric.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PauseReason {
-    Permits,
-    Budget,
-    InFlight,
-    Shutdown,
-}
-
-impl PauseReason {
-    fn as_str(self) -> &'static str {
-        match self {
-            PauseReason::Permits => "permits",
-            PauseReason::Budget => "budget",
-            PauseReason::InFlight => "in_flight",
-            PauseReason::Shutdown => "shutdown",
-        }
-    }
-}
 
 /// A record taken and admitted, not yet handed to the runtime.
 struct Admitted {

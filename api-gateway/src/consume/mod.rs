@@ -1,6 +1,6 @@
 //! Consuming and committing: the fetch thread ([`fetch`]), the commit thread ([`commit`]), the
-//! rebalance callbacks ([`rebalance`]) and the watermark of finished offsets they share
-//! ([`offsets`]).
+//! rebalance callbacks ([`rebalance`]), the assignment and pause state those two change
+//! ([`flow`]), and the watermark of finished offsets they share ([`offsets`]).
 //!
 //! Invariants:
 //! - A record's offset is committed only once it and every record before it in its partition
@@ -18,6 +18,7 @@
 pub mod client;
 pub mod commit;
 pub mod fetch;
+pub mod flow;
 pub mod offsets;
 pub mod rebalance;
 

@@ -2,7 +2,6 @@
 //! revoked partition gets `drain_timeout` for its records to finish, its watermark is committed,
 //! and then it is forgotten, so work that finishes later never moves its commit (epochs).
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,20 +14,10 @@ use rdkafka::{ClientContext, TopicPartitionList};
 
 use super::client::KafkaEvents;
 use super::commit::Commits;
+use super::flow::Flow;
 use super::offsets::TopicPartition;
 use super::lock;
 use crate::metrics::Metrics;
-
-/// Assignment and pause state; touched by the fetch loop and its rebalance callbacks, both on
-/// the fetch thread.
-#[derive(Debug, Default)]
-pub struct Flow {
-    pub assigned: HashSet<TopicPartition>,
-    pub paused: HashSet<TopicPartition>,
-    /// A gateway-wide pause (budget or record count), held until both fall below the resume
-    /// fraction of their bounds.
-    pub global: Option<super::fetch::PauseReason>,
-}
 
 pub struct RebalanceContext {
     pub events: KafkaEvents,

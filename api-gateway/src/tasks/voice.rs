@@ -231,7 +231,7 @@ impl Finish for VoiceFinish {
 mod tests {
     use super::*;
     use crate::audio::wav::SampleFormat;
-    use crate::audio::wav_write::wav_bytes;
+    use vramgate_shared::wav::wav_bytes;
 
     #[test]
     fn options_are_checked() {

@@ -539,7 +539,7 @@ impl P4 {
 /// `scripts/bench` starts one) has not yet compiled its produce and commit paths: on two
 /// cores its CPU per record on the gateway's path was 3–6× a warm one's for its first minute
 /// or so of this traffic, and the gateway's ratio 0.34–0.47 against 0.52–0.64 after
-/// (docs/performance.md). A broker in service is warm; the ratio is meant to be the
+/// (docs/performance-notes.md). A broker in service is warm; the ratio is meant to be the
 /// gateway's, not the JVM's start-up. The warm-up rounds are printed too.
 pub async fn p4() -> anyhow::Result<P4> {
     let count: usize = env_or("VRAMGATE_BENCH_EVENTS", 100_000);

@@ -15,7 +15,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use vramgate_shared::events::{InputRef, RequestEvent, SCHEMA_VERSION};
 
 use super::tally::{Output, Tally};
-use crate::kafka::Connection;
+use vramgate_shared::kafka::Connection;
 
 /// Most sends awaiting the broker's acknowledgement at once.
 pub const MAX_SENDS_IN_FLIGHT: usize = 1024;

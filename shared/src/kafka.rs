@@ -2,11 +2,14 @@
 //! SASL, tuning), laid over each client's own defaults, and client creation whose errors never
 //! show a secret's value.
 //!
+//! Built only with this crate's `kafka` feature, which the gateway and `vramgate-cli` turn on:
+//! the worker and users' own producers get no Kafka client from this crate.
+//!
 //! Properties come from the gateway's `[kafka.properties]` table, from its environment
 //! (`VRAMGATE_GATEWAY_KAFKA__PROPERTIES__SASL_PASSWORD` for `sasl.password`: a name without a
 //! dot reads its underscores as dots, since librdkafka's names have none), and for
 //! `vramgate-cli` from `--kafka-property` and a `--kafka-config` file. Values of keys that name
-//! a secret ([`vramgate_shared::config::is_secret_key`]: `sasl.password`, `ssl.key.password`,
+//! a secret ([`crate::config::is_secret_key`]: `sasl.password`, `ssl.key.password`,
 //! `ssl.key.pem`, …) are hidden from `Debug` and from client-creation errors.
 
 use std::collections::BTreeMap;
@@ -18,7 +21,7 @@ use rdkafka::config::{FromClientConfig, FromClientConfigAndContext};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, ClientContext};
 use serde::{Deserialize, Serialize};
-use vramgate_shared::config::is_secret_key;
+use crate::config::is_secret_key;
 
 /// Largest `--kafka-config` file read: a client properties file is a few dozen lines; a larger
 /// one is the wrong file.

@@ -15,8 +15,8 @@ use clap::{Parser, Subcommand};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
-use vramgate_gateway::jaeger::{self, Jaeger};
-use vramgate_gateway::kafka::{check_reachable, Connection, Properties, CONNECT_TIMEOUT};
+use vramgate_cli::jaeger::{self, Jaeger};
+use vramgate_shared::kafka::{check_reachable, Connection, Properties, CONNECT_TIMEOUT};
 use vramgate_shared::telemetry::{self, context};
 use rdkafka::ClientConfig;
 use vramgate_shared::events::{
@@ -98,7 +98,7 @@ enum Command {
         json: bool,
     },
     /// Send a load (a rate or a burst) and account for every event: table, CSV, plot.
-    Load(vramgate_gateway::load::LoadArgs),
+    Load(vramgate_cli::load::LoadArgs),
 }
 
 #[tokio::main]
@@ -118,7 +118,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Watch { task, expect_ids, count, timeout_seconds, json } => {
             watch(&kafka, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
         }
-        Command::Load(args) => vramgate_gateway::load::run(&kafka, args).await,
+        Command::Load(args) => vramgate_cli::load::run(&kafka, args).await,
     }
 }
 

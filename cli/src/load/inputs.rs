@@ -9,8 +9,7 @@ use anyhow::{bail, ensure, Context};
 use image::codecs::jpeg::JpegEncoder;
 use image::{ExtendedColorType, ImageEncoder};
 
-use crate::audio::wav::SampleFormat;
-use crate::audio::wav_write::wav_bytes;
+use vramgate_shared::wav::{wav_bytes, SampleFormat};
 
 /// Most input files one task's pool may hold (found or generated).
 pub const MAX_POOL_FILES: usize = 10_000;

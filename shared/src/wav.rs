@@ -1,17 +1,51 @@
-//! Writing WAV files: the inverse of [`wav`](super::wav) for every encoding it reads.
+//! The WAV format as the voice task's events carry it: the format tags and sample encodings
+//! the gateway's decoder reads (`api-gateway/src/audio/wav.rs`), and a writer for every one of
+//! them.
 //!
-//! Nothing on the request path uses it. It writes the clips `vramgate-cli load` sends, the
-//! test inputs of the decoder's unit tests and of the end-to-end tests, and the files the
-//! `audio_libs` example measures decoders on. Those inputs include malformed ones, so besides
-//! the whole-file [`wav_bytes`] the building blocks are public too: a chunk with any declared
-//! size, a RIFF container, a classic or `WAVE_FORMAT_EXTENSIBLE` `fmt ` body. That every
-//! encoding round-trips through the decoder is tested there (`wav.rs`, whose tests build
-//! their files here).
+//! No service writes WAV on a request path. The writer makes the clips `vramgate-cli load`
+//! sends, the inputs of the decoder's unit tests and of the end-to-end tests, and the files the
+//! gateway's `audio_libs` example measures decoders on. Those inputs include malformed ones, so
+//! besides the whole-file [`wav_bytes`] the building blocks are public too: a chunk with any
+//! declared size, a RIFF container, a classic or `WAVE_FORMAT_EXTENSIBLE` `fmt ` body. That
+//! every encoding round-trips through the decoder is tested beside the decoder, whose tests
+//! build their files here.
 
-use super::wav::{SampleFormat, FORMAT_EXTENSIBLE, FORMAT_IEEE_FLOAT, FORMAT_PCM, KSDATAFORMAT_GUID_TAIL};
+/// `WAVE_FORMAT_PCM`: integer samples.
+pub const FORMAT_PCM: u16 = 0x0001;
+/// `WAVE_FORMAT_IEEE_FLOAT`: 32- or 64-bit float samples.
+pub const FORMAT_IEEE_FLOAT: u16 = 0x0003;
+/// `WAVE_FORMAT_EXTENSIBLE`: the real format lives in the sub-format GUID.
+pub const FORMAT_EXTENSIBLE: u16 = 0xFFFE;
 
-/// What writing needs of the decoder's [`SampleFormat`].
+/// Bytes 2..16 shared by every `KSDATAFORMAT_SUBTYPE_*` GUID derived from a
+/// classic format tag; the first two bytes carry that tag little-endian.
+pub const KSDATAFORMAT_GUID_TAIL: [u8; 14] = [
+    0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
+];
+
+/// How one sample is stored in the data chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleFormat {
+    U8,
+    I16,
+    I24,
+    I32,
+    F32,
+    F64,
+}
+
 impl SampleFormat {
+    /// Bytes per stored sample.
+    pub fn bytes(self) -> u16 {
+        match self {
+            SampleFormat::U8 => 1,
+            SampleFormat::I16 => 2,
+            SampleFormat::I24 => 3,
+            SampleFormat::I32 | SampleFormat::F32 => 4,
+            SampleFormat::F64 => 8,
+        }
+    }
+
     /// Every encoding the decoder reads, for tests that cover them all.
     pub const ALL: [SampleFormat; 6] =
         [SampleFormat::U8, SampleFormat::I16, SampleFormat::I24, SampleFormat::I32, SampleFormat::F32, SampleFormat::F64];

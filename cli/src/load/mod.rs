@@ -195,7 +195,7 @@ fn plan_tasks(args: &LoadArgs, run: &str) -> anyhow::Result<Vec<TaskPlan>> {
 }
 
 /// Runs a load against the brokers `connection` names; the summary goes to stdout, progress to stderr.
-pub async fn run(connection: &crate::kafka::Connection, args: LoadArgs) -> anyhow::Result<()> {
+pub async fn run(connection: &vramgate_shared::kafka::Connection, args: LoadArgs) -> anyhow::Result<()> {
     check_args(&args)?;
     let run = run_id(&args)?;
     let plans = plan_tasks(&args, &run)?;
@@ -305,7 +305,7 @@ pub async fn run(connection: &crate::kafka::Connection, args: LoadArgs) -> anyho
 /// Waits (≤ [`SETTLE_TIMEOUT`]) until the gateway's group has committed every request, then
 /// until the follower has read the output topics to where they end now. False if either did
 /// not happen in time (a group that is not the gateway's never commits).
-async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTopics)], connection: &crate::kafka::Connection) -> anyhow::Result<bool> {
+async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTopics)], connection: &vramgate_shared::kafka::Connection) -> anyhow::Result<bool> {
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     loop {
         if lag.blocking_total().await == Some(0) {
