@@ -1,4 +1,4 @@
-//! The tasks a gateway serves, one file each behind one trait: what a task does to a request
+//! The tasks a gateway serves, one module each behind one trait: what a task does to a request
 //! between reading its input and calling the worker, and between the worker's answer and the
 //! result. [`crate::record`] drives every task through [`Converter`] the same way; adding a task
 //! is a file here, a [`crate::config::Converter`] variant and a line in [`converter`].

@@ -1,13 +1,10 @@
-//! The `image` task: PNG/JPEG/WebP bytes → oriented, resized, normalised RGB (CPU, on the
-//! task's rayon pool) → the worker's MTCNN P-Net → face boxes in the input image's pixels.
+//! Image bytes → the model's input tensor: the header probe (an oversized image is refused
+//! before a pixel is decoded), the peak memory of a conversion, the decode under limits (PNG,
+//! JPEG, WebP) with decoder panics caught, the EXIF orientation, and the fit (stretch or
+//! letterbox), resize and normalisation into the CHW tensor. [`Placement`] records how the
+//! model input was made, for the sibling `faces` module to map boxes back.
 //!
-//! This module owns the CPU side of that task: reading the header (so an oversized image is
-//! refused before a pixel is decoded), sizing the conversion for the memory budget, building the
-//! model's tensor, and turning the model's maps back into boxes.
-//!
-//! Coordinates are 0-based pixel *edges* throughout: pixel `(x, y)` covers `[x, x + 1) ×
-//! [y, y + 1)`, so a box `(0, 0, width, height)` is the whole image. That is the one convention in
-//! which "scale by s" and "move by p" map boxes exactly, with no ±1 corrections.
+//! Coordinates are 0-based pixel edges, as the [module doc](super) sets out.
 
 use std::io::Cursor;
 use std::panic::{self, AssertUnwindSafe};
@@ -18,31 +15,11 @@ use ::image::codecs::webp::WebPDecoder;
 use ::image::imageops::FilterType;
 use ::image::metadata::Orientation;
 use ::image::{DynamicImage, ImageDecoder, ImageError, ImageFormat, Limits};
-use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-use vramgate_shared::events::{ErrorKind, FaceBox, ImageOutput, Stage};
-use vramgate_shared::oip::{Tensor, TensorData};
+use vramgate_shared::events::{ErrorKind, Stage};
 
-use super::{Converted, Converter, Finish, Plan};
+use super::{ImageOptions, ResizeMode};
 use crate::failure::Failure;
-use crate::call::client::OutputTensor;
-
-/// The worker's input tensor: `[1, 3, H, W]` f32, RGB planes scaled as `(pixel - 127.5) / 128`.
-pub const MODEL_INPUT: &str = "image";
-/// The worker's output: `[1, h, w]`, the face probability of each cell.
-pub const PROB_OUTPUT: &str = "face_prob";
-/// The worker's output: `[1, 4, h, w]`, each cell's box regression `(dx1, dy1, dx2, dy2)`.
-pub const BOX_OUTPUT: &str = "box_offsets";
-
-/// P-Net looks at 12 × 12 windows, one per output cell, two input pixels apart.
-const CELL_SIZE: f32 = 12.0;
-const CELL_STRIDE: f32 = 2.0;
-
-/// The model input's bounds: below 12 pixels P-Net has no window at all; above 8192 its first
-/// layer alone needs gigabytes of GPU memory per image, which is a config mistake, not a choice.
-const MIN_MODEL_SIDE: u32 = 12;
-const MAX_MODEL_SIDE: u32 = 8192;
 
 /// PNG text, ICC and Exif chunks may be compressed; this bounds what a small file can make the
 /// PNG decoder inflate (image data is not counted against it).
@@ -54,76 +31,6 @@ const PNG_METADATA_BYTES: u64 = 16 * 1024 * 1024;
 /// The WebP decoder keeps a YUV frame (lossy) or an ARGB frame (lossless) beside its output.
 const JPEG_WORKING_BYTES_PER_PIXEL: u64 = 6;
 const WEBP_WORKING_BYTES_PER_PIXEL: u64 = 4;
-
-/// How the image is fitted to the model's input size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ResizeMode {
-    /// Keep the aspect ratio, scale (up or down) to fit and centre; the rest is padded with the value that
-    /// normalises to 0.0, so padding looks like neither black nor white to the model.
-    Letterbox,
-    /// Scale each axis on its own to fill the input; faces come out squashed.
-    Stretch,
-}
-
-/// Options of the `image` converter (`[tasks.<name>.image]`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ImageOptions {
-    /// Model input width in pixels.
-    pub width: u32,
-    /// Model input height in pixels.
-    pub height: u32,
-    pub resize: ResizeMode,
-    /// Images whose header declares more pixels than this are dead-lettered as
-    /// `input_too_large` before their pixels are decoded.
-    pub max_pixels: u64,
-    /// A cell is a face candidate when its probability reaches this.
-    pub threshold: f32,
-    /// Of two boxes overlapping by more than this intersection-over-union, the lower-scored one
-    /// is dropped.
-    pub nms_iou: f32,
-    /// At most this many faces are reported, the highest-scored ones.
-    pub max_faces: usize,
-}
-
-impl Default for ImageOptions {
-    fn default() -> Self {
-        ImageOptions {
-            width: 320,
-            height: 320,
-            resize: ResizeMode::Letterbox,
-            max_pixels: 40_000_000,
-            threshold: 0.7,
-            nms_iou: 0.5,
-            max_faces: 100,
-        }
-    }
-}
-
-impl ImageOptions {
-    /// Checks what the types cannot. Messages name the key relative to the task
-    /// (`image.width`), for the config's validation to prefix with `tasks.<name>.`.
-    pub fn validate(&self) -> Result<(), String> {
-        for (key, side) in [("width", self.width), ("height", self.height)] {
-            if !(MIN_MODEL_SIDE..=MAX_MODEL_SIDE).contains(&side) {
-                return Err(format!("image.{key} must be between {MIN_MODEL_SIDE} and {MAX_MODEL_SIDE}, got {side}"));
-            }
-        }
-        if self.max_pixels == 0 {
-            return Err("image.max_pixels must be at least 1".into());
-        }
-        for (key, value) in [("threshold", self.threshold), ("nms_iou", self.nms_iou)] {
-            if !(0.0..=1.0).contains(&value) {
-                return Err(format!("image.{key} must be between 0 and 1, got {value}"));
-            }
-        }
-        if self.max_faces == 0 {
-            return Err("image.max_faces must be at least 1".into());
-        }
-        Ok(())
-    }
-}
 
 /// What the header says, read without decoding pixels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -264,69 +171,6 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<Prepared, Failure
         placement: fit.placement(oriented_width, oriented_height),
         format,
     })
-}
-
-/// Turns P-Net's maps into faces in input-image pixels, highest score first.
-///
-/// Cell `(i, j)` (row, column) stands for the 12 × 12 window from `(2j, 2i)` to
-/// `(2j + 12, 2i + 12)` in model-input pixel edges. That is facenet-pytorch's
-/// `generateBoundingBox` window, `stride·cell + 1` to `stride·cell + cellsize` in 1-based
-/// inclusive pixels, said in edges. The window is moved by the cell's regression,
-/// `x1 += dx1·12, y1 += dy1·12, x2 += dx2·12, y2 += dy2·12`: 12 is the window's width in edges
-/// (facenet-pytorch's stage 1 uses `x2 - x1` of its inclusive coordinates, 11, which
-/// understates it by a pixel).
-///
-/// Each box is then mapped back through the placement, clipped to the image and rounded (0.1
-/// pixel, score to 1e-4); boxes left empty, such as those wholly in the letterbox padding, are
-/// dropped *before* non-maximum suppression, so a box that is never reported cannot suppress one
-/// that would be. Suppression by IoU is invariant under the per-axis scale and shift of the
-/// mapping, so
-/// apart from the clipping, suppressing in image pixels is the same as in model pixels.
-///
-/// `prob_shape` is `[1, h, w]` and `box_offsets` holds `[1, 4, h, w]` row-major; anything else
-/// is a worker/gateway mismatch and is reported as `internal`, never a panic.
-pub fn faces(
-    prob: &[f32],
-    prob_shape: &[usize],
-    box_offsets: &[f32],
-    placement: &Placement,
-    options: &ImageOptions,
-) -> Result<Vec<FaceBox>, Failure> {
-    let cols = map_columns(prob, prob_shape, box_offsets)?;
-    let cells = prob.len();
-    let offset = |channel: usize, cell: usize| box_offsets.get(channel * cells + cell).copied().unwrap_or(f32::NAN);
-
-    let mut candidates: Vec<FaceBox> = prob
-        .iter()
-        .enumerate()
-        .filter(|&(_, &p)| p >= options.threshold)
-        .filter_map(|(cell, &p)| {
-            let (row, col) = (cell / cols, cell % cols);
-            let x1 = CELL_STRIDE * col as f32;
-            let y1 = CELL_STRIDE * row as f32;
-            let model = FaceBox {
-                x1: x1 + offset(0, cell) * CELL_SIZE,
-                y1: y1 + offset(1, cell) * CELL_SIZE,
-                x2: x1 + CELL_SIZE + offset(2, cell) * CELL_SIZE,
-                y2: y1 + CELL_SIZE + offset(3, cell) * CELL_SIZE,
-                score: round_to(p, 1e4),
-            };
-            to_image(&model, placement)
-        })
-        .collect();
-    // Stable, so equal scores keep the map's row-major order and results are reproducible.
-    candidates.sort_by(|a, b| b.score.total_cmp(&a.score));
-    Ok(suppress(candidates, options.nms_iou, options.max_faces))
-}
-
-/// The task's output record: the faces, and the oriented image's size and format.
-pub fn output(faces: Vec<FaceBox>, prepared_placement: &Placement, format: &str) -> ImageOutput {
-    ImageOutput {
-        faces,
-        width: prepared_placement.width,
-        height: prepared_placement.height,
-        format: format.to_string(),
-    }
 }
 
 /// A decoder that has read the header, and what the header said.
@@ -481,171 +325,12 @@ impl Fit {
     }
 }
 
-/// Columns of the maps, or why the maps do not fit together.
-fn map_columns(prob: &[f32], prob_shape: &[usize], box_offsets: &[f32]) -> Result<usize, Failure> {
-    let expected = match *prob_shape {
-        [1, rows, cols] => rows.checked_mul(cols).and_then(|cells| Some((cols, cells, cells.checked_mul(4)?))),
-        _ => None,
-    };
-    match expected {
-        Some((cols, cells, offsets)) if prob.len() == cells && box_offsets.len() == offsets => Ok(cols),
-        _ => Err(Failure::new(
-            ErrorKind::Internal,
-            Stage::Postprocess,
-            format!(
-                "model maps do not fit together: {PROB_OUTPUT} has shape {prob_shape:?} and {} values, \
-                 {BOX_OUTPUT} has {} values; expected shape [1, h, w] with h·w values and 4·h·w offsets",
-                prob.len(),
-                box_offsets.len()
-            ),
-        )),
-    }
-}
-
-/// Maps a box from model-input pixels to image pixels, clips and rounds it; `None` when nothing
-/// of it is left (or the regression produced NaN).
-fn to_image(model: &FaceBox, placement: &Placement) -> Option<FaceBox> {
-    let (width, height) = (placement.width as f32, placement.height as f32);
-    let x = |v: f32| round_to(((v - placement.pad_x) / placement.scale_x).clamp(0.0, width), 10.0);
-    let y = |v: f32| round_to(((v - placement.pad_y) / placement.scale_y).clamp(0.0, height), 10.0);
-    let image = FaceBox { x1: x(model.x1), y1: y(model.y1), x2: x(model.x2), y2: y(model.y2), score: model.score };
-    (image.x2 > image.x1 && image.y2 > image.y1).then_some(image)
-}
-
-/// Greedy non-maximum suppression over boxes sorted by score, descending. Each box is compared
-/// only with those already kept, and it stops at `max_faces`, so a map full of candidates costs
-/// `candidates × max_faces`, not `candidates²`.
-fn suppress(sorted: Vec<FaceBox>, max_iou: f32, max_faces: usize) -> Vec<FaceBox> {
-    let mut kept: Vec<FaceBox> = Vec::with_capacity(max_faces.min(sorted.len()));
-    for candidate in sorted {
-        if kept.len() >= max_faces {
-            break;
-        }
-        if kept.iter().all(|k| iou(k, &candidate) <= max_iou) {
-            kept.push(candidate);
-        }
-    }
-    kept
-}
-
-fn iou(a: &FaceBox, b: &FaceBox) -> f32 {
-    let width = (a.x2.min(b.x2) - a.x1.max(b.x1)).max(0.0);
-    let height = (a.y2.min(b.y2) - a.y1.max(b.y1)).max(0.0);
-    let intersection = width * height;
-    let area = |f: &FaceBox| (f.x2 - f.x1) * (f.y2 - f.y1);
-    intersection / (area(a) + area(b) - intersection)
-}
-
-fn round_to(value: f32, per_unit: f32) -> f32 {
-    (value * per_unit).round() / per_unit
-}
-
-/// The `image` converter of the task table.
-pub struct ImageTask {
-    options: ImageOptions,
-}
-
-impl ImageTask {
-    pub fn new(options: ImageOptions) -> Self {
-        ImageTask { options }
-    }
-}
-
-/// Per-request overrides of the image task's detection parameters.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ImageRequestOptions {
-    threshold: Option<f32>,
-    nms_iou: Option<f32>,
-    max_faces: Option<usize>,
-}
-
-pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>) -> Result<ImageOptions, Failure> {
-    let mut merged = config.clone();
-    let Some(value) = options.filter(|v| !v.is_null()) else { return Ok(merged) };
-    let parsed: ImageRequestOptions = serde_json::from_value(value.clone())
-        .map_err(|e| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid image options: {e}")))?;
-    for (name, v) in [("threshold", parsed.threshold), ("nms_iou", parsed.nms_iou)] {
-        if v.is_some_and(|v| !(0.0..=1.0).contains(&v)) {
-            return Err(Failure::new(
-                ErrorKind::InvalidRequest,
-                Stage::Parse,
-                format!("image option {name} must be between 0 and 1, got {}", v.unwrap_or_default()),
-            ));
-        }
-    }
-    merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
-    merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
-    merged.max_faces = parsed.max_faces.unwrap_or(merged.max_faces);
-    Ok(merged)
-}
-
-impl Converter for ImageTask {
-    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        Ok(Arc::new(ImagePlan { options: image_options(&self.options, options)? }))
-    }
-}
-
-struct ImagePlan {
-    options: ImageOptions,
-}
-
-impl Plan for ImagePlan {
-    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
-        Ok(conversion_bytes(&probe(bytes, self.options.max_pixels)?, &self.options))
-    }
-
-    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
-        let prepared = convert(bytes, &self.options)?;
-        let tensor = Tensor {
-            name: MODEL_INPUT.into(),
-            shape: vec![1, 3, prepared.height as usize, prepared.width as usize],
-            data: TensorData::Fp32(prepared.chw),
-        };
-        let finish =
-            ImageFinish { placement: prepared.placement, format: prepared.format, options: self.options.clone() };
-        Ok(Converted { tensor, outputs: &[PROB_OUTPUT, BOX_OUTPUT], finish: Box::new(finish) })
-    }
-}
-
-struct ImageFinish {
-    placement: Placement,
-    format: &'static str,
-    options: ImageOptions,
-}
-
-impl Finish for ImageFinish {
-    fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure> {
-        let [prob, boxes] = tensors else {
-            return Err(Failure::new(
-                ErrorKind::Internal,
-                Stage::Postprocess,
-                format!("the worker answered {} outputs; P-Net gives two", tensors.len()),
-            ));
-        };
-        let faces = faces(&prob.data, &prob.shape, &boxes.data, &self.placement, &self.options)?;
-        Ok(serde_json::to_value(output(faces, &self.placement, self.format)).expect("image outputs always serialise"))
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn image_options_are_checked_and_merged() {
-        let base = ImageOptions::default();
-        let merged = image_options(&base, Some(&serde_json::json!({"threshold": 0.9}))).expect("valid");
-        assert_eq!(merged.threshold, 0.9);
-        assert_eq!(merged.nms_iou, base.nms_iou);
-        for bad in [serde_json::json!({"threshold": 1.5}), serde_json::json!({"thresh": 0.5})] {
-            assert_eq!(image_options(&base, Some(&bad)).expect_err("invalid").kind, ErrorKind::InvalidRequest);
-        }
-    }
-    use ::image::codecs::jpeg::JpegEncoder;
-    use ::image::codecs::png::PngEncoder;
-    use ::image::codecs::webp::WebPEncoder;
-    use ::image::{ExtendedColorType, ImageEncoder, Rgb, RgbImage};
+    use ::image::{Rgb, RgbImage};
     use proptest::prelude::*;
 
+    use super::super::test_util::{check_failure, encode_rgb, noise};
     use super::*;
 
     fn options(width: u32, height: u32, resize: ResizeMode) -> ImageOptions {
@@ -665,51 +350,6 @@ mod tests {
     fn encode(image: &DynamicImage, format: ImageFormat) -> Vec<u8> {
         let mut out = Vec::new();
         image.write_to(&mut Cursor::new(&mut out), format).expect("encodes");
-        out
-    }
-
-    /// Encodes 8-bit RGB; `exif` (a bare TIFF structure) goes into PNG `eXIf` and WebP `EXIF`
-    /// through the encoders, and into a hand-written APP1 segment for JPEG.
-    fn encode_rgb(image: &RgbImage, format: ImageFormat, exif: Option<Vec<u8>>) -> Vec<u8> {
-        let (width, height) = image.dimensions();
-        let mut out = Vec::new();
-        match format {
-            ImageFormat::Png => {
-                let mut encoder = PngEncoder::new(&mut out);
-                if let Some(exif) = exif {
-                    encoder.set_exif_metadata(exif).expect("png takes exif");
-                }
-                encoder.write_image(image.as_raw(), width, height, ExtendedColorType::Rgb8).expect("encodes png");
-            }
-            ImageFormat::WebP => {
-                let mut encoder = WebPEncoder::new_lossless(&mut out);
-                if let Some(exif) = exif {
-                    encoder.set_exif_metadata(exif).expect("webp takes exif");
-                }
-                encoder.write_image(image.as_raw(), width, height, ExtendedColorType::Rgb8).expect("encodes webp");
-            }
-            ImageFormat::Jpeg => {
-                JpegEncoder::new_with_quality(&mut out, 100)
-                    .write_image(image.as_raw(), width, height, ExtendedColorType::Rgb8)
-                    .expect("encodes jpeg");
-                if let Some(exif) = exif {
-                    out = with_app1(&out, &exif);
-                }
-            }
-            other => panic!("no encoder for {other:?} in these tests"),
-        }
-        out
-    }
-
-    /// Inserts an APP1 Exif segment right after the JPEG's SOI marker, where cameras put it.
-    fn with_app1(jpeg: &[u8], tiff: &[u8]) -> Vec<u8> {
-        assert_eq!(jpeg[..2], [0xFF, 0xD8], "starts with SOI");
-        let length = u16::try_from(2 + 6 + tiff.len()).expect("segment fits");
-        let mut out = vec![0xFF, 0xD8, 0xFF, 0xE1];
-        out.extend(length.to_be_bytes());
-        out.extend(b"Exif\0\0");
-        out.extend(tiff);
-        out.extend(&jpeg[2..]);
         out
     }
 
@@ -744,24 +384,6 @@ mod tests {
         chunk.extend(data);
         chunk.extend(crc32(&chunk[4..]).to_be_bytes());
         chunk
-    }
-
-    /// Deterministic noise, so PNGs compress poorly and a cut lands inside the image data.
-    fn noise(width: u32, height: u32) -> RgbImage {
-        let mut state = 0x2545_F491_u32;
-        RgbImage::from_fn(width, height, |_, _| {
-            let mut next = || {
-                state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
-                (state >> 16) as u8
-            };
-            Rgb([next(), next(), next()])
-        })
-    }
-
-    fn check_failure(result: Result<impl std::fmt::Debug, Failure>, kind: ErrorKind, stage: Stage) -> Failure {
-        let failure = result.expect_err("fails");
-        assert_eq!((failure.kind, failure.stage), (kind, stage), "{}", failure.message);
-        failure
     }
 
     #[test]
@@ -960,179 +582,8 @@ mod tests {
         assert!(conversion_bytes(&tiny, &ImageOptions::default()) >= 320 * 320 * 12);
     }
 
-    #[test]
-    fn options_have_defaults_and_are_checked() {
-        let parsed: ImageOptions = serde_json::from_str(r#"{"resize": "stretch", "width": 640}"#).expect("parses");
-        assert_eq!(
-            (parsed.width, parsed.height, parsed.resize, parsed.max_faces),
-            (640, 320, ResizeMode::Stretch, 100)
-        );
-        assert!(serde_json::from_str::<ImageOptions>(r#"{"widht": 640}"#).is_err());
-        ImageOptions::default().validate().expect("defaults validate");
-        for (bad, key) in [
-            (ImageOptions { width: 11, ..ImageOptions::default() }, "image.width"),
-            (ImageOptions { height: 10_000, ..ImageOptions::default() }, "image.height"),
-            (ImageOptions { threshold: f32::NAN, ..ImageOptions::default() }, "image.threshold"),
-            (ImageOptions { nms_iou: 1.5, ..ImageOptions::default() }, "image.nms_iou"),
-            (ImageOptions { max_faces: 0, ..ImageOptions::default() }, "image.max_faces"),
-            (ImageOptions { max_pixels: 0, ..ImageOptions::default() }, "image.max_pixels"),
-        ] {
-            assert!(bad.validate().expect_err(key).starts_with(key));
-            let bytes = encode_rgb(&noise(12, 12), ImageFormat::Png, None);
-            check_failure(convert(&bytes, &bad), ErrorKind::Internal, Stage::Convert);
-        }
-    }
-
-    /// P-Net maps with every cell at probability 0 and offsets 0, to be filled in.
-    struct Maps {
-        rows: usize,
-        cols: usize,
-        prob: Vec<f32>,
-        offsets: Vec<f32>,
-    }
-
-    impl Maps {
-        fn new(rows: usize, cols: usize) -> Self {
-            Maps { rows, cols, prob: vec![0.0; rows * cols], offsets: vec![0.0; 4 * rows * cols] }
-        }
-
-        fn cell(mut self, row: usize, col: usize, prob: f32, offsets: [f32; 4]) -> Self {
-            let cell = row * self.cols + col;
-            self.prob[cell] = prob;
-            for (channel, offset) in offsets.into_iter().enumerate() {
-                self.offsets[channel * self.rows * self.cols + cell] = offset;
-            }
-            self
-        }
-
-        fn faces(&self, placement: &Placement, options: &ImageOptions) -> Vec<FaceBox> {
-            faces(&self.prob, &[1, self.rows, self.cols], &self.offsets, placement, options).expect("maps fit")
-        }
-    }
-
-    fn face(x1: f32, y1: f32, x2: f32, y2: f32, score: f32) -> FaceBox {
-        FaceBox { x1, y1, x2, y2, score }
-    }
-
-    fn identity(width: u32, height: u32) -> Placement {
-        Placement { scale_x: 1.0, scale_y: 1.0, pad_x: 0.0, pad_y: 0.0, width, height }
-    }
-
-    #[test]
-    fn overlapping_boxes_are_suppressed_and_the_threshold_filters() {
-        let maps = Maps::new(40, 40)
-            .cell(10, 10, 0.9, [0.0; 4])
-            .cell(10, 11, 0.8, [0.0; 4]) // 2 px to the right: IoU 120 / 168 = 0.71
-            .cell(10, 30, 0.75, [0.0; 4])
-            .cell(30, 20, 0.6, [0.0; 4]);
-        let placement = identity(100, 100);
-        let best = face(20.0, 20.0, 32.0, 32.0, 0.9);
-        let separate = face(60.0, 20.0, 72.0, 32.0, 0.75);
-        let low = face(40.0, 60.0, 52.0, 72.0, 0.6);
-        let check = |options: ImageOptions, expected: &[FaceBox]| {
-            assert_eq!(maps.faces(&placement, &options), expected, "{options:?}");
-        };
-        check(ImageOptions::default(), &[best, separate]);
-        check(ImageOptions { threshold: 0.85, ..ImageOptions::default() }, &[best]);
-        check(ImageOptions { threshold: 0.5, ..ImageOptions::default() }, &[best, separate, low]);
-        check(ImageOptions { threshold: 0.5, max_faces: 2, ..ImageOptions::default() }, &[best, separate]);
-        let second = face(22.0, 20.0, 34.0, 32.0, 0.8);
-        check(ImageOptions { nms_iou: 0.8, ..ImageOptions::default() }, &[best, second, separate]);
-    }
-
-    #[test]
-    fn boxes_map_back_through_a_letterbox() {
-        // A 128 × 64 image letterboxed into 64 × 64: scale 0.5, 16 rows of padding on top.
-        let placement = Placement { scale_x: 0.5, scale_y: 0.5, pad_x: 0.0, pad_y: 16.0, width: 128, height: 64 };
-        let maps = Maps::new(27, 27)
-            // Window (10, 20)–(22, 32), moved to (13, 17)–(28, 38): image (26, 2)–(56, 44).
-            .cell(10, 5, 0.9, [0.25, -0.25, 0.5, 0.5])
-            // Window (40, 44)–(52, 56): image (80, 56)–(104, 80), clipped at the bottom edge.
-            .cell(22, 20, 0.8, [0.0; 4]);
-        let expected = [face(26.0, 2.0, 56.0, 44.0, 0.9), face(80.0, 56.0, 104.0, 64.0, 0.8)];
-        assert_eq!(maps.faces(&placement, &ImageOptions::default()), expected);
-    }
-
-    #[test]
-    fn boxes_in_the_padding_are_dropped_before_they_can_suppress() {
-        let placement = Placement { scale_x: 0.5, scale_y: 0.5, pad_x: 0.0, pad_y: 16.0, width: 128, height: 64 };
-        let maps = Maps::new(27, 27)
-            .cell(0, 5, 0.99, [0.0; 4]) // rows 0–12: all padding
-            .cell(2, 5, 0.95, [0.0; 4]) // rows 4–16: all padding, IoU 0.71 with the next
-            .cell(3, 5, 0.9, [0.0; 4]); // rows 6–18: two rows of image
-        assert_eq!(maps.faces(&placement, &ImageOptions::default()), [face(20.0, 0.0, 44.0, 4.0, 0.9)]);
-    }
-
-    #[test]
-    fn nan_is_never_a_face() {
-        let maps = Maps::new(4, 4).cell(0, 0, f32::NAN, [0.0; 4]).cell(2, 2, 0.9, [f32::NAN, 0.0, 0.0, 0.0]);
-        assert_eq!(maps.faces(&identity(20, 20), &ImageOptions::default()), []);
-    }
-
-    #[test]
-    fn maps_that_do_not_fit_are_an_internal_error() {
-        let cases: [(&[usize], usize, usize); 6] = [
-            (&[1, 2, 3], 6, 23),
-            (&[1, 2, 3], 5, 24),
-            (&[2, 3], 6, 24),
-            (&[2, 2, 3], 12, 48),
-            (&[1, usize::MAX, 2], 0, 0),
-            (&[], 0, 0),
-        ];
-        for (shape, values, offsets) in cases {
-            let result =
-                faces(&vec![0.9; values], shape, &vec![0.0; offsets], &identity(10, 10), &ImageOptions::default());
-            let failure = check_failure(result, ErrorKind::Internal, Stage::Postprocess);
-            assert!(failure.message.contains(&format!("shape {shape:?} and {values} values")), "{}", failure.message);
-        }
-        let empty = faces(&[], &[1, 0, 5], &[], &identity(10, 10), &ImageOptions::default());
-        assert_eq!(empty.expect("an empty map fits"), []);
-    }
-
-    fn placements() -> impl Strategy<Value = Placement> {
-        (0.1f32..4.0, 0.1f32..4.0, 0.0f32..20.0, 0.0f32..20.0, 1u32..200, 1u32..200).prop_map(
-            |(scale_x, scale_y, pad_x, pad_y, width, height)| Placement {
-                scale_x,
-                scale_y,
-                pad_x,
-                pad_y,
-                width,
-                height,
-            },
-        )
-    }
-
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(128))]
-
-        #[test]
-        fn faces_are_sorted_inside_the_image_and_do_not_overlap(
-            (rows, cols, prob, offsets) in (1usize..12, 1usize..12).prop_flat_map(|(rows, cols)| (
-                Just(rows),
-                Just(cols),
-                prop::collection::vec(0.0f32..=1.0, rows * cols),
-                prop::collection::vec(-1.0f32..1.0, 4 * rows * cols),
-            )),
-            placement in placements(),
-            threshold in 0.0f32..=1.0,
-            nms_iou in 0.1f32..0.9,
-            max_faces in 1usize..10,
-        ) {
-            let options = ImageOptions { threshold, nms_iou, max_faces, ..ImageOptions::default() };
-            let found = faces(&prob, &[1, rows, cols], &offsets, &placement, &options).expect("maps fit");
-            prop_assert!(found.len() <= max_faces);
-            for pair in found.windows(2) {
-                prop_assert!(pair[0].score >= pair[1].score);
-            }
-            for (k, f) in found.iter().enumerate() {
-                prop_assert!(f.score >= threshold - 1e-4);
-                prop_assert!(0.0 <= f.x1 && f.x1 < f.x2 && f.x2 <= placement.width as f32, "{f:?}");
-                prop_assert!(0.0 <= f.y1 && f.y1 < f.y2 && f.y2 <= placement.height as f32, "{f:?}");
-                for other in &found[..k] {
-                    prop_assert!(iou(other, f) <= nms_iou, "{other:?} and {f:?}");
-                }
-            }
-        }
 
         #[test]
         fn convert_never_panics_on_damaged_images(
