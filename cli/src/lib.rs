@@ -3,8 +3,10 @@
 //!
 //! Nothing here runs inside a service. [`load`] is the load generator (`vramgate-cli load`:
 //! inputs, pacing, the tally of outputs, its plot and report); [`jaeger`] reads traces back from
-//! Jaeger (`vramgate-cli trace`, and the trace tests). The binary (`main.rs`) adds `produce` and
-//! `watch`.
+//! Jaeger (`vramgate-cli trace`, and the trace tests); [`outputs`] is how every consumer of the
+//! output topics is configured (`read_committed` by default). The binary (`main.rs`) adds
+//! `produce` and `watch`.
 
 pub mod jaeger;
 pub mod load;
+pub mod outputs;

@@ -16,6 +16,7 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use vramgate_cli::jaeger::{self, Jaeger};
+use vramgate_cli::outputs::{self, Isolation};
 use vramgate_shared::kafka::{check_reachable, Connection, Properties, CONNECT_TIMEOUT};
 use vramgate_shared::telemetry::{self, context};
 use rdkafka::ClientConfig;
@@ -81,6 +82,9 @@ enum Command {
         wait_seconds: f64,
     },
     /// Print results and dead letters as they arrive.
+    ///
+    /// Reads with isolation.level=read_committed (unless the Kafka properties set it): in
+    /// exactly-once delivery, only the outputs of committed transactions.
     Watch {
         #[arg(long, default_value = "voice")]
         task: String,
@@ -96,9 +100,15 @@ enum Command {
         /// Print the raw JSON values instead of a summary.
         #[arg(long)]
         json: bool,
+        /// Read with isolation.level=read_uncommitted (over the Kafka properties): show also
+        /// what aborted and still open transactions wrote, outputs that exactly-once delivery's
+        /// readers never see (a crashed or fenced gateway's, a transaction redone). Without it,
+        /// only committed outputs.
+        #[arg(long)]
+        read_uncommitted: bool,
     },
     /// Send a load (a rate or a burst) and account for every event: table, CSV, plot.
-    Load(vramgate_cli::load::LoadArgs),
+    Load(Box<vramgate_cli::load::LoadArgs>),
 }
 
 #[tokio::main]
@@ -115,10 +125,11 @@ async fn main() -> anyhow::Result<()> {
             sent
         }
         Command::Trace { id, jaeger, wait_seconds } => trace(&jaeger, &id, wait_seconds).await,
-        Command::Watch { task, expect_ids, count, timeout_seconds, json } => {
-            watch(&kafka, &task, expect_ids.as_deref(), count, timeout_seconds, json).await
+        Command::Watch { task, expect_ids, count, timeout_seconds, json, read_uncommitted } => {
+            let isolation = if read_uncommitted { Isolation::ReadUncommitted } else { Isolation::ReadCommitted };
+            watch(&kafka, &task, expect_ids.as_deref(), count, timeout_seconds, json, isolation).await
         }
-        Command::Load(args) => vramgate_cli::load::run(&kafka, args).await,
+        Command::Load(args) => vramgate_cli::load::run(&kafka, *args).await,
     }
 }
 
@@ -158,6 +169,7 @@ fn collect_files(paths: &[PathBuf], ext: &str, out: &mut Vec<PathBuf>) -> anyhow
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)] // one for each of `produce`'s arguments
 async fn produce(
     kafka: &Connection,
     topic: &str,
@@ -266,6 +278,7 @@ async fn watch(
     count: Option<usize>,
     timeout_seconds: f64,
     json: bool,
+    isolation: Isolation,
 ) -> anyhow::Result<()> {
     let mut pending: Option<HashSet<String>> = match expect_ids {
         Some(path) => Some(
@@ -281,11 +294,10 @@ async fn watch(
     };
     let results = format!("{task}.results");
     let dlq = format!("{task}.dlq");
-    let mut defaults = ClientConfig::new();
-    defaults
-        .set("group.id", format!("vramgate-cli-{}", uuid::Uuid::new_v4()))
-        .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest");
+    let (kafka, defaults) = watch_config(kafka, isolation);
+    if isolation == Isolation::ReadUncommitted {
+        eprintln!("watch: reading uncommitted: outputs of aborted and still open transactions are shown too");
+    }
     let consumer: StreamConsumer = kafka.create(defaults, "the kafka consumer")?;
     tokio::task::block_in_place(|| check_reachable(consumer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
     consumer.subscribe(&[results.as_str(), dlq.as_str()])?;
@@ -327,6 +339,19 @@ async fn watch(
             println!("{}  trace {trace}", summarise_dead_letter(payload));
         }
     }
+}
+
+/// The connection and consumer defaults `watch` reads with: a group of its own, from the
+/// start, `read_committed` unless the properties say otherwise, or `read_uncommitted` whatever
+/// they say when `--read-uncommitted` asks for it.
+fn watch_config(kafka: &Connection, isolation: Isolation) -> (Connection, ClientConfig) {
+    let mut defaults = outputs::reader_defaults(&format!("vramgate-cli-{}", uuid::Uuid::new_v4()));
+    defaults.set("auto.offset.reset", "earliest");
+    let kafka = match isolation {
+        Isolation::ReadCommitted => kafka.clone(),
+        Isolation::ReadUncommitted => outputs::forcing(kafka, isolation),
+    };
+    (kafka, defaults)
 }
 
 fn summarise_result(payload: &[u8]) -> String {
@@ -380,5 +405,52 @@ fn summarise_dead_letter(payload: &[u8]) -> String {
             d.error.message
         ),
         Err(_) => format!("unreadable dead letter: {}", String::from_utf8_lossy(payload)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    fn watch_isolation(args: &[&str]) -> Isolation {
+        let cli = Cli::try_parse_from(args).expect("parses");
+        match cli.command {
+            Command::Watch { read_uncommitted: true, .. } => Isolation::ReadUncommitted,
+            Command::Watch { read_uncommitted: false, .. } => Isolation::ReadCommitted,
+            _ => panic!("not watch"),
+        }
+    }
+
+    #[test]
+    fn the_cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn watch_reads_committed_unless_told_otherwise() {
+        assert_eq!(watch_isolation(&["vramgate-cli", "watch"]), Isolation::ReadCommitted);
+        assert_eq!(watch_isolation(&["vramgate-cli", "watch", "--task", "image", "--read-uncommitted"]), Isolation::ReadUncommitted);
+        assert!(Cli::try_parse_from(["vramgate-cli", "produce", "--read-uncommitted", "x.wav"]).is_err(), "watch's flag only");
+        let help = Cli::command().find_subcommand_mut("watch").expect("watch").render_long_help().to_string();
+        assert!(help.contains("--read-uncommitted") && help.contains("aborted"), "{help}");
+
+        let file = |isolation: &str| {
+            let mut properties = Properties::default();
+            properties.insert("isolation.level", isolation);
+            Connection { brokers: "127.0.0.1:9".into(), properties }
+        };
+        let config = |kafka: &Connection, isolation| {
+            let (kafka, defaults) = watch_config(kafka, isolation);
+            let config = kafka.client_config(defaults);
+            (config.get("isolation.level").map(str::to_string), config.get("auto.offset.reset").map(str::to_string))
+        };
+        let plain = Connection { brokers: "127.0.0.1:9".into(), properties: Properties::default() };
+        let earliest = Some("earliest".to_string());
+        assert_eq!(config(&plain, Isolation::ReadCommitted), (Some("read_committed".into()), earliest.clone()));
+        assert_eq!(config(&plain, Isolation::ReadUncommitted), (Some("read_uncommitted".into()), earliest.clone()));
+        // The properties may change the default; the flag wins over them.
+        assert_eq!(config(&file("read_uncommitted"), Isolation::ReadCommitted).0.as_deref(), Some("read_uncommitted"));
+        assert_eq!(config(&file("read_committed"), Isolation::ReadUncommitted).0.as_deref(), Some("read_uncommitted"));
     }
 }

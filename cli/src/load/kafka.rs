@@ -1,6 +1,11 @@
 //! The load generator's Kafka side: sending request events (stamped with their send time),
 //! following the output topics from where they ended when the run began, and the gateway
 //! group's lag (request topics' ends minus its committed offsets).
+//!
+//! Every consumer here reads with `isolation.level=read_committed` unless the properties say
+//! otherwise ([`crate::outputs`]): the follower sees only committed outputs (so in exactly-once
+//! delivery an aborted transaction's outputs are neither results nor duplicates), and a
+//! partition's end is its last stable offset, which a `read_committed` reader can reach.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -45,10 +50,10 @@ impl TaskTopics {
 
 type Partition = (String, i32);
 
+/// A consumer in `group` that commits nothing and reads `read_committed` (over which the
+/// connection's properties are laid).
 fn consumer<C: rdkafka::config::FromClientConfig>(kafka: &Connection, group: &str) -> anyhow::Result<C> {
-    let mut defaults = ClientConfig::new();
-    defaults.set("group.id", group).set("enable.auto.commit", "false");
-    kafka.create(defaults, "a kafka consumer")
+    kafka.create(crate::outputs::reader_defaults(group), "a kafka consumer")
 }
 
 /// The partitions of `topics`, failing with the name of one that does not exist.
@@ -65,7 +70,8 @@ fn partitions(consumer: &BaseConsumer, topics: &[String]) -> anyhow::Result<Vec<
     Ok(out)
 }
 
-/// Where each partition ends now (its high watermark).
+/// Where each partition ends now: its high watermark, or for a `read_committed` consumer its
+/// last stable offset (librdkafka asks the broker with the consumer's isolation level).
 fn ends(consumer: &BaseConsumer, partitions: &[Partition]) -> anyhow::Result<HashMap<Partition, i64>> {
     partitions
         .iter()
@@ -133,9 +139,11 @@ impl Sender {
 
 /// Reads the output topics from where they ended at start, into the tally.
 pub struct Follower {
-    /// The last offset read per output partition, and where reading began.
+    /// The offset after the last record read, per output partition, and where reading began.
     positions: Arc<Mutex<HashMap<Partition, i64>>>,
     started_at: HashMap<Partition, i64>,
+    /// The consumer, for its positions: past the transaction markers, which no record shows.
+    stream: Arc<StreamConsumer>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -150,7 +158,8 @@ impl Follower {
             ends(&probe, &partitions(&probe, &names)?)
         })
         .await??;
-        let stream: StreamConsumer = consumer(kafka, &format!("vramgate-load-{}", uuid::Uuid::new_v4().simple()))?;
+        let stream: Arc<StreamConsumer> =
+            Arc::new(consumer(kafka, &format!("vramgate-load-{}", uuid::Uuid::new_v4().simple()))?);
         let mut assignment = TopicPartitionList::new();
         for ((topic, p), end) in &started_at {
             assignment.add_partition_offset(topic, *p, Offset::Offset(*end))?;
@@ -162,7 +171,9 @@ impl Follower {
             .collect();
         let positions = Arc::new(Mutex::new(HashMap::new()));
         let shared_positions = positions.clone();
+        let reader = stream.clone();
         let task = tokio::spawn(async move {
+            let stream = reader;
             let mut last_warning = None;
             loop {
                 let message = match stream.recv().await {
@@ -193,24 +204,46 @@ impl Follower {
                 shared_positions
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .insert((message.topic().to_string(), message.partition()), message.offset());
+                    .insert((message.topic().to_string(), message.partition()), message.offset() + 1);
             }
         });
-        Ok(Follower { positions, started_at, task })
+        Ok(Follower { positions, started_at, stream, task })
     }
 
     /// Whether every partition has been read up to `ends`.
     pub fn reached(&self, ends: &HashMap<Partition, i64>) -> bool {
-        let positions = self.positions.lock().unwrap_or_else(|p| p.into_inner());
-        ends.iter().all(|(partition, end)| {
-            let from = self.started_at.get(partition).copied().unwrap_or(0);
-            *end <= from || positions.get(partition).is_some_and(|at| at + 1 >= *end)
+        // The consumer's position passes the commit and abort markers of transactions, which
+        // take an offset each and are never handed out as records: after a partition's last
+        // transaction, the offset after its last record is one short of its end.
+        let consumer_positions: HashMap<Partition, i64> = match self.stream.position() {
+            Ok(list) => list
+                .elements()
+                .iter()
+                .filter_map(|e| match e.offset() {
+                    Offset::Offset(o) => Some(((e.topic().to_string(), e.partition()), o)),
+                    _ => None,
+                })
+                .collect(),
+            Err(_) => HashMap::new(),
+        };
+        let read = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        reached(ends, &self.started_at, |partition| {
+            read.get(partition).copied().into_iter().chain(consumer_positions.get(partition).copied()).max()
         })
     }
 
     pub fn stop(self) {
         self.task.abort();
     }
+}
+
+/// Whether every partition of `ends` has been read to its end: it ends where reading began, or
+/// `read_to` (the next offset to read, if any was read) is at or past its end.
+fn reached(ends: &HashMap<Partition, i64>, started_at: &HashMap<Partition, i64>, read_to: impl Fn(&Partition) -> Option<i64>) -> bool {
+    ends.iter().all(|(partition, end)| {
+        let from = started_at.get(partition).copied().unwrap_or(0);
+        *end <= from || read_to(partition).is_some_and(|at| at >= *end)
+    })
 }
 
 /// The gateway group's lag on the request topics.
@@ -249,5 +282,27 @@ impl Lag {
         .await
         .ok()?
         .ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partition_is_read_to_its_end_past_a_trailing_transaction_marker() {
+        let p = |n: i32| ("voice.results".to_string(), n);
+        let started_at: HashMap<Partition, i64> = [(p(0), 10), (p(1), 5)].into();
+        // Partition 0: a transaction wrote offsets 10 and 11, its commit marker took 12, so the
+        // last stable offset is 13. Partition 1 has had nothing since the start.
+        let ends: HashMap<Partition, i64> = [(p(0), 13), (p(1), 5)].into();
+        let after_last_record = |q: &Partition| (q == &p(0)).then_some(12);
+        assert!(!reached(&ends, &started_at, after_last_record), "the marker is not a record read");
+        let consumer_position = |q: &Partition| (q == &p(0)).then_some(13);
+        assert!(reached(&ends, &started_at, consumer_position), "the consumer's position passed the marker");
+        assert!(!reached(&ends, &started_at, |_| None), "nothing read yet on partition 0");
+        let unknown_start: HashMap<Partition, i64> = [(p(2), 1)].into();
+        assert!(!reached(&unknown_start, &HashMap::new(), |_| None), "a partition not followed starts at 0");
+        assert!(reached(&HashMap::new(), &started_at, |_| None));
     }
 }

@@ -4,7 +4,9 @@
 //! results and dead-letter topics until every sent event is accounted for (or a bounded
 //! timeout passes); samples both services' `/metrics` into a CSV time series and a PNG plot;
 //! and prints a table per task (throughput, end-to-end latency, dead letters by kind, lost,
-//! duplicates), or JSON.
+//! duplicates), or JSON. Outputs are read with `isolation.level=read_committed` unless the Kafka
+//! properties say otherwise ([`crate::outputs`]), so in exactly-once delivery the counts are of
+//! committed outputs.
 //!
 //! Parts: `inputs` (what is sent), `kafka` (sending, following, lag), `tally` (the
 //! accounting), `sample` (the time series), `plot` (the PNG), `report` (table and JSON).
@@ -284,6 +286,7 @@ pub async fn run(connection: &vramgate_shared::kafka::Connection, args: LoadArgs
         elapsed_seconds: started.elapsed().as_secs_f64(),
         send_failures,
         settled,
+        isolation_level: crate::outputs::effective_isolation(connection),
         samples: sampler.series.rows.len(),
         csv: files.csv.display().to_string(),
         png: plotted.as_ref().ok().map(|_| files.png.display().to_string()),

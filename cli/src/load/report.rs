@@ -36,6 +36,10 @@ pub struct Summary {
     /// Whether the gateway's group committed every request and the outputs were read to their
     /// end before the run stopped, so the duplicate counts are final.
     pub settled: bool,
+    /// How the output topics were read (their consumer's `isolation.level`): `read_committed`
+    /// unless the Kafka properties set it. Results, dead letters and duplicates count the
+    /// outputs read so: with `read_committed`, only those of committed transactions.
+    pub isolation_level: String,
     pub samples: usize,
     pub csv: String,
     /// `None` when the plot could not be drawn (the error follows the summary).
@@ -73,6 +77,12 @@ pub fn table(summary: &Summary) -> String {
     }
     let _ = writeln!(
         out,
+        "outputs read with isolation.level={}: dups are outputs beyond the first per id{}",
+        summary.isolation_level,
+        if summary.isolation_level == "read_committed" { ", of committed transactions only" } else { ", aborted transactions' included" }
+    );
+    let _ = writeln!(
+        out,
         "run {}: sent for {:.1} s, {:.1} s in all, {} send failures, {}; {} samples in {}{}",
         summary.run_id,
         summary.sending_seconds,
@@ -84,4 +94,46 @@ pub fn table(summary: &Summary) -> String {
         summary.png.as_ref().map(|p| format!(", plot {p}")).unwrap_or_default()
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::tally::{Output, Tally};
+
+    fn summary(isolation_level: &str) -> Summary {
+        let mut tally = Tally::new(&["voice".into()]);
+        tally.sent("voice", "a", 1_000);
+        tally.output("voice", "a", Output::Result, 1_100);
+        tally.output("voice", "a", Output::Result, 1_200);
+        Summary {
+            run_id: "r".into(),
+            sending_seconds: 1.0,
+            elapsed_seconds: 2.0,
+            send_failures: 0,
+            settled: true,
+            isolation_level: isolation_level.into(),
+            samples: 3,
+            csv: "r.csv".into(),
+            png: None,
+            tasks: tally.summaries(),
+        }
+    }
+
+    #[test]
+    fn duplicates_are_reported_with_how_the_outputs_were_read() {
+        let committed = summary("read_committed");
+        let text = table(&committed);
+        let header = text.lines().next().expect("a header");
+        let row = text.lines().nth(1).expect("a row");
+        let dups_column = header.split_whitespace().position(|c| c == "dups").expect("a dups column");
+        assert_eq!(row.split_whitespace().nth(dups_column), Some("1"), "{text}");
+        assert!(text.contains("isolation.level=read_committed") && text.contains("committed transactions only"), "{text}");
+        let json = serde_json::to_value(&committed).expect("serialises");
+        assert_eq!(json["isolation_level"], "read_committed");
+        assert_eq!(json["tasks"][0]["duplicates"], 1);
+
+        let text = table(&summary("read_uncommitted"));
+        assert!(text.contains("isolation.level=read_uncommitted") && text.contains("aborted transactions' included"), "{text}");
+    }
 }

@@ -55,7 +55,8 @@ pub struct TaskSummary {
     pub dead_letters_by_kind: BTreeMap<String, u64>,
     /// Sent and never seen on the results or dead-letter topic.
     pub lost: u64,
-    /// Outputs beyond the first for an id.
+    /// Outputs beyond the first for an id, as read (with `read_committed` by default: only
+    /// outputs of committed transactions count; see the summary's `isolation_level`).
     pub duplicates: u64,
     /// Ids accounted for per second, from the first request's timestamp to the last output's.
     pub throughput_per_s: f64,
