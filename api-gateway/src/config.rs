@@ -42,8 +42,15 @@ pub struct GatewayConfig {
     /// (hysteresis: librdkafka drops a paused partition's prefetched data, so pausing and
     /// resuming on every record would fetch the same data over and over).
     pub resume_fraction: f64,
-    /// How often finished offsets are committed.
+    /// How often finished offsets are committed (in exactly-once delivery: how often a
+    /// transaction commits the outputs and offsets of the records finished since).
     pub commit_interval_ms: u64,
+    /// What a consumer of the output topics may count on: `at-least-once` (outputs produced as
+    /// records finish; a crash repeats the records past the last commit) or `exactly-once`
+    /// (outputs and offsets written in one Kafka transaction at a time: a `read_committed`
+    /// consumer sees one output per request, whatever is killed when). `docs/gateway.md`,
+    /// "Delivery", has the design and its cost.
+    pub delivery: Delivery,
     /// When partitions are revoked, how long their in-flight records may take to finish before
     /// the rebalance goes on without them. Keep it below the session timeout.
     pub drain_timeout_seconds: f64,
@@ -75,6 +82,7 @@ impl Default for GatewayConfig {
             max_held_bytes: 256 * 1024 * 1024,
             resume_fraction: 0.5,
             commit_interval_ms: 200,
+            delivery: Delivery::AtLeastOnce,
             drain_timeout_seconds: 10.0,
             shutdown_timeout_seconds: 20.0,
             metrics_listen: "127.0.0.1:9464".into(),
@@ -105,6 +113,27 @@ impl GatewayConfig {
         }
         if self.worker.dns.is_some() && !self.worker.urls.is_empty() {
             return Err("worker.dns and worker.urls are both set; keep one".into());
+        }
+        if self.delivery == Delivery::ExactlyOnce {
+            let id = self.kafka.transactional_id();
+            if id.is_empty() || id.len() > MAX_TRANSACTIONAL_ID_BYTES {
+                return Err(format!(
+                    "kafka.transactional_id must be 1 to {MAX_TRANSACTIONAL_ID_BYTES} bytes, got {} bytes",
+                    id.len()
+                ));
+            }
+            if !(1_000..=900_000).contains(&self.kafka.transaction_timeout_ms) {
+                return Err(format!(
+                    "kafka.transaction_timeout_ms must be in [1000, 900000] (the broker's default \
+                     transaction.max.timeout.ms), got {}",
+                    self.kafka.transaction_timeout_ms
+                ));
+            }
+            if self.kafka.properties.get("enable.idempotence").is_some_and(|v| v != "true") {
+                return Err("delivery = \"exactly-once\" needs the idempotent producer; remove \
+                            enable.idempotence from [kafka.properties]"
+                    .into());
+            }
         }
         if !(0.0..1.0).contains(&self.resume_fraction) {
             return Err(format!("resume_fraction must be in [0, 1), got {}", self.resume_fraction));
@@ -144,6 +173,33 @@ fn optional_url_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Ve
     Ok(Option::<Urls>::deserialize(d)?.map(Urls::into_list))
 }
 
+/// What a consumer of the output topics may count on (`delivery`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    /// Outputs produced as records finish, offsets committed behind them: nothing lost, and a
+    /// crash repeats the records past the last commit (at most `max_in_flight`).
+    AtLeastOnce,
+    /// Outputs and offsets in one transaction at a time: one output per request for a
+    /// `read_committed` consumer.
+    ExactlyOnce,
+}
+
+/// Longest transactional id taken (the broker's own limit is far larger; an id is a name).
+pub const MAX_TRANSACTIONAL_ID_BYTES: usize = 249;
+
+/// This machine's host name (a pod's name, a container's id), or `gateway` when it has none.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that much.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match std::str::from_utf8(&buf[..end]) {
+        Ok(name) if rc == 0 && !name.is_empty() => name.to_string(),
+        _ => "gateway".into(),
+    }
+}
+
 fn seconds(s: f64) -> Duration {
     Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 })
 }
@@ -163,6 +219,17 @@ pub struct KafkaConfig {
     pub partition_fetch_max_bytes: u64,
     /// Group session timeout; the drain timeout must stay below it.
     pub session_timeout_ms: u64,
+    /// The transactional id of this gateway's producer in exactly-once delivery: one per
+    /// gateway instance, the same across its restarts (a restarted instance then aborts what
+    /// its predecessor left open at once, instead of readers waiting out the transaction
+    /// timeout). Unset: `<group_id>-<host name>`, which is per instance wherever host names
+    /// are (a pod's name, a container's id). Two live gateways must never share one: each
+    /// would fence the other.
+    pub transactional_id: Option<String>,
+    /// In exactly-once delivery, how long a transaction may stay open before the broker aborts
+    /// it (`transaction.timeout.ms`): how long a crashed gateway's open transaction can hold
+    /// back `read_committed` readers of its output partitions when it does not come back.
+    pub transaction_timeout_ms: u64,
     /// Extra librdkafka properties, by their librdkafka names, applied to the consumer and the
     /// producer (e.g. `"security.protocol" = "SASL_SSL"`). They override vramgate's defaults.
     /// Numbers and booleans are taken as their text (a numeric `sasl.password` is a password).
@@ -173,6 +240,15 @@ pub struct KafkaConfig {
 }
 
 impl KafkaConfig {
+    /// The exactly-once producer's transactional id: the configured one, or
+    /// `<group_id>-<host name>`.
+    pub fn transactional_id(&self) -> String {
+        match &self.transactional_id {
+            Some(id) => id.clone(),
+            None => format!("{}-{}", self.group_id, host_name()),
+        }
+    }
+
     /// Where the gateway's clients connect, with which properties.
     pub fn connection(&self) -> Connection {
         Connection { brokers: self.brokers.clone(), properties: self.properties.clone() }
@@ -188,6 +264,8 @@ impl Default for KafkaConfig {
             fetch_max_bytes: 16 * 1024 * 1024,
             partition_fetch_max_bytes: 1024 * 1024,
             session_timeout_ms: 45_000,
+            transactional_id: None,
+            transaction_timeout_ms: 10_000,
             properties: Properties::default(),
         }
     }

@@ -30,6 +30,12 @@ pub struct Metrics {
     pub record_seconds: HistogramVec,
     /// Seconds an offset commit took, sent to answered.
     pub commit_seconds: Histogram,
+    /// Exactly-once delivery: transactions by outcome, their seconds, the outputs they wrote,
+    /// and the outputs waiting for one.
+    pub transactions: IntCounterVec,
+    pub transaction_seconds: Histogram,
+    pub transaction_outputs: prometheus::IntCounter,
+    pub outbox: IntGauge,
     pub log_suppressed: IntCounterVec,
     pub kafka_errors: IntCounterVec,
     pub produce_retries: prometheus::IntCounter,
@@ -105,10 +111,39 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(commit_seconds.clone())).expect("unique metric");
+        let transaction_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "transaction_seconds",
+                "Exactly-once delivery: seconds from a transaction's begin to its commit (or abort), its outputs' produce included",
+            )
+            .buckets(vec![0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0, 30.0]),
+        )
+        .expect("valid metric");
+        registry.register(Box::new(transaction_seconds.clone())).expect("unique metric");
+        let transaction_outputs = prometheus::IntCounter::new(
+            "transaction_outputs_total",
+            "Exactly-once delivery: outputs written by committed transactions",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(transaction_outputs.clone())).expect("unique metric");
+        let outbox = IntGauge::new(
+            "outputs_awaiting_transaction",
+            "Exactly-once delivery: finished records' outputs waiting for the transaction that commits their offsets",
+        )
+        .expect("valid metric");
+        registry.register(Box::new(outbox.clone())).expect("unique metric");
         let per_worker = ["task", "worker"];
         Arc::new(Metrics {
             record_seconds,
             commit_seconds,
+            transactions: counter(
+                "transactions_total",
+                "Exactly-once delivery: transactions by outcome (committed; aborted, redone by the next; fenced, the producer replaced; failed, no producer could be made)",
+                &["outcome"],
+            ),
+            transaction_seconds,
+            transaction_outputs,
+            outbox,
             workers: gauge("workers", "Workers the task knows (listed, or found in DNS)", &["task"]),
             worker_requests: counter("worker_requests_total", "Calls made to each worker", &per_worker),
             worker_throttled: counter("worker_throttled_total", "503/429 answers of each worker", &per_worker),

@@ -9,16 +9,21 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use std::time::Duration;
+
 use anyhow::Context;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use vramgate_shared::telemetry::bounded;
 
 use crate::consume::client::KafkaEvents;
 use crate::health::{self, Health};
 use rdkafka::ClientConfig;
 
 use crate::budget::ByteBudget;
-use crate::config::GatewayConfig;
-use crate::consume::commit::{self, Commits};
+use crate::config::{Delivery, GatewayConfig};
+use crate::consume::commit::{self, Commits, Writer};
+use crate::consume::transaction::{MakeProducer, Outbox, Transactional};
 use crate::consume::fetch::Fetch;
 use crate::consume::offsets::SharedOffsets;
 use crate::consume::flow::Flow;
@@ -26,7 +31,7 @@ use crate::consume::rebalance::RebalanceContext;
 use crate::input::InputSource;
 use crate::produce::{Outputs, Producer};
 use crate::metrics::Metrics;
-use crate::record::Shared;
+use crate::record::{Output, Shared};
 use crate::task::Task;
 
 /// Runs the gateway until `shutdown` resolves, then stops fetching, lets in-flight records
@@ -48,11 +53,48 @@ pub async fn run(
 
     let health = Arc::new(Health::default());
     let offsets = Arc::new(SharedOffsets::default());
-    let commits = Arc::new(Commits::new(offsets.clone(), metrics.clone()));
     let flow = Arc::new(Mutex::new(Flow::default()));
     let connection = config.kafka.connection();
+    // Exactly-once: the outputs wait in the outbox for the commit thread's transactions, and
+    // the producer is transactional and the commit thread's alone.
+    let (writer, output) = match config.delivery {
+        Delivery::AtLeastOnce => {
+            let producer: Producer = connection.create_with_context(
+                client_defaults(&config, Client::Producer),
+                Outputs(KafkaEvents::new(health.clone(), metrics.clone())),
+                "the kafka producer",
+            )?;
+            (Writer::Offsets, Output::Direct(producer))
+        }
+        Delivery::ExactlyOnce => {
+            let outbox = Arc::new(Outbox::default());
+            let make: MakeProducer = {
+                let (connection, health, metrics) = (connection.clone(), health.clone(), metrics.clone());
+                let defaults = client_defaults(&config, Client::TransactionalProducer);
+                Box::new(move || {
+                    connection
+                        .create_with_context(
+                            defaults.clone(),
+                            Outputs(KafkaEvents::new(health.clone(), metrics.clone())),
+                            "the transactional kafka producer",
+                        )
+                        .map_err(|e| {
+                            tracing::error!(error = %e, "making the transactional producer");
+                            KafkaError::ClientCreation(bounded(&e.to_string(), 512).to_string())
+                        })
+                })
+            };
+            let timeout = Duration::from_millis(config.kafka.transaction_timeout_ms);
+            let transactional = Transactional::start(make, outbox.clone(), metrics.clone(), timeout).with_context(|| {
+                format!("initialising transactions as {:?}", config.kafka.transactional_id())
+            })?;
+            tracing::info!(transactional_id = %config.kafka.transactional_id(), "exactly-once delivery");
+            (Writer::Transactions(Box::new(transactional)), Output::Transactional(outbox))
+        }
+    };
+    let commits = Arc::new(Commits::new(offsets.clone(), metrics.clone(), writer));
     let consumer: BaseConsumer<RebalanceContext> = connection.create_with_context(
-        client_defaults(&config, true),
+        client_defaults(&config, Client::Consumer),
         RebalanceContext {
             events: KafkaEvents::new(health.clone(), metrics.clone()),
             commits: commits.clone(),
@@ -63,15 +105,10 @@ pub async fn run(
         },
         "the kafka consumer",
     )?;
-    let producer: Producer = connection.create_with_context(
-        client_defaults(&config, false),
-        Outputs(KafkaEvents::new(health.clone(), metrics.clone())),
-        "the kafka producer",
-    )?;
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
         .with_context(|| format!("input root {}", config.input.file_root.display()))?;
     let shared = Arc::new(Shared {
-        producer,
+        output,
         offsets,
         input,
         budget: ByteBudget::new(config.max_held_bytes),
@@ -157,6 +194,9 @@ pub async fn run(
 fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     let m = &shared.metrics;
     m.held_bytes.set(i64::try_from(shared.budget.used()).unwrap_or(i64::MAX));
+    if let Output::Transactional(outbox) = &shared.output {
+        m.outbox.set(outbox.waiting() as i64);
+    }
     for task in tasks {
         m.permit_limit.with_label_values(&[&task.name]).set(task.workers.permit_limit() as i64);
         task.workers.publish();
@@ -166,12 +206,27 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     }
 }
 
+/// Which of the gateway's Kafka clients.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Client {
+    Consumer,
+    Producer,
+    TransactionalProducer,
+}
+
 /// The gateway's own defaults for its consumer or its producer; [`vramgate_shared::kafka::Connection`]
 /// adds the brokers and `[kafka.properties]` over them.
-fn client_defaults(config: &GatewayConfig, consumer: bool) -> ClientConfig {
+fn client_defaults(config: &GatewayConfig, client: Client) -> ClientConfig {
     let kafka = &config.kafka;
     let mut c = ClientConfig::new();
-    if consumer {
+    if client == Client::TransactionalProducer {
+        // Idempotent and acks=all come with transactions. The linger is the transaction's
+        // own: its outputs are produced together and flushed by its commit.
+        c.set("transactional.id", kafka.transactional_id())
+            .set("transaction.timeout.ms", kafka.transaction_timeout_ms.to_string())
+            .set("acks", "all")
+            .set("linger.ms", "2");
+    } else if client == Client::Consumer {
         c.set("group.id", &kafka.group_id)
             // Offsets are committed by the fetch loop, only up to the finished watermark.
             .set("enable.auto.commit", "false")

@@ -317,10 +317,14 @@ async fn send_until_acknowledged(
 /// failure's kind as the exception class. `capacity` leaves room for the caller's own and the
 /// trace context [`deliver`] adds.
 pub fn dead_letter_origin(source: &impl Message, kind: ErrorKind, capacity: usize) -> OwnedHeaders {
+    origin_headers(source.topic(), source.partition(), source.offset(), kind, capacity)
+}
+
+fn origin_headers(topic: &str, partition: i32, offset: i64, kind: ErrorKind, capacity: usize) -> OwnedHeaders {
     OwnedHeaders::new_with_capacity(capacity)
-        .insert(Header { key: "kafka_dlt-original-topic", value: Some(source.topic()) })
-        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&source.partition().to_be_bytes()) })
-        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&source.offset().to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-original-topic", value: Some(topic) })
+        .insert(Header { key: "kafka_dlt-original-partition", value: Some(&partition.to_be_bytes()) })
+        .insert(Header { key: "kafka_dlt-original-offset", value: Some(&offset.to_be_bytes()) })
         .insert(Header { key: "kafka_dlt-exception-fqcn", value: Some(kind.as_str()) })
 }
 
@@ -349,23 +353,53 @@ pub fn source_record(message: &impl Message) -> SourceRecord {
 
 /// What the refused output was: a result, or a dead letter with its own reason (which the
 /// trimmed one keeps).
-pub enum Refused<'a> {
+pub enum Refused {
     Result,
-    DeadLetter { kind: ErrorKind, stage: Stage, message: &'a str },
+    DeadLetter { kind: ErrorKind, stage: Stage, message: String },
+}
+
+/// What a trimmed dead letter says of the output it stands in for: where the record came
+/// from, its id and task, and what the refused output was. Small whatever the record (ids and
+/// messages cut short, never the value), so an output waiting for its transaction carries one.
+pub struct Standin {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    /// Bytes of the record's value, which the trimmed dead letter leaves out.
+    pub value_bytes: usize,
+    pub id: Option<String>,
+    pub task: Option<String>,
+    pub refused: Refused,
+}
+
+impl Standin {
+    pub fn new(source: &impl Message, id: Option<&str>, task: Option<&str>, refused: Refused) -> Self {
+        let refused = match refused {
+            Refused::DeadLetter { kind, stage, message } => {
+                Refused::DeadLetter { kind, stage, message: bounded(&message, TRIMMED_MESSAGE_BYTES / 2).to_string() }
+            }
+            r => r,
+        };
+        Standin {
+            topic: source.topic().to_string(),
+            partition: source.partition(),
+            offset: source.offset(),
+            value_bytes: source.payload().map_or(0, <[u8]>::len),
+            id: id.map(|id| bounded(id, TRIMMED_ID_BYTES).to_string()),
+            task: task.map(|t| bounded(t, TRIMMED_ID_BYTES).to_string()),
+            refused,
+        }
+    }
 }
 
 /// The dead letter written when a record's output was refused for good: enough to find the
 /// record again (topic, partition, offset, a trimmed id) and why it failed, never its value.
 /// A refused dead letter keeps its kind and message; a refused result becomes
 /// `output_rejected`.
-#[allow(clippy::too_many_arguments)]
 pub fn trimmed_dead_letter<'a>(
     dlq_topic: &'a str,
     dlq_span: &'a str,
-    source: &OwnedMessage,
-    id: Option<&str>,
-    task: Option<&str>,
-    refused: Refused<'_>,
+    standin: &Standin,
     refused_topic: &str,
     refused_bytes: usize,
     error: &KafkaError,
@@ -374,31 +408,28 @@ pub fn trimmed_dead_letter<'a>(
         "its {refused_bytes}-byte output could not be written to {refused_topic} ({error}), so this dead letter \
          leaves the record's value out (read it at the source offset)"
     );
-    let (kind, stage, message) = match refused {
+    let (kind, stage, message) = match &standin.refused {
         Refused::Result => (ErrorKind::OutputRejected, Stage::Produce, format!("the result is ready but {trimmed}")),
-        Refused::DeadLetter { kind, stage, message } => {
-            (kind, stage, format!("{}; {trimmed}", bounded(message, TRIMMED_MESSAGE_BYTES / 2)))
-        }
+        Refused::DeadLetter { kind, stage, message } => (*kind, *stage, format!("{message}; {trimmed}")),
     };
     let letter = DeadLetterEvent {
         version: SCHEMA_VERSION,
-        id: id.map(|id| bounded(id, TRIMMED_ID_BYTES).to_string()),
-        task: task.map(|t| bounded(t, TRIMMED_ID_BYTES).to_string()),
+        id: standin.id.clone(),
+        task: standin.task.clone(),
         error: ErrorInfo { kind, message: bounded(&message, TRIMMED_MESSAGE_BYTES).to_string(), stage },
         attempts: 0,
         source: SourceRecord {
-            topic: source.topic().to_string(),
-            partition: source.partition(),
-            offset: source.offset(),
+            topic: standin.topic.clone(),
+            partition: standin.partition,
+            offset: standin.offset,
             key_b64: None,
             value_b64: None,
         },
     };
-    let value_bytes = source.payload().map_or(0, <[u8]>::len);
-    let headers = dead_letter_origin(source, kind, 10)
+    let headers = origin_headers(&standin.topic, standin.partition, standin.offset, kind, 10)
         .insert(Header { key: "vramgate-error-kind", value: Some(kind.as_str()) })
         .insert(Header { key: "vramgate-output-trimmed", value: Some("true") })
-        .insert(Header { key: "vramgate-original-value-bytes", value: Some(&value_bytes.to_string()) })
+        .insert(Header { key: "vramgate-original-value-bytes", value: Some(&standin.value_bytes.to_string()) })
         .insert(Header { key: "vramgate-refused-output-bytes", value: Some(&refused_bytes.to_string()) });
     Outgoing {
         topic: dlq_topic,
@@ -438,7 +469,8 @@ mod tests {
             None,
         );
         let error = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
-        let out = trimmed_dead_letter("t.dlq", "send t.dlq", &source, Some(&id), Some("voice"), Refused::Result, "t.dlq", 2_700_000, &error);
+        let standin = Standin::new(&source, Some(&id), Some("voice"), Refused::Result);
+        let out = trimmed_dead_letter("t.dlq", "send t.dlq", &standin, "t.dlq", 2_700_000, &error);
         assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());
         let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
         assert_eq!(letter.error.kind, ErrorKind::OutputRejected);
@@ -448,8 +480,9 @@ mod tests {
         let header = |k: &str| out.headers.iter().find(|h| h.key == k).and_then(|h| h.value.map(<[u8]>::to_vec));
         assert_eq!(header("vramgate-original-value-bytes"), Some(b"2000000".to_vec()));
         let reason = "x".repeat(100_000);
-        let refused = Refused::DeadLetter { kind: ErrorKind::InvalidRequest, stage: Stage::Parse, message: &reason };
-        let out = trimmed_dead_letter("t.dlq", "send t.dlq", &source, None, None, refused, "t.dlq", 2_700_000, &error);
+        let refused = Refused::DeadLetter { kind: ErrorKind::InvalidRequest, stage: Stage::Parse, message: reason };
+        let standin = Standin::new(&source, None, None, refused);
+        let out = trimmed_dead_letter("t.dlq", "send t.dlq", &standin, "t.dlq", 2_700_000, &error);
         let letter: DeadLetterEvent = serde_json::from_slice(&out.payload).expect("json");
         assert_eq!((letter.error.kind, letter.error.stage), (ErrorKind::InvalidRequest, Stage::Parse), "keeps its reason");
         assert!(out.payload.len() < 4096, "{} bytes", out.payload.len());

@@ -32,6 +32,7 @@ use crate::failure::Failure;
 use crate::input::{InputSource, Opened};
 use crate::metrics::Metrics;
 use crate::consume::offsets::{SharedOffsets, Ticket};
+use crate::consume::transaction::{Outbox, Pending};
 use crate::produce::{self, Outgoing, Producer};
 use crate::task::Task;
 use crate::tasks::{Converted, Plan};
@@ -44,9 +45,18 @@ static DEAD_LETTER_LOG: LogLimit = LogLimit::new(20);
 /// Charged per record on top of its key and value: the message struct, its task and tracking.
 pub const RECORD_OVERHEAD_BYTES: u64 = 2048;
 
+/// Where a finished record's output goes.
+pub enum Output {
+    /// At-least-once delivery: produced at once; its acknowledgement finishes the record.
+    Direct(Producer),
+    /// Exactly-once delivery: into the outbox, which finishes the record; the commit thread's
+    /// transaction writes it with the record's offset.
+    Transactional(Arc<Outbox>),
+}
+
 /// What every record shares.
 pub struct Shared {
-    pub producer: Producer,
+    pub output: Output,
     pub offsets: Arc<SharedOffsets>,
     pub input: InputSource,
     pub budget: Arc<ByteBudget>,
@@ -186,7 +196,10 @@ pub fn start(shared: &Arc<Shared>, task: Arc<Task>, message: OwnedMessage, ticke
         }
         Err(rejection) => {
             let letter = refused(&span, &record, rejection);
-            write_now(record, carried, span, Written::DeadLetter(letter));
+            match &record.shared.output {
+                Output::Direct(_) => write_now(record, carried, span, Written::DeadLetter(letter)),
+                Output::Transactional(_) => hand_over(record, &carried, &span, Written::DeadLetter(letter)),
+            }
         }
     }
 }
@@ -218,7 +231,10 @@ async fn go_on(mut record: Record, carried: Carried, checked: Checked, started: 
         }
         Err(rejection) => Written::DeadLetter(refused(&span, &record, rejection)),
     };
-    write(record, carried, written, None).await;
+    match &record.shared.output {
+        Output::Direct(_) => write(record, carried, written, None).await,
+        Output::Transactional(_) => hand_over(record, &carried, &span, written),
+    }
     drop(span);
 }
 
@@ -295,11 +311,56 @@ impl Written {
         }
     }
 
+    /// What its trimmed dead letter would say, should the broker refuse it for good.
+    fn standin(&self, message: &OwnedMessage) -> produce::Standin {
+        let (id, task, refused) = match self {
+            Written::Result(r) => (Some(r.id.as_str()), Some(r.task.as_str()), produce::Refused::Result),
+            Written::DeadLetter(l) => (
+                l.id.as_deref(),
+                l.task.as_deref(),
+                produce::Refused::DeadLetter { kind: l.error.kind, stage: l.error.stage, message: l.error.message.clone() },
+            ),
+        };
+        produce::Standin::new(message, id, task, refused)
+    }
+
     fn acknowledged(&self, task: &Task) {
         match self {
             Written::Result(_) => task.hot.produced_result.inc(),
             Written::DeadLetter(_) => task.hot.produced_dead_letter.inc(),
         }
+    }
+}
+
+/// Exactly-once delivery: hands a record's output to the outbox, which finishes the record; the
+/// next transaction writes it with the record's offset. Its `send` span ends here: the output
+/// is on its way, and the record's `commit` span (finished to committed) shows the transaction
+/// that wrote it. The output's bytes stay charged to `max_held_bytes` until then.
+fn hand_over(record: Record, carried: &Carried, span: &tracing::Span, written: Written) {
+    let Output::Transactional(outbox) = &record.shared.output else { unreachable!("hand_over is exactly-once delivery's") };
+    let outbox = outbox.clone();
+    let Outgoing { span_name, payload, headers, topic } = written.outgoing(&record.task, &record.message);
+    let headers = if span.is_none() {
+        produce::with_trace_context(headers, span, carried)
+    } else {
+        let _entered = span.enter();
+        produce::sending(span_name, topic, payload.len(), headers, carried).1
+    };
+    let held = record.shared.budget.hold(payload.len() as u64);
+    let pending = Pending::new(
+        record.ticket.clone(),
+        record.task.clone(),
+        matches!(written, Written::Result(_)),
+        record.message.key().map(<[u8]>::to_vec),
+        payload,
+        headers,
+        written.standin(&record.message),
+        held,
+    );
+    if outbox.put(&record.shared.offsets, pending, context::sampled_context(span)) {
+        record.task.hot.record_seconds.observe(record.fetched.elapsed().as_secs_f64());
+    } else {
+        record.shared.metrics.stale.inc();
     }
 }
 
@@ -318,7 +379,8 @@ fn write_now(record: Record, carried: Carried, span: tracing::Span, written: Wri
         produce::sending(span_name, topic, payload.len(), headers, &carried)
     };
     let key = record.message.key().map(<[u8]>::to_vec);
-    produce::send_then(&shared.producer, topic, key.as_deref(), &payload, headers, send, move |acked| match acked {
+    let Output::Direct(producer) = &shared.output else { unreachable!("write_now is at-least-once delivery's") };
+    produce::send_then(producer, topic, key.as_deref(), &payload, headers, send, move |acked| match acked {
         Ok(()) => {
             written.acknowledged(&record.task);
             record.finish(&span);
@@ -337,35 +399,26 @@ fn write_now(record: Record, carried: Carried, span: tracing::Span, written: Wri
 /// the producer learns why. `refused`: a first attempt that already failed.
 async fn write(record: Record, carried: Carried, written: Written, refused: Option<KafkaError>) {
     let Record { shared, task, message, .. } = &record;
+    let Output::Direct(producer) = &shared.output else { unreachable!("write is at-least-once delivery's") };
     let out = written.outgoing(task, message);
     let (out_topic, out_bytes) = (out.topic, out.payload.len());
-    match produce::deliver(&shared.producer, &shared.metrics, message, &carried, out, refused).await {
+    match produce::deliver(producer, &shared.metrics, message, &carried, out, refused).await {
         Ok(()) => written.acknowledged(task),
         Err(error) => {
             // Retrying cannot help (a record larger than the broker takes, a topic missing or
             // not ours): a trimmed dead letter stands in for the output.
-            let (id, task_name, refused) = match &written {
-                Written::Result(r) => (Some(r.id.as_str()), Some(r.task.as_str()), produce::Refused::Result),
-                Written::DeadLetter(l) => (
-                    l.id.as_deref(),
-                    l.task.as_deref(),
-                    produce::Refused::DeadLetter { kind: l.error.kind, stage: l.error.stage, message: &l.error.message },
-                ),
-            };
+            let standin = written.standin(message);
             let trimmed = produce::trimmed_dead_letter(
                 &task.dlq_topic,
                 &task.hot.send_dead_letter_span,
-                message,
-                id,
-                task_name,
-                refused,
+                &standin,
                 out_topic,
                 out_bytes,
                 &error,
             );
             tracing::error!(error = %error, topic = out_topic, bytes = out_bytes, "output refused by the broker; writing a trimmed dead letter");
             let trimmed_topic = trimmed.topic;
-            match produce::deliver(&shared.producer, &shared.metrics, message, &carried, trimmed, None).await {
+            match produce::deliver(producer, &shared.metrics, message, &carried, trimmed, None).await {
                 Ok(()) => {
                     shared.metrics.outputs_rejected.with_label_values(&[&task.name, "trimmed"]).inc();
                     if matches!(written, Written::Result(_)) {

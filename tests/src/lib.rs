@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod ceiling;
+pub mod chaos;
 pub mod dns;
 pub mod fleet;
 pub mod images;
@@ -75,6 +76,22 @@ pub fn brokers() -> String {
             format!("127.0.0.1:{port}")
         })
         .clone()
+}
+
+/// Restarts the test broker (SIGTERM, then started again on its port with its TLS listeners,
+/// its data kept), waiting until it is usable; returns how long it was away. Every client of
+/// every test running meanwhile loses it, so only a test alone in its test binary (cargo runs
+/// the binaries one at a time) may call it.
+pub fn restart_broker() -> anyhow::Result<Duration> {
+    let brokers = brokers();
+    let port = brokers.rsplit(':').next().context("broker address without a port")?.to_string();
+    let script = repo_root().join("scripts/broker");
+    let started = Instant::now();
+    for args in [vec!["stop", "--port", &port], vec!["start", "--port", &port, "--tls"]] {
+        let status = Command::new(&script).args(&args).status().context("running scripts/broker")?;
+        anyhow::ensure!(status.success(), "scripts/broker {} failed: {status}", args.join(" "));
+    }
+    Ok(started.elapsed())
 }
 
 /// A name no other test uses.
@@ -224,11 +241,30 @@ impl Received {
 }
 
 fn collector_consumer(topics: &[&str]) -> anyhow::Result<StreamConsumer> {
+    collector_consumer_with(topics, Isolation::ReadCommitted)
+}
+
+/// What a collector reads of transactional outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isolation {
+    /// Committed transactions only (and every non-transactional record): what the gateway's
+    /// users read. librdkafka's default, set here explicitly.
+    ReadCommitted,
+    /// Aborted transactions' records too.
+    ReadUncommitted,
+}
+
+fn collector_consumer_with(topics: &[&str], isolation: Isolation) -> anyhow::Result<StreamConsumer> {
+    let level = match isolation {
+        Isolation::ReadCommitted => "read_committed",
+        Isolation::ReadUncommitted => "read_uncommitted",
+    };
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", unique("collector"))
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")
+        .set("isolation.level", level)
         .create()?;
     consumer.subscribe(topics)?;
     Ok(consumer)
@@ -275,9 +311,14 @@ struct CollectorState {
 }
 
 impl Collector {
-    /// Starts reading; must be called inside a tokio runtime.
+    /// Starts reading (committed records only); must be called inside a tokio runtime.
     pub fn start(topics: &[&str]) -> anyhow::Result<Self> {
-        let consumer = collector_consumer(topics)?;
+        Self::start_with(topics, Isolation::ReadCommitted)
+    }
+
+    /// [`start`](Self::start), reading with `isolation`.
+    pub fn start_with(topics: &[&str], isolation: Isolation) -> anyhow::Result<Self> {
+        let consumer = collector_consumer_with(topics, isolation)?;
         let state = Arc::new(Mutex::new(CollectorState::default()));
         let shared = state.clone();
         let task = tokio::spawn(async move {

@@ -3,63 +3,15 @@
 //! same group. Every id ends in a result or a dead letter; duplicates are counted, and after a
 //! gateway crash bounded by the records it held.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use vramgate_tests::chaos::{tally, terminate_and_check_commits, wait_for};
 use vramgate_tests::fleet::{image_event, voice_event};
 use vramgate_tests::{
-    gateway_base_env,
-    image_task_env, producer, scratch_dir, send_all, start_gateway, start_worker,
-    start_worker_on, uncommitted_records, unique, voice_task_env, worker_config, ById, Collector, Gateway, TaskTopics,
-    PNET_MODEL, VAD_MODEL,
+    gateway_base_env, image_task_env, producer, scratch_dir, send_all, start_gateway, start_worker, start_worker_on,
+    unique, voice_task_env, worker_config, Collector, TaskTopics, PNET_MODEL, VAD_MODEL,
 };
-
-/// What happened to the ids: how many never came out, came out more than once, and the dead
-/// letters by kind.
-struct Tally {
-    lost: Vec<String>,
-    duplicates: usize,
-    extra_records: usize,
-    dead_by_kind: BTreeMap<String, usize>,
-    results: usize,
-}
-
-fn tally(ids: &[String], records: &ById, dlq_topics: &[&str]) -> Tally {
-    let mut tally =
-        Tally { lost: Vec::new(), duplicates: 0, extra_records: 0, dead_by_kind: BTreeMap::new(), results: 0 };
-    for id in ids {
-        let Some(got) = records.get(id) else {
-            tally.lost.push(id.clone());
-            continue;
-        };
-        if got.len() > 1 {
-            tally.duplicates += 1;
-            tally.extra_records += got.len() - 1;
-        }
-        for r in got {
-            if dlq_topics.contains(&r.topic.as_str()) {
-                let kind = r.value["error"]["kind"].as_str().unwrap_or("?").to_string();
-                *tally.dead_by_kind.entry(kind).or_default() += 1;
-            } else {
-                tally.results += 1;
-            }
-        }
-    }
-    tally
-}
-
-async fn wait_for(collector: &Collector, ids: &HashSet<String>, count: usize, timeout: Duration) -> bool {
-    collector.wait_until(timeout, |got| got.keys().filter(|id| ids.contains(*id)).count() >= count).await
-}
-
-async fn terminate_and_check_commits(gateway: &mut Gateway, group: &str, topics: &[&str]) {
-    let status = gateway.service.terminate(Duration::from_secs(40)).await.expect("gateway stops");
-    assert!(status.success(), "gateway exited with {status}; log:\n{}", gateway.log_tail());
-    for topic in topics {
-        let behind = uncommitted_records(group, topic).expect("committed offsets");
-        assert_eq!(behind, 0, "{behind} records of {topic} not committed after a graceful shutdown");
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_killed_twice_mid_stream_loses_no_event() {
@@ -137,7 +89,7 @@ async fn the_worker_killed_twice_mid_stream_loses_no_event() {
         ids.len(),
         t.results,
         t.lost.len(),
-        t.duplicates,
+        t.duplicated.len(),
         t.extra_records,
         t.dead_by_kind
     );
@@ -214,7 +166,7 @@ async fn the_gateway_killed_mid_stream_loses_no_event_and_repeats_at_most_what_i
          dead letters by kind {:?}, wall time {elapsed:?} (the new member waits out the dead one's session)",
         t.results,
         t.lost.len(),
-        t.duplicates,
+        t.duplicated.len(),
         t.extra_records,
         t.dead_by_kind
     );

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
-use vramgate_gateway::consume::commit::{Commits, Outcome};
+use vramgate_gateway::consume::commit::{Commits, Outcome, Writer};
 use vramgate_gateway::consume::offsets::SharedOffsets;
 use vramgate_gateway::metrics::Metrics;
 use vramgate_tests::{brokers, create_topics, unique};
@@ -42,7 +42,7 @@ async fn a_refused_commit_is_counted_as_an_error_and_offered_again() {
     let outsider = consumer(&group);
     let offsets = Arc::new(SharedOffsets::default());
     let metrics = Metrics::new();
-    let commits = Commits::new(offsets.clone(), metrics.clone());
+    let commits = Commits::new(offsets.clone(), metrics.clone(), Writer::Offsets);
     let ticket = offsets.lock().begin((topic.clone(), 0), 0);
     offsets.finish(&ticket);
     let before = offsets.lock().uncommitted();

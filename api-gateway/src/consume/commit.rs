@@ -13,6 +13,11 @@
 //!
 //! Commits and revokes exclude each other ([`Commits::gate`]): a commit taken before a revoke
 //! must not reach the broker after the partition's new owner committed.
+//!
+//! What a commit writes depends on the delivery mode ([`Writer`]): in at-least-once delivery,
+//! the offsets (the outputs went out as their records finished); in exactly-once delivery, one
+//! transaction with the outputs below the watermarks and the watermarks themselves
+//! ([`super::transaction`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +28,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::offsets::{SharedOffsets, TopicPartition};
+use super::transaction::Transactional;
 use crate::metrics::Metrics;
 
 /// How often the commit thread looks at the watermarks while records are finishing, and while
@@ -30,11 +36,20 @@ use crate::metrics::Metrics;
 const TICK: Duration = Duration::from_millis(1);
 const IDLE_TICK: Duration = Duration::from_millis(10);
 
-/// What commits share: the offsets, the gate against revokes, and the metrics.
+/// What commits share: the offsets, the gate against revokes (which holds what writes a
+/// commit), and the metrics.
 pub struct Commits {
     pub offsets: Arc<SharedOffsets>,
-    gate: Mutex<()>,
+    gate: Mutex<Writer>,
     metrics: Arc<Metrics>,
+}
+
+/// What writes a commit.
+pub enum Writer {
+    /// At-least-once delivery: the consumer commits the offsets.
+    Offsets,
+    /// Exactly-once delivery: a transaction writes the outputs and the offsets.
+    Transactions(Box<Transactional>),
 }
 
 /// What one commit did.
@@ -47,24 +62,24 @@ pub enum Outcome {
 }
 
 impl Commits {
-    pub fn new(offsets: Arc<SharedOffsets>, metrics: Arc<Metrics>) -> Self {
-        Commits { offsets, gate: Mutex::new(()), metrics }
+    pub fn new(offsets: Arc<SharedOffsets>, metrics: Arc<Metrics>, writer: Writer) -> Self {
+        Commits { offsets, gate: Mutex::new(writer), metrics }
     }
 
     /// Held by a revoke while it commits and forgets its partitions.
-    pub fn gate(&self) -> MutexGuard<'_, ()> {
+    pub fn gate(&self) -> MutexGuard<'_, Writer> {
         self.gate.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Commits, synchronously, every partition whose watermark advanced; confirms the positions
     /// the broker acknowledged, offers the others again.
     pub fn commit<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>) -> Outcome {
-        let _gate = self.gate();
+        let mut gate = self.gate();
         let advanced = self.offsets.lock().take_advanced();
         if advanced.is_empty() {
             return Outcome::Nothing;
         }
-        match self.send(consumer, &advanced) {
+        match self.send(&mut gate, consumer, &advanced) {
             Ok(()) => {
                 self.offsets.confirm(&advanced);
                 Outcome::Committed
@@ -77,19 +92,35 @@ impl Commits {
         }
     }
 
-    /// Commits `positions` synchronously and counts the outcome. For the revoke path, which
-    /// holds the gate itself.
+    /// Commits `positions` synchronously (with their outputs, in exactly-once delivery) and
+    /// counts the outcome. `writer`: the gate, held by the caller.
     pub fn send<C: ConsumerContext>(
         &self,
+        writer: &mut Writer,
         consumer: &BaseConsumer<C>,
         positions: &[(TopicPartition, i64)],
     ) -> Result<(), KafkaError> {
-        let mut tpl = TopicPartitionList::new();
-        for (tp, position) in positions {
-            let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(*position));
-        }
         let sent = Instant::now();
-        let result = consumer.commit(&tpl, CommitMode::Sync);
+        let result = match writer {
+            Writer::Offsets => {
+                let mut tpl = TopicPartitionList::new();
+                for (tp, position) in positions {
+                    let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(*position));
+                }
+                consumer.commit(&tpl, CommitMode::Sync)
+            }
+            Writer::Transactions(transactional) => {
+                // Each position with the assignment it belongs to: outputs of an earlier one
+                // are never written.
+                let with_epochs: Vec<_> = {
+                    let tracker = self.offsets.lock();
+                    positions.iter().filter_map(|(tp, p)| Some((tp.clone(), *p, tracker.epoch(tp)?))).collect()
+                };
+                let result = transactional.commit(consumer, &with_epochs);
+                self.metrics.outbox.set(transactional.outbox.waiting() as i64);
+                result
+            }
+        };
         self.metrics.commit_seconds.observe(sent.elapsed().as_secs_f64());
         let label = if result.is_ok() { "ok" } else { "error" };
         self.metrics.commits.with_label_values(&[label]).inc();

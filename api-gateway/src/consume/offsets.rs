@@ -26,6 +26,13 @@ pub struct Ticket {
     epoch: u64,
 }
 
+impl Ticket {
+    /// The assignment of its partition it was started under.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+}
+
 #[derive(Debug, Default)]
 struct PartitionState {
     epoch: u64,
@@ -100,6 +107,11 @@ impl OffsetTracker {
             Some(state) if state.epoch == ticket.epoch => state.unfinished.remove(&ticket.offset),
             _ => false,
         }
+    }
+
+    /// The partition's current assignment (epoch), if it is assigned.
+    pub fn epoch(&self, partition: &TopicPartition) -> Option<u64> {
+        self.partitions.get(partition).map(|s| s.epoch)
     }
 
     /// The committable position of a partition (Kafka's "next offset to read"): the lowest

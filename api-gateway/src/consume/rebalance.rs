@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use rdkafka::statistics::Statistics;
 use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientContext, TopicPartitionList};
 
 use super::client::KafkaEvents;
-use super::commit::Commits;
+use super::commit::{Commits, Writer};
 use super::flow::Flow;
 use super::offsets::TopicPartition;
 use super::lock;
@@ -69,27 +69,37 @@ impl ConsumerContext for RebalanceContext {
         let timeout = if self.closing.load(Ordering::SeqCst) { Duration::ZERO } else { self.drain_timeout };
         let offsets = &self.commits.offsets;
         let left = offsets.wait_drained(&revoked, timeout);
-        // Commit what finished, then forget the partitions: whatever is still running belongs
-        // to the next owner, which reads it again from here. The gate keeps the commit thread
-        // from sending a position of these partitions after this.
-        let _gate = self.commits.gate();
+        // Commit what finished (in exactly-once delivery: with its outputs, in one
+        // transaction), then forget the partitions: whatever is still running belongs to the
+        // next owner, which reads it again from here. The gate keeps the commit thread from
+        // sending a position of these partitions after this. A lost assignment (this member
+        // was dropped from the group) commits nothing: the broker would refuse it, and the
+        // partitions may already be someone else's.
+        let mut gate = self.commits.gate();
+        let lost = consumer.assignment_lost();
         let positions: Vec<(TopicPartition, i64)> = {
             let tracker = offsets.lock();
             revoked.iter().filter_map(|tp| Some((tp.clone(), tracker.position(tp)?))).collect()
         };
-        if !positions.is_empty() {
-            if let Err(e) = self.commits.send(consumer, &positions) {
+        if !positions.is_empty() && !lost {
+            if let Err(e) = self.commits.send(&mut gate, consumer, &positions) {
                 tracing::warn!(error = %e, "commit of revoked partitions failed; their new owner may redo some records");
             }
         }
         offsets.lock().revoke(revoked.iter());
+        if let Writer::Transactions(transactional) = &*gate {
+            // After the offsets: an output put in before this revoke is forgotten here, one
+            // put in after finds its ticket stale (`transaction::Outbox::put`).
+            transactional.outbox.forget(&revoked);
+        }
+        drop(gate);
         let mut flow = lock(&self.flow);
         for tp in &revoked {
             flow.assigned.remove(tp);
             flow.paused.remove(tp);
             let _ = self.metrics.pending.remove_label_values(&[&tp.0, &tp.1.to_string()]);
         }
-        tracing::info!(partitions = ?revoked, abandoned = left, "partitions revoked");
+        tracing::info!(partitions = ?revoked, abandoned = left, lost, "partitions revoked");
     }
 
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

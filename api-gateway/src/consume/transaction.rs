@@ -1,0 +1,492 @@
+//! Exactly-once delivery (`delivery = "exactly-once"`): a record's output and its offset reach
+//! Kafka in the same transaction, so a `read_committed` consumer of the output topics sees one
+//! output per request whatever is killed when.
+//!
+//! Records still finish out of order. A finished record's output is not produced at once: it
+//! waits in the [`Outbox`], keyed by its partition, offset and assignment (epoch), and its
+//! ticket is finished only once it is there. Each commit ([`Transactional::commit`]) takes the
+//! watermarks that advanced, takes from the outbox exactly the outputs *below* them, and
+//! writes those outputs and those positions in one transaction. So a transaction never holds
+//! an output of a record past the offsets it commits: were it to, a crash after it would make
+//! the group read that record again and write its output a second time. Outputs of records
+//! that finished past their partition's watermark wait for the watermark to pass them; they
+//! are bounded like every record past the last commit (`max_in_flight`), and their bytes are
+//! charged to `max_held_bytes` while they wait.
+//!
+//! Fencing: the transaction's offsets are sent with the consumer's group metadata (KIP-447),
+//! so a gateway that lost its partitions (paused past its session, cut off by a network split)
+//! cannot commit for them: the broker refuses the offsets, the transaction aborts, and its
+//! outputs stay invisible to `read_committed` readers. The transactional id is one per
+//! gateway instance (`kafka.transactional_id`); a restarted instance aborts what its
+//! predecessor left open when it starts. A producer fenced or failed for good is replaced by a
+//! new one under the same id, and the outputs it had not committed are offered again.
+//!
+//! A transaction that fails aborts, and everything it took goes back to the outbox and the
+//! watermarks back to the tracker: the next commit redoes it. An output the broker refuses for
+//! good (too large, topic missing or forbidden) is replaced by its trimmed dead letter
+//! ([`crate::produce::trimmed_dead_letter`]), as in at-least-once delivery; if that is refused
+//! too, the record is committed past with no output, counted and logged.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::OwnedHeaders;
+use rdkafka::producer::{BaseRecord, Producer as _};
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::sync::oneshot;
+use vramgate_shared::telemetry::LogLimit;
+
+use super::lock;
+use super::offsets::{SharedOffsets, Ticket, TopicPartition};
+use crate::budget::Held;
+use crate::metrics::Metrics;
+use crate::produce::{self, Acked, Delivery, Producer, Standin};
+use crate::task::Task;
+
+/// How long an output waits for room in librdkafka's queue before the transaction gives up
+/// (and is redone).
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an aborted transaction's outputs may take to report back (librdkafka purges them).
+const PURGE_WAIT: Duration = Duration::from_secs(2);
+/// `commit_transaction` attempts when the broker answers with a retriable error.
+const COMMIT_ATTEMPTS: u32 = 3;
+
+static TRANSACTION_LOG: LogLimit = LogLimit::new(5);
+
+/// Which output an entry now carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// The record's result or dead letter.
+    Original,
+    /// The broker refused the original for good: its trimmed dead letter stands in.
+    Trimmed,
+    /// The trimmed dead letter was refused too: the record is committed past with no output.
+    Dropped,
+}
+
+/// A finished record's output, waiting for the transaction that commits its offset.
+pub struct Pending {
+    ticket: Ticket,
+    task: Arc<Task>,
+    /// A result (else a dead letter): its topic, and which counter its commit moves.
+    result: bool,
+    form: Form,
+    key: Option<Vec<u8>>,
+    payload: Vec<u8>,
+    headers: OwnedHeaders,
+    standin: Standin,
+    /// Its bytes, charged to `max_held_bytes` while it waits.
+    _held: Held,
+}
+
+impl Pending {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ticket: Ticket,
+        task: Arc<Task>,
+        result: bool,
+        key: Option<Vec<u8>>,
+        payload: Vec<u8>,
+        headers: OwnedHeaders,
+        standin: Standin,
+        held: Held,
+    ) -> Self {
+        Pending { ticket, task, result, form: Form::Original, key, payload, headers, standin, _held: held }
+    }
+
+    fn topic(&self) -> &str {
+        match self.form {
+            Form::Original if self.result => &self.task.results_topic,
+            _ => &self.task.dlq_topic,
+        }
+    }
+
+    /// The broker refused this output for good: the trimmed dead letter stands in for it, or,
+    /// if that was what it refused, nothing does.
+    fn refused(&mut self, error: &KafkaError, metrics: &Metrics) {
+        match self.form {
+            Form::Original => {
+                let out = produce::trimmed_dead_letter(
+                    &self.task.dlq_topic,
+                    &self.task.hot.send_dead_letter_span,
+                    &self.standin,
+                    self.topic(),
+                    self.payload.len(),
+                    error,
+                );
+                tracing::error!(
+                    error = %error,
+                    topic = self.topic(),
+                    bytes = self.payload.len(),
+                    "output refused by the broker; its transaction aborts and a trimmed dead letter takes its place"
+                );
+                self.payload = out.payload;
+                self.headers = out.headers;
+                self.form = Form::Trimmed;
+            }
+            Form::Trimmed => {
+                metrics.outputs_rejected.with_label_values(&[&self.task.name, "lost"]).inc();
+                tracing::error!(
+                    error = %error,
+                    topic = self.topic(),
+                    partition = self.ticket.partition.1,
+                    offset = self.ticket.offset,
+                    "the trimmed dead letter was refused too; committing past this record"
+                );
+                self.form = Form::Dropped;
+            }
+            Form::Dropped => {}
+        }
+    }
+
+    /// Its transaction committed.
+    fn committed(&self, metrics: &Metrics) {
+        let hot = &self.task.hot;
+        match self.form {
+            Form::Original if self.result => hot.produced_result.inc(),
+            Form::Original => hot.produced_dead_letter.inc(),
+            Form::Trimmed => {
+                metrics.outputs_rejected.with_label_values(&[&self.task.name, "trimmed"]).inc();
+                if self.result {
+                    metrics.dead_letters.with_label_values(&[&self.task.name, "output_rejected"]).inc();
+                }
+                hot.produced_dead_letter.inc();
+            }
+            Form::Dropped => {}
+        }
+    }
+}
+
+/// Finished records' outputs by partition and offset, waiting for their transaction.
+#[derive(Default)]
+pub struct Outbox {
+    waiting: Mutex<HashMap<TopicPartition, BTreeMap<i64, Pending>>>,
+}
+
+impl Outbox {
+    /// Puts a finished record's output in, unless its partition was revoked since it was
+    /// fetched (its new owner redoes it), and only then finishes its ticket: a watermark can
+    /// pass a record only once its output is here. Returns whether it was put in.
+    ///
+    /// Lock order: the outbox, then the offsets (a revoke revokes the offsets first and
+    /// forgets here after, so an output put in before the revoke is forgotten by it).
+    pub fn put(&self, offsets: &SharedOffsets, pending: Pending, trace: Option<opentelemetry::Context>) -> bool {
+        let mut waiting = lock(&self.waiting);
+        if !offsets.is_current(&pending.ticket) {
+            return false;
+        }
+        let ticket = pending.ticket.clone();
+        waiting.entry(ticket.partition.clone()).or_default().insert(ticket.offset, pending);
+        drop(waiting);
+        offsets.finish_traced(&ticket, trace)
+    }
+
+    /// Takes the outputs below each position that belong to its partition's current
+    /// assignment; outputs of an earlier one are dropped.
+    fn take(&self, positions: &[(TopicPartition, i64, u64)]) -> Vec<Pending> {
+        let mut waiting = lock(&self.waiting);
+        let mut taken = Vec::new();
+        for (tp, position, epoch) in positions {
+            let Some(outputs) = waiting.get_mut(tp) else { continue };
+            let above = outputs.split_off(position);
+            let below = std::mem::replace(outputs, above);
+            taken.extend(below.into_values().filter(|p| p.ticket.epoch() == *epoch));
+        }
+        taken
+    }
+
+    /// Puts back what an aborted transaction took.
+    fn put_back(&self, pending: Vec<Pending>) {
+        let mut waiting = lock(&self.waiting);
+        for p in pending {
+            waiting.entry(p.ticket.partition.clone()).or_default().insert(p.ticket.offset, p);
+        }
+    }
+
+    /// Drops the outputs of revoked partitions: their records are read again by the new owner.
+    pub fn forget(&self, partitions: &[TopicPartition]) {
+        let mut waiting = lock(&self.waiting);
+        for tp in partitions {
+            waiting.remove(tp);
+        }
+    }
+
+    /// Outputs waiting.
+    pub fn waiting(&self) -> usize {
+        lock(&self.waiting).values().map(BTreeMap::len).sum()
+    }
+}
+
+/// Makes the transactional producer (and again after it failed for good).
+pub type MakeProducer = Box<dyn Fn() -> Result<Producer, KafkaError> + Send>;
+
+/// The transactional producer and the outbox it empties.
+pub struct Transactional {
+    /// None after a fatal error whose replacement failed: the next commit makes one.
+    producer: Option<Producer>,
+    make: MakeProducer,
+    pub outbox: Arc<Outbox>,
+    metrics: Arc<Metrics>,
+    /// For every transactional call: `kafka.transaction_timeout_ms`.
+    timeout: Duration,
+}
+
+impl Transactional {
+    /// Makes the producer and initialises its transactions, which fences any earlier producer
+    /// under the same id and aborts what it left open.
+    pub fn start(make: MakeProducer, outbox: Arc<Outbox>, metrics: Arc<Metrics>, timeout: Duration) -> Result<Self, KafkaError> {
+        let producer = Some(ready(&make, timeout)?);
+        Ok(Transactional { producer, make, outbox, metrics, timeout })
+    }
+
+    /// Writes the outputs below `positions` (partition, position, epoch) and commits the
+    /// positions, in one transaction. On failure it is aborted and what it took is back in the
+    /// outbox.
+    pub fn commit<C: ConsumerContext>(
+        &mut self,
+        consumer: &BaseConsumer<C>,
+        positions: &[(TopicPartition, i64, u64)],
+    ) -> Result<(), KafkaError> {
+        let producer = match self.producer.take() {
+            Some(p) => p,
+            None => ready(&self.make, self.timeout).inspect_err(|e| self.counted("failed", e))?,
+        };
+        let mut outputs = self.outbox.take(positions);
+        let started = Instant::now();
+        let result = self.transaction(&producer, consumer, positions, &mut outputs);
+        self.metrics.transaction_seconds.observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(()) => {
+                self.producer = Some(producer);
+                self.metrics.transactions.with_label_values(&["committed"]).inc();
+                self.metrics.transaction_outputs.inc_by(outputs.len() as u64);
+                outputs.iter().for_each(|p| p.committed(&self.metrics));
+                Ok(())
+            }
+            Err(error) => {
+                self.outbox.put_back(outputs);
+                if is_fatal(&error) {
+                    // Fenced (another producer took this id) or broken: a new producer under
+                    // the same id fences whatever is left of this one. Made at the next commit.
+                    self.counted("fenced", &error);
+                } else {
+                    self.counted("aborted", &error);
+                    self.producer = Some(producer);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    fn counted(&self, outcome: &str, error: &KafkaError) {
+        self.metrics.transactions.with_label_values(&[outcome]).inc();
+        if TRANSACTION_LOG.allow() {
+            tracing::warn!(error = %error, outcome, "transaction not committed; its records are committed by the next one");
+        }
+    }
+
+    /// Begins, produces, sends the offsets, commits; aborts on failure. Outputs the broker
+    /// refused for good are marked for their stand-ins.
+    fn transaction<C: ConsumerContext>(
+        &self,
+        producer: &Producer,
+        consumer: &BaseConsumer<C>,
+        positions: &[(TopicPartition, i64, u64)],
+        outputs: &mut [Pending],
+    ) -> Result<(), KafkaError> {
+        producer.begin_transaction()?;
+        let mut acks: Vec<Option<oneshot::Receiver<Acked>>> = Vec::with_capacity(outputs.len());
+        let sent = (|| {
+            for p in outputs.iter_mut() {
+                acks.push(self.send(producer, p)?);
+            }
+            let mut offsets = TopicPartitionList::with_capacity(positions.len());
+            for (tp, position, _) in positions {
+                offsets.add_partition_offset(&tp.0, tp.1, Offset::Offset(*position))?;
+            }
+            let group = consumer
+                .group_metadata()
+                .ok_or(KafkaError::ConsumerCommit(RDKafkaErrorCode::UnknownMemberId))?;
+            producer.send_offsets_to_transaction(&offsets, &group, self.timeout)?;
+            let mut attempt = 1;
+            loop {
+                match producer.commit_transaction(self.timeout) {
+                    Err(KafkaError::Transaction(e)) if e.is_retriable() && attempt < COMMIT_ATTEMPTS => attempt += 1,
+                    other => return other,
+                }
+            }
+        })();
+        let Err(error) = sent else { return Ok(()) };
+        if !is_fatal(&error) {
+            if let Err(abort) = producer.abort_transaction(self.timeout) {
+                tracing::warn!(error = %abort, "aborting the transaction failed");
+                // A producer that cannot abort cannot begin either: replaced.
+                return Err(abort_as_fatal(abort));
+            }
+        }
+        // Aborted (or fatal): every output reports back, purged or refused. Those refused for
+        // good get their stand-ins before the transaction is redone.
+        let deadline = Instant::now() + PURGE_WAIT;
+        for (p, ack) in outputs.iter_mut().zip(acks) {
+            let Some(mut ack) = ack else { continue };
+            let acked = loop {
+                match ack.try_recv() {
+                    Ok(acked) => break Some(acked),
+                    Err(oneshot::error::TryRecvError::Empty) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(_) => break None,
+                }
+            };
+            if let Some(Err(refusal)) = acked {
+                if produce::is_permanent(&refusal.error) {
+                    p.refused(&refusal.error, &self.metrics);
+                }
+            }
+        }
+        Err(error)
+    }
+
+    /// Produces one output into the open transaction; `None` for a record that has none left.
+    fn send(&self, producer: &Producer, p: &mut Pending) -> Result<Option<oneshot::Receiver<Acked>>, KafkaError> {
+        let deadline = Instant::now() + QUEUE_TIMEOUT;
+        loop {
+            if p.form == Form::Dropped {
+                return Ok(None);
+            }
+            let (tx, rx) = oneshot::channel();
+            let mut record = BaseRecord::with_opaque_to(p.topic(), Box::new(Delivery::Wake(tx)))
+                .payload(&p.payload)
+                .headers(p.headers.clone());
+            if let Some(key) = &p.key {
+                record = record.key(key);
+            }
+            match producer.send(record) {
+                Ok(()) => return Ok(Some(rx)),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                // Refused before it left (larger than the producer takes): the stand-in goes
+                // in its place, in this same transaction.
+                Err((error, _)) if produce::is_permanent(&error) => p.refused(&error, &self.metrics),
+                Err((error, _)) => return Err(error),
+            }
+        }
+    }
+}
+
+/// A new transactional producer, its transactions initialised.
+fn ready(make: &MakeProducer, timeout: Duration) -> Result<Producer, KafkaError> {
+    let producer = make()?;
+    producer.init_transactions(timeout)?;
+    Ok(producer)
+}
+
+/// Whether the producer can go on after this error (else it is replaced).
+fn is_fatal(error: &KafkaError) -> bool {
+    match error {
+        KafkaError::Transaction(e) => e.is_fatal(),
+        KafkaError::MessageProduction(RDKafkaErrorCode::Fatal) => true,
+        _ => false,
+    }
+}
+
+fn abort_as_fatal(error: KafkaError) -> KafkaError {
+    match error {
+        KafkaError::Transaction(e) if e.is_fatal() => KafkaError::Transaction(e),
+        _ => KafkaError::MessageProduction(RDKafkaErrorCode::Fatal),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::ByteBudget;
+    use crate::produce::Refused;
+    use rdkafka::message::OwnedMessage;
+
+    fn task() -> Arc<Task> {
+        let config = crate::config::GatewayConfig::default();
+        let metrics = Metrics::new();
+        Arc::new(Task::new("voice", &config.tasks["voice"], &config.worker, metrics).expect("task"))
+    }
+
+    fn pending(offsets: &SharedOffsets, task: &Arc<Task>, offset: i64) -> Pending {
+        let ticket = offsets.lock().begin(("t".into(), 0), offset);
+        let source = OwnedMessage::new(None, None, "t".into(), rdkafka::Timestamp::NotAvailable, 0, offset, None);
+        let standin = Standin::new(&source, Some("id"), Some("voice"), Refused::Result);
+        let held = ByteBudget::new(1 << 20).hold(3);
+        Pending::new(ticket, task.clone(), true, None, b"out".to_vec(), OwnedHeaders::new(), standin, held)
+    }
+
+    #[test]
+    fn a_transaction_takes_exactly_the_outputs_below_the_watermark() {
+        let offsets = SharedOffsets::default();
+        let task = task();
+        let outbox = Outbox::default();
+        let p: Vec<Pending> = (0..4).map(|o| pending(&offsets, &task, o)).collect();
+        // Offsets 1 and 3 finish first: nothing is committable, both wait.
+        let mut p: Vec<Option<Pending>> = p.into_iter().map(Some).collect();
+        assert!(outbox.put(&offsets, p[1].take().expect("not taken yet"), None));
+        assert!(outbox.put(&offsets, p[3].take().expect("not taken yet"), None));
+        let tp = ("t".to_string(), 0);
+        let epoch = offsets.lock().epoch(&tp).expect("assigned");
+        assert_eq!(offsets.lock().position(&tp), Some(0));
+        assert!(outbox.take(&[(tp.clone(), 0, epoch)]).is_empty());
+        // Offset 0 finishes: the watermark is 2, and the outputs of 0 and 1 go, not 3's.
+        assert!(outbox.put(&offsets, p[0].take().expect("not taken yet"), None));
+        let position = offsets.lock().position(&tp).expect("assigned");
+        assert_eq!(position, 2);
+        let taken = outbox.take(&[(tp.clone(), position, epoch)]);
+        assert_eq!(taken.iter().map(|p| p.ticket.offset).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(outbox.waiting(), 1, "offset 3 waits for the watermark");
+        // Aborted: back in, taken again by the next transaction.
+        outbox.put_back(taken);
+        assert_eq!(outbox.take(&[(tp.clone(), position, epoch)]).len(), 2);
+    }
+
+    #[test]
+    fn outputs_of_a_revoked_partition_are_never_committed_by_a_later_assignment() {
+        let offsets = SharedOffsets::default();
+        let task = task();
+        let outbox = Outbox::default();
+        let tp = ("t".to_string(), 0);
+        let early = pending(&offsets, &task, 0);
+        let late = pending(&offsets, &task, 1);
+        let slipped = pending(&offsets, &task, 5);
+        assert!(outbox.put(&offsets, early, None));
+        // Revoked (offsets first, then the outbox), then assigned again: a new epoch.
+        offsets.lock().revoke([&tp]);
+        outbox.forget(std::slice::from_ref(&tp));
+        offsets.lock().assign([tp.clone()]);
+        assert!(!outbox.put(&offsets, late, None), "a record of the old assignment is not put in");
+        assert_eq!(outbox.waiting(), 0);
+        let fresh = pending(&offsets, &task, 0);
+        let epoch = offsets.lock().epoch(&tp).expect("assigned");
+        assert_eq!(fresh.ticket.epoch(), epoch);
+        assert!(outbox.put(&offsets, fresh, None));
+        // An output of the old epoch slipped in by hand is dropped at take, never committed.
+        outbox.put_back(vec![slipped]);
+        let taken = outbox.take(&[(tp.clone(), 10, epoch)]);
+        assert_eq!(taken.iter().map(|p| p.ticket.offset).collect::<Vec<_>>(), vec![0]);
+    }
+
+    #[test]
+    fn a_refused_output_is_trimmed_once_then_dropped() {
+        let offsets = SharedOffsets::default();
+        let task = task();
+        let metrics = Metrics::new();
+        let mut p = pending(&offsets, &task, 0);
+        p.payload = vec![b'x'; 100_000];
+        let error = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        assert_eq!(p.topic(), task.results_topic);
+        p.refused(&error, &metrics);
+        assert_eq!((p.form, p.topic()), (Form::Trimmed, task.dlq_topic.as_str()));
+        assert!(p.payload.len() < 4096);
+        p.refused(&error, &metrics);
+        assert_eq!(p.form, Form::Dropped);
+    }
+}

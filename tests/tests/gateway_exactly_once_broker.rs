@@ -1,0 +1,90 @@
+//! Exactly-once delivery with the broker restarted mid-run: the transactions open when it goes
+//! abort, are redone once it is back, and a `read_committed` consumer sees one output per
+//! request. Alone in its test binary: restarting the shared broker takes it away from every
+//! client of the binary (cargo runs test binaries one at a time, so no other test's).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use vramgate_tests::fleet::voice_event;
+use vramgate_tests::{
+    gateway_base_env, producer, restart_broker, scratch_dir, send_all, start_gateway, start_worker, uncommitted_records,
+    unique, voice_task_env, worker_config, ById, Collector, Isolation, TaskTopics, VAD_MODEL,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
+    const EVENTS: usize = 400;
+    let voice = TaskTopics::create("eos-restart", 4).await.expect("topics");
+    let root = scratch_dir("eos-restart");
+    let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker starts");
+    let group = unique("gw");
+    let mut env = gateway_base_env(&group, &worker.url, &root);
+    env.extend([
+        ("DELIVERY", "exactly-once".to_string()),
+        ("KAFKA__TRANSACTIONAL_ID", unique("eos-restart")),
+        ("COMMIT_INTERVAL_MS", "100".into()),
+        ("TASKS__VOICE__CPU_THREADS", "1".into()),
+        ("TASKS__IMAGE__ENABLED", "false".into()),
+    ]);
+    env.extend(voice_task_env(&voice));
+    let records: Vec<(String, Vec<u8>)> = (0..EVENTS)
+        .map(|i| {
+            let id = unique(&format!("r{i}"));
+            let event = voice_event(&root, &id, i, 1.0);
+            (id, event)
+        })
+        .collect();
+    let ids: Vec<String> = records.iter().map(|(id, _)| id.clone()).collect();
+    let wanted: HashSet<String> = ids.iter().cloned().collect();
+    send_all(&producer(), &voice.requests, &records, 256).await.expect("send");
+
+    let topics = [voice.results.as_str(), voice.dlq.as_str()];
+    let committed = Collector::start_with(&topics, Isolation::ReadCommitted).expect("collector");
+    let uncommitted = Collector::start_with(&topics, Isolation::ReadUncommitted).expect("collector");
+    let mut gateway = start_gateway(&env).await.expect("gateway starts");
+    let started = Instant::now();
+    // Ids of this test read so far (`wait_until` hands the records in: the collector is locked).
+    let count = |got: &ById| got.keys().filter(|id| wanted.contains(*id)).count();
+    let out = |c: &Collector| c.with(count);
+    assert!(
+        committed.wait_until(Duration::from_secs(240), |got| count(got) >= EVENTS * 3 / 10).await,
+        "only {:?} after 240 s; gateway:\n{}",
+        committed.counts(),
+        gateway.log_tail()
+    );
+    let before = out(&committed);
+    let away = tokio::task::spawn_blocking(restart_broker).await.expect("joins").expect("broker restarts");
+    eprintln!("broker restarted at {:?} with {before} of {EVENTS} ids out; away for {away:?}", started.elapsed());
+
+    let all = committed.wait_until(Duration::from_secs(300), |got| count(got) >= EVENTS).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let got = committed.snapshot();
+    let lost: Vec<&String> = ids.iter().filter(|id| !got.contains_key(*id)).collect();
+    let doubled: Vec<&String> = ids.iter().filter(|id| got.get(*id).is_some_and(|r| r.len() > 1)).collect();
+    let dead: usize = ids.iter().filter_map(|id| got.get(id)).flatten().filter(|r| r.topic == voice.dlq).count();
+    let seen_uncommitted = uncommitted.snapshot();
+    let extra_uncommitted: usize = ids.iter().filter_map(|id| seen_uncommitted.get(id)).map(|r| r.len() - 1).sum();
+    let metrics = gateway.metrics().await.expect("metrics");
+    let outcome = |o: &str| metrics.sum("vramgate_gateway_transactions_total", &[("outcome", o)]);
+    eprintln!(
+        "after the restart: read_committed lost {}, doubled {}, {dead} dead letters; read_uncommitted {extra_uncommitted} extra \
+         records; transactions committed {}, aborted {}, fenced {}, failed {}; wall time {:?}",
+        lost.len(),
+        doubled.len(),
+        outcome("committed"),
+        outcome("aborted"),
+        outcome("fenced"),
+        outcome("failed"),
+        started.elapsed()
+    );
+    assert!(all && lost.is_empty(), "lost {} (e.g. {:?}); gateway:\n{}", lost.len(), &lost[..lost.len().min(5)], gateway.log_tail());
+    assert!(doubled.is_empty(), "{} ids doubled for read_committed (e.g. {:?})", doubled.len(), &doubled[..doubled.len().min(5)]);
+    // Valid inputs: a broker away for seconds is waited out, never a dead letter.
+    assert_eq!(dead, 0, "dead letters from valid inputs");
+    let status = gateway.service.terminate(Duration::from_secs(40)).await.expect("gateway stops");
+    assert!(status.success(), "gateway exited with {status}; log:\n{}", gateway.log_tail());
+    assert_eq!(uncommitted_records(&group, &voice.requests).expect("offsets"), 0, "records left uncommitted");
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
+}
