@@ -222,9 +222,11 @@ pub struct KafkaConfig {
     /// The transactional id of this gateway's producer in exactly-once delivery: one per
     /// gateway instance, the same across its restarts (a restarted instance then aborts what
     /// its predecessor left open at once, instead of readers waiting out the transaction
-    /// timeout). Unset: `<group_id>-<host name>`, which is per instance wherever host names
-    /// are (a pod's name, a container's id). Two live gateways must never share one: each
-    /// would fence the other.
+    /// timeout). Unset: `<group_id>-<host name>-<process id>`: distinct for two gateways on one
+    /// host, and the same across a container's restarts (a pod's or container's host name, the
+    /// gateway as its process 1); a gateway restarted on a bare host gets a new one, and its
+    /// predecessor's open transaction is aborted by the broker after `transaction_timeout_ms`.
+    /// Two live gateways must never share one: each would fence the other.
     pub transactional_id: Option<String>,
     /// In exactly-once delivery, how long a transaction may stay open before the broker aborts
     /// it (`transaction.timeout.ms`): how long a crashed gateway's open transaction can hold
@@ -241,11 +243,11 @@ pub struct KafkaConfig {
 
 impl KafkaConfig {
     /// The exactly-once producer's transactional id: the configured one, or
-    /// `<group_id>-<host name>`.
+    /// `<group_id>-<host name>-<process id>`.
     pub fn transactional_id(&self) -> String {
         match &self.transactional_id {
             Some(id) => id.clone(),
-            None => format!("{}-{}", self.group_id, host_name()),
+            None => format!("{}-{}-{}", self.group_id, host_name(), std::process::id()),
         }
     }
 
@@ -706,6 +708,42 @@ mod tests {
             task.enabled = false;
         }
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn exactly_once_delivery_is_named_in_kebab_case_and_its_bounds_are_checked() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("VGGW_DELIVERY", "exactly-once");
+            jail.set_env("VGGW_KAFKA__GROUP_ID", "g");
+            let config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+            config.validate().expect("validates");
+            assert_eq!(config.delivery, Delivery::ExactlyOnce);
+            // Per process by default: two gateways on one host never share an id.
+            let id = config.kafka.transactional_id();
+            assert!(id.starts_with("g-") && id.ends_with(&format!("-{}", std::process::id())), "{id}");
+            jail.set_env("VGGW_DELIVERY", "exactly_once");
+            assert!(vramgate_shared::config::load::<GatewayConfig>(None, "VGGW_").is_err(), "kebab-case only");
+            Ok(())
+        });
+        let mut config = GatewayConfig { delivery: Delivery::ExactlyOnce, ..GatewayConfig::default() };
+        config.kafka.transactional_id = Some("gw-0".into());
+        assert_eq!(config.kafka.transactional_id(), "gw-0");
+        config.kafka.transaction_timeout_ms = 500;
+        assert!(config.validate().expect_err("too short").contains("transaction_timeout_ms"));
+        config.kafka.transaction_timeout_ms = 10_000;
+        config.kafka.transactional_id = Some("x".repeat(MAX_TRANSACTIONAL_ID_BYTES + 1));
+        assert!(config.validate().expect_err("too long").contains("transactional_id"));
+        config.kafka.transactional_id = Some(String::new());
+        assert!(config.validate().is_err(), "empty");
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("VGGW_DELIVERY", "exactly-once");
+            jail.set_env("VGGW_KAFKA__PROPERTIES__ENABLE_IDEMPOTENCE", "false");
+            let mut config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+            assert!(config.validate().expect_err("not idempotent").contains("enable.idempotence"));
+            config.delivery = Delivery::AtLeastOnce;
+            config.validate().expect("at-least-once takes any producer properties");
+            Ok(())
+        });
     }
 
     #[test]

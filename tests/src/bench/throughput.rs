@@ -50,7 +50,8 @@ use crate::{
     start_gateway, unique, CommitProbe, voice_task_env, TaskTopics,
 };
 
-const PARTITIONS: i32 = 3;
+/// Partitions of every topic P2 and P4 create.
+pub const PARTITIONS: i32 = 3;
 const MIB: f64 = (1u64 << 20) as f64;
 
 /// Pids of local Kafka brokers (`kafka.Kafka` in their command line), to count their CPU.
@@ -339,6 +340,50 @@ async fn gateway_consume(topics: &TaskTopics, root: &Path, count: usize) -> anyh
     })
 }
 
+/// The whole pipeline's input for a P2 case: the same input as the worker-direct figure, as a
+/// file under `root` that the gateway reads and converts to the same tensor shape. Returns the
+/// task that names it and the file.
+pub fn p2_input(case: &ceiling::CeilingCase, root: &Path) -> anyhow::Result<(&'static str, std::path::PathBuf)> {
+    Ok(match case.model {
+        ceiling::CeilingModel::Pnet => {
+            let (h, w) = (case.shape[2] as u32, case.shape[3] as u32);
+            ("image", write(root, "input.png", &png(&crowd(w, h, 16.0, 1))))
+        }
+        ceiling::CeilingModel::SileroVad => {
+            let path = root.join("input.wav");
+            write_wav(&path, &noise(case.shape[1], 0.05, 1), 16_000, 1, SampleFormat::I16)?;
+            ("voice", path)
+        }
+    })
+}
+
+/// The overrides of a P2 gateway (defaults otherwise): its group, worker and input root, the
+/// case's task on `topics`, the other task off, and for P-Net the model input of the case's
+/// size. Callers add their own (a delivery mode) after these.
+pub fn p2_gateway_env(
+    case: &ceiling::CeilingCase,
+    topics: &TaskTopics,
+    group: &str,
+    worker_url: &str,
+    root: &Path,
+) -> Vec<(&'static str, String)> {
+    let mut env = gateway_base_env(group, worker_url, root);
+    let image = case.model == ceiling::CeilingModel::Pnet;
+    let (topic_env, other) = if image {
+        (image_task_env(topics), "TASKS__VOICE__ENABLED")
+    } else {
+        (voice_task_env(topics), "TASKS__IMAGE__ENABLED")
+    };
+    env.extend(topic_env);
+    env.push((other, "false".into()));
+    if image {
+        // The model input the gateway makes, so the worker runs P-Net on the case's size.
+        env.push(("TASKS__IMAGE__IMAGE__HEIGHT", case.shape[2].to_string()));
+        env.push(("TASKS__IMAGE__IMAGE__WIDTH", case.shape[3].to_string()));
+    }
+    env
+}
+
 /// P2 for one case: raw loop, worker direct at 8 in flight, whole pipeline. Returns the three
 /// rates.
 async fn pipeline_case(
@@ -351,19 +396,8 @@ async fn pipeline_case(
     let (direct, failed) = ceiling::worker_rate(&worker.url, case, &data, 8, 4.0).await?;
     anyhow::ensure!(failed == 0, "{failed} direct calls failed");
 
-    // The same input as a file the gateway reads and converts to the same tensor shape.
     let root = scratch_dir("bench-p2");
-    let (task, file) = match case.model {
-        ceiling::CeilingModel::Pnet => {
-            let (h, w) = (case.shape[2] as u32, case.shape[3] as u32);
-            ("image", write(&root, "input.png", &png(&crowd(w, h, 16.0, 1))))
-        }
-        ceiling::CeilingModel::SileroVad => {
-            let path = root.join("input.wav");
-            write_wav(&path, &noise(case.shape[1], 0.05, 1), 16_000, 1, SampleFormat::I16)?;
-            ("voice", path)
-        }
-    };
+    let (task, file) = p2_input(case, &root)?;
     let topics = TaskTopics::create("bench-p2", PARTITIONS).await?;
     let requests: Vec<(String, Vec<u8>)> = (0..events)
         .map(|i| {
@@ -374,19 +408,7 @@ async fn pipeline_case(
         .collect();
     send_all(&producer(), &topics.requests, &requests, 500).await?;
     let group = unique("bench-p2");
-    let mut env = gateway_base_env(&group, &worker.url, &root);
-    let (topic_env, other) = if task == "image" {
-        (image_task_env(&topics), "TASKS__VOICE__ENABLED")
-    } else {
-        (voice_task_env(&topics), "TASKS__IMAGE__ENABLED")
-    };
-    env.extend(topic_env);
-    env.push((other, "false".into()));
-    if task == "image" {
-        // The model input the gateway makes, so the worker runs P-Net on the case's size.
-        env.push(("TASKS__IMAGE__IMAGE__HEIGHT", case.shape[2].to_string()));
-        env.push(("TASKS__IMAGE__IMAGE__WIDTH", case.shape[3].to_string()));
-    }
+    let env = p2_gateway_env(case, &topics, &group, &worker.url, &root);
     let gateway = start_gateway(&env).await?;
     let pipeline = rate_until_produced(&gateway, events, Duration::from_secs(600)).await?;
     let results = topic_records(&topics.results)?;
@@ -429,7 +451,7 @@ pub struct P2Row {
 /// P2's inputs: `VRAMGATE_BENCH_P2_INPUTS`, comma-separated, `HxW` for a P-Net image and `Ns`
 /// for a Silero clip of N seconds (default `320x320,5s`). Small ones (`32x32,1s`) make a worker
 /// that answers almost at once, so the pipeline's own cost per record shows.
-fn p2_cases() -> anyhow::Result<Vec<ceiling::CeilingCase>> {
+pub fn p2_cases() -> anyhow::Result<Vec<ceiling::CeilingCase>> {
     let spec = std::env::var("VRAMGATE_BENCH_P2_INPUTS").unwrap_or_else(|_| "320x320,5s".into());
     spec.split(',')
         .map(str::trim)
