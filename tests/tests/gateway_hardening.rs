@@ -60,6 +60,11 @@ struct Setup {
 }
 
 async fn setup(topics: &TaskTopics, name: &str) -> Setup {
+    setup_with(topics, name, &[]).await
+}
+
+/// [`setup`], with further gateway settings.
+async fn setup_with(topics: &TaskTopics, name: &str, extra: &[(&'static str, String)]) -> Setup {
     let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker");
     let root = scratch_dir(name);
     let wav = root.join("noise.wav");
@@ -68,6 +73,7 @@ async fn setup(topics: &TaskTopics, name: &str) -> Setup {
     let mut env = gateway_base_env(&group, &worker.url, &root);
     env.extend(voice_task_env(topics));
     env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+    env.extend_from_slice(extra);
     let gateway = start_gateway(&env).await.expect("gateway");
     Setup { _worker: worker, gateway, group, wav }
 }
@@ -82,8 +88,24 @@ async fn wait_committed(gateway: &Gateway, group: &str, topic: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outputs_the_broker_refuses_become_trimmed_dead_letters_and_the_partition_moves_on() {
+    refused_outputs_become_trimmed_dead_letters(&[]).await;
+}
+
+/// The same in exactly-once delivery, where the broker refuses the output inside a
+/// transaction: the transaction aborts, and the redone one carries the trimmed dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_the_broker_refuses_inside_a_transaction_become_trimmed_dead_letters_too() {
+    let eos = [("DELIVERY", "exactly-once".to_string()), ("KAFKA__TRANSACTIONAL_ID", unique("refused-tx"))];
+    let gateway = refused_outputs_become_trimmed_dead_letters(&eos).await;
+    let metrics = gateway.metrics().await.expect("metrics");
+    let outcome = |o: &str| metrics.sum("vramgate_gateway_transactions_total", &[("outcome", o)]);
+    assert!(outcome("aborted") + outcome("fenced") >= 1.0, "the refused output aborted no transaction:\n{}", metrics.text);
+    assert!(outcome("committed") >= 1.0, "{}", metrics.text);
+}
+
+async fn refused_outputs_become_trimmed_dead_letters(extra: &[(&'static str, String)]) -> Gateway {
     let topics = topics_with_limit("refused", 4096).await;
-    let Setup { _worker, gateway, group, wav } = setup(&topics, "refused").await;
+    let Setup { _worker, gateway, group, wav } = setup_with(&topics, "refused", extra).await;
 
     let producer = producer();
     // A dead letter echoes the request's value (as base64): 10 KB of options makes it larger
@@ -120,6 +142,7 @@ async fn outputs_the_broker_refuses_become_trimmed_dead_letters_and_the_partitio
     wait_committed(&gateway, &group, &topics.requests).await;
     let metrics = gateway.metrics().await.expect("metrics");
     assert_eq!(metrics.sum("vramgate_gateway_outputs_rejected_total", &[("outcome", "trimmed")]), 1.0, "{}", metrics.text);
+    gateway
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
