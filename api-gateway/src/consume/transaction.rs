@@ -299,6 +299,7 @@ impl Transactional {
     ) -> Result<(), KafkaError> {
         producer.begin_transaction()?;
         let mut acks: Vec<Option<oneshot::Receiver<Acked>>> = Vec::with_capacity(outputs.len());
+        let mut acked: Vec<Option<Acked>> = Vec::with_capacity(outputs.len());
         let sent = (|| {
             for p in outputs.iter_mut() {
                 acks.push(self.send(producer, p)?);
@@ -311,6 +312,18 @@ impl Transactional {
                 .group_metadata()
                 .ok_or(KafkaError::ConsumerCommit(RDKafkaErrorCode::UnknownMemberId))?;
             producer.send_offsets_to_transaction(&offsets, &group, self.timeout)?;
+            // Every output acknowledged before the commit: rdkafka's `commit_transaction`
+            // flushes first, and its flush, finding anything outstanding, waits on the event
+            // queue for up to 100 ms, while the producer's own polling thread takes the events
+            // it waits for. Left to it, every transaction took 100 ms more.
+            let deadline = Instant::now() + self.timeout;
+            settle(&mut acks, &mut acked, deadline);
+            if let Some(Some(Err(refusal))) = acked.iter().find(|a| matches!(a, Some(Err(_)))) {
+                return Err(refusal.error.clone());
+            }
+            while producer.in_flight_count() > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(200));
+            }
             let mut attempt = 1;
             loop {
                 match producer.commit_transaction(self.timeout) {
@@ -329,18 +342,8 @@ impl Transactional {
         }
         // Aborted (or fatal): every output reports back, purged or refused. Those refused for
         // good get their stand-ins before the transaction is redone.
-        let deadline = Instant::now() + PURGE_WAIT;
-        for (p, ack) in outputs.iter_mut().zip(acks) {
-            let Some(mut ack) = ack else { continue };
-            let acked = loop {
-                match ack.try_recv() {
-                    Ok(acked) => break Some(acked),
-                    Err(oneshot::error::TryRecvError::Empty) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(1))
-                    }
-                    Err(_) => break None,
-                }
-            };
+        settle(&mut acks, &mut acked, Instant::now() + PURGE_WAIT);
+        for (p, acked) in outputs.iter_mut().zip(acked) {
             if let Some(Err(refusal)) = acked {
                 if produce::is_permanent(&refusal.error) {
                     p.refused(&refusal.error, &self.metrics);
@@ -375,6 +378,28 @@ impl Transactional {
                 Err((error, _)) => return Err(error),
             }
         }
+    }
+}
+
+/// Waits until `deadline` for the acknowledgements in `acks` not yet in `acked` (which it
+/// extends to the length of `acks`); one still missing then stays `None`. An output that had
+/// no send (`None` in `acks`) has no acknowledgement.
+fn settle(acks: &mut [Option<oneshot::Receiver<Acked>>], acked: &mut Vec<Option<Acked>>, deadline: Instant) {
+    acked.resize_with(acks.len(), || None);
+    for (ack, got) in acks.iter_mut().zip(acked.iter_mut()) {
+        let Some(rx) = ack else { continue };
+        if got.is_some() {
+            continue;
+        }
+        *got = loop {
+            match rx.try_recv() {
+                Ok(a) => break Some(a),
+                Err(oneshot::error::TryRecvError::Empty) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_micros(200))
+                }
+                Err(_) => break None,
+            }
+        };
     }
 }
 
