@@ -5,9 +5,10 @@
 
 A module here is a source file (`a/mod.rs` is module `a`). Module A depends on module B when
 A's code (its `#[cfg(test)]` block left out) names a path into B: `use crate::b::X`,
-`super::b::f()`, `crate::b::X` inline. A module and its own ancestors are not counted against
-each other (a child reads its parent's helpers; a parent declares and re-exports its
-children), so a circle is one among modules that could each be read alone. Paths through
+`super::b::f()`, `crate::b::X` inline. A parent naming its own descendants is not counted (it
+declares and re-exports them); a child naming its parent is: `config` naming `tasks::image`,
+whose code names `tasks`, which names `config`, is a circle, for none of the three can be
+read without the others. Paths through
 re-exports resolve to the module the path names, which is the dependency a reader sees.
 """
 
@@ -114,8 +115,9 @@ def resolve(path, here, mods):
     return None
 
 
-def related(a, b):
-    return a[: len(b)] == b or b[: len(a)] == a
+def declares(a, b):
+    """Whether b is a descendant of a: a parent declares and re-exports its children."""
+    return b[: len(a)] == a
 
 
 def cycles(graph):
@@ -157,7 +159,7 @@ def check_crate(src):
     for here, f in mods.items():
         for p in paths(strip(f.read_text())):
             target = resolve(p, here, mods)
-            if target is not None and target != here and not related(here, target):
+            if target is not None and target != here and not declares(here, target):
                 graph.setdefault(here, set()).add(target)
     return mods, graph, cycles(graph)
 

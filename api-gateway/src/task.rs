@@ -9,8 +9,11 @@ use anyhow::Context;
 use prometheus::{IntCounter, IntGauge};
 
 use crate::call::workers::WorkerSet;
-use crate::config::{TaskConfig, WorkerEndpoint, WorkerSource};
+use crate::config::{self, TaskConfig, WorkerEndpoint, WorkerSource};
 use crate::metrics::Metrics;
+use crate::tasks::image::ImageTask;
+use crate::tasks::voice::VoiceTask;
+use crate::tasks::Converter;
 
 pub struct Task {
     pub name: String,
@@ -27,7 +30,7 @@ pub struct Task {
     pub workers: Arc<WorkerSet>,
     pub worker_source: WorkerSource,
     /// What this task does to a request before and after the worker call.
-    pub converter: Box<dyn crate::tasks::Converter>,
+    pub converter: Box<dyn Converter>,
     /// Made once here rather than for every record on the hot path.
     pub hot: Hot,
 }
@@ -92,7 +95,7 @@ impl Task {
             config: config.clone(),
             pool,
             congested: AtomicBool::new(false),
-            converter: crate::tasks::converter(config),
+            converter: converter(config),
             workers: Arc::new(workers),
             worker_source,
             hot,
@@ -116,5 +119,14 @@ impl Task {
             return false;
         }
         true
+    }
+}
+
+/// The converter of a task table row. Here, not in `tasks`: the configuration holds each
+/// task's options (`tasks` owns their types), so the tasks know nothing of the table.
+fn converter(config: &TaskConfig) -> Box<dyn Converter> {
+    match config.converter {
+        config::Converter::Wav => Box::new(VoiceTask::new(config.wav.clone())),
+        config::Converter::Image => Box::new(ImageTask::new(config.image.clone())),
     }
 }

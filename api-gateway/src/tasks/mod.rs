@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use vramgate_shared::oip::Tensor;
 
-use crate::config::{self, TaskConfig};
 use crate::failure::Failure;
 use crate::call::client::OutputTensor;
 
@@ -50,12 +49,4 @@ pub struct Converted {
 pub trait Finish: Send {
     /// `tensors` are the outputs asked for, in order.
     fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure>;
-}
-
-/// The converter of a task table row.
-pub fn converter(config: &TaskConfig) -> Box<dyn Converter> {
-    match config.converter {
-        config::Converter::Wav => Box::new(voice::VoiceTask::new(config.wav.clone())),
-        config::Converter::Image => Box::new(image::ImageTask::new(config.image.clone())),
-    }
 }
