@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use vramgate_tests::chaos::tally;
 use vramgate_tests::fleet::voice_event;
 use vramgate_tests::{
     gateway_base_env, producer, restart_broker, scratch_dir, send_all, start_gateway, start_worker, uncommitted_records,
@@ -59,29 +60,27 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
 
     let all = committed.wait_until(Duration::from_secs(300), |got| count(got) >= EVENTS).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let got = committed.snapshot();
-    let lost: Vec<&String> = ids.iter().filter(|id| !got.contains_key(*id)).collect();
-    let doubled: Vec<&String> = ids.iter().filter(|id| got.get(*id).is_some_and(|r| r.len() > 1)).collect();
-    let dead: usize = ids.iter().filter_map(|id| got.get(id)).flatten().filter(|r| r.topic == voice.dlq).count();
-    let seen_uncommitted = uncommitted.snapshot();
-    let extra_uncommitted: usize = ids.iter().filter_map(|id| seen_uncommitted.get(id)).map(|r| r.len() - 1).sum();
+    let t = tally(&ids, &committed.snapshot(), &[&voice.dlq]);
+    let u = tally(&ids, &uncommitted.snapshot(), &[&voice.dlq]);
     let metrics = gateway.metrics().await.expect("metrics");
     let outcome = |o: &str| metrics.sum("vramgate_gateway_transactions_total", &[("outcome", o)]);
     eprintln!(
-        "after the restart: read_committed lost {}, doubled {}, {dead} dead letters; read_uncommitted {extra_uncommitted} extra \
-         records; transactions committed {}, aborted {}, fenced {}, failed {}; wall time {:?}",
-        lost.len(),
-        doubled.len(),
+        "after the restart: read_committed lost {}, doubled {}, dead letters {:?}; read_uncommitted {} extra records; \
+         transactions committed {}, aborted {}, fenced {}, failed {}; wall time {:?}",
+        t.lost.len(),
+        t.duplicated.len(),
+        t.dead_by_kind,
+        u.extra_records,
         outcome("committed"),
         outcome("aborted"),
         outcome("fenced"),
         outcome("failed"),
         started.elapsed()
     );
-    assert!(all && lost.is_empty(), "lost {} (e.g. {:?}); gateway:\n{}", lost.len(), &lost[..lost.len().min(5)], gateway.log_tail());
-    assert!(doubled.is_empty(), "{} ids doubled for read_committed (e.g. {:?})", doubled.len(), &doubled[..doubled.len().min(5)]);
+    assert!(all && t.lost.is_empty(), "lost {} (e.g. {:?}); gateway:\n{}", t.lost.len(), &t.lost[..t.lost.len().min(5)], gateway.log_tail());
+    assert!(t.duplicated.is_empty(), "{} ids doubled for read_committed (e.g. {:?})", t.duplicated.len(), &t.duplicated[..t.duplicated.len().min(5)]);
     // Valid inputs: a broker away for seconds is waited out, never a dead letter.
-    assert_eq!(dead, 0, "dead letters from valid inputs");
+    assert!(t.dead_by_kind.is_empty(), "dead letters from valid inputs: {:?}", t.dead_by_kind);
     let status = gateway.service.terminate(Duration::from_secs(40)).await.expect("gateway stops");
     assert!(status.success(), "gateway exited with {status}; log:\n{}", gateway.log_tail());
     assert_eq!(uncommitted_records(&group, &voice.requests).expect("offsets"), 0, "records left uncommitted");
