@@ -245,6 +245,9 @@ impl WorkerConfig {
                 return fail(format!("{key} must be at least 1 ms"));
             }
         }
+        for (i, model) in self.models.iter().enumerate() {
+            model.validate(&format!("models[{i}]")).map_err(ConfigError::Inconsistent)?;
+        }
         if let Some(token) = &self.auth_token {
             if token.expose().is_empty() {
                 return fail("auth_token is empty: unset it to turn authentication off".into());
@@ -300,6 +303,123 @@ pub struct ModelConfig {
     /// from what batches are seen to use).
     #[serde(default)]
     pub estimate: Option<EstimateConfig>,
+    /// For `declared` only: the TorchScript method called with the one input tensor.
+    /// Unset: `forward`.
+    #[serde(default)]
+    pub method: Option<String>,
+    /// For `declared` only (required there): the model's one input.
+    #[serde(default)]
+    pub input: Option<DeclaredTensor>,
+    /// For `declared` only (at least one required there): what the method returns, in order:
+    /// one tensor when one output is declared, else a tuple or list of tensors, one per output.
+    #[serde(default)]
+    pub outputs: Option<Vec<DeclaredTensor>>,
+    /// For `declared` only: the sizes the start-up calibration gives each variable (`-1`)
+    /// non-batch input dimension. Unset: [`DEFAULT_PROBE_SIZES`].
+    #[serde(default)]
+    pub probe_sizes: Option<Vec<usize>>,
+}
+
+/// A tensor of a `declared` model, as its config entry states it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredTensor {
+    /// The tensor's name in OIP requests, responses and metadata.
+    pub name: String,
+    /// Its dimensions: the first is the batch (rows) and must be `-1`; each other is a fixed
+    /// size, or `-1` for any size.
+    pub shape: Vec<i64>,
+}
+
+/// The method a `declared` model is called through when its entry names none.
+pub const DEFAULT_METHOD: &str = "forward";
+/// The sizes a `declared` model's variable dimensions take in calibration when its entry
+/// names none.
+pub const DEFAULT_PROBE_SIZES: [usize; 3] = [32, 64, 128];
+/// Longest tensor name a `declared` model may give, in bytes.
+pub const MAX_TENSOR_NAME_BYTES: usize = 64;
+/// Most dimensions a declared tensor may have.
+pub const MAX_DECLARED_RANK: usize = 8;
+/// Largest fixed dimension a declared tensor may have.
+pub const MAX_DECLARED_DIM: i64 = 1 << 31;
+/// Largest probe size a `declared` model may name.
+pub const MAX_PROBE_SIZE: usize = 65_536;
+
+impl ModelConfig {
+    /// The TorchScript method a `declared` model is called through.
+    pub fn method(&self) -> &str {
+        self.method.as_deref().unwrap_or(DEFAULT_METHOD)
+    }
+
+    /// The probe sizes of a `declared` model's variable dimensions.
+    pub fn probe_sizes(&self) -> &[usize] {
+        self.probe_sizes.as_deref().unwrap_or(&DEFAULT_PROBE_SIZES)
+    }
+
+    /// Checks the keys that belong to one kind only; `at` names the entry (`models[2]`).
+    fn validate(&self, at: &str) -> Result<(), String> {
+        let declared_only = [
+            ("method", self.method.is_some()),
+            ("input", self.input.is_some()),
+            ("outputs", self.outputs.is_some()),
+            ("probe_sizes", self.probe_sizes.is_some()),
+        ];
+        if self.kind != ModelKind::Declared {
+            return match declared_only.iter().find(|(_, set)| *set) {
+                Some((key, _)) => Err(format!("{at}.{key} is only for kind \"declared\", not \"{}\"", self.kind.as_str())),
+                None => Ok(()),
+            };
+        }
+        if self.method().is_empty() {
+            return Err(format!("{at}.method must not be empty"));
+        }
+        let Some(input) = &self.input else {
+            return Err(format!("{at}.input is required for kind \"declared\": {{ name = \"…\", shape = [-1, …] }}"));
+        };
+        input.validate(&format!("{at}.input"))?;
+        let outputs = self.outputs.as_deref().unwrap_or_default();
+        if outputs.is_empty() {
+            return Err(format!("{at}.outputs needs at least one entry for kind \"declared\""));
+        }
+        for (j, output) in outputs.iter().enumerate() {
+            output.validate(&format!("{at}.outputs[{j}]"))?;
+            if outputs[..j].iter().any(|o| o.name == output.name) {
+                return Err(format!("{at}.outputs[{j}].name '{}' names an earlier output too", output.name));
+            }
+        }
+        if let Some(sizes) = &self.probe_sizes {
+            if sizes.is_empty() {
+                return Err(format!("{at}.probe_sizes must not be empty (unset it for {DEFAULT_PROBE_SIZES:?})"));
+            }
+            if let Some((k, size)) = sizes.iter().enumerate().find(|(_, &s)| !(1..=MAX_PROBE_SIZE).contains(&s)) {
+                return Err(format!("{at}.probe_sizes[{k}] must be 1..={MAX_PROBE_SIZE}, got {size}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeclaredTensor {
+    /// Checks the name and the shape; `at` names the entry (`models[2].outputs[1]`).
+    fn validate(&self, at: &str) -> Result<(), String> {
+        if self.name.is_empty() {
+            return Err(format!("{at}.name must not be empty"));
+        }
+        if self.name.len() > MAX_TENSOR_NAME_BYTES {
+            return Err(format!("{at}.name must be at most {MAX_TENSOR_NAME_BYTES} bytes, got {}", self.name.len()));
+        }
+        let shape = &self.shape;
+        if !(1..=MAX_DECLARED_RANK).contains(&shape.len()) {
+            return Err(format!("{at}.shape must have 1 to {MAX_DECLARED_RANK} dimensions, got {shape:?}"));
+        }
+        if shape[0] != -1 {
+            return Err(format!("{at}.shape[0] must be -1 (the batch: any number of rows), got {}", shape[0]));
+        }
+        if let Some((d, n)) = shape.iter().enumerate().skip(1).find(|(_, &n)| n != -1 && !(1..=MAX_DECLARED_DIM).contains(&n)) {
+            return Err(format!("{at}.shape[{d}] must be -1 (any size) or 1..={MAX_DECLARED_DIM}, got {n}"));
+        }
+        Ok(())
+    }
 }
 
 /// A request's memory ≈ `base_bytes + bytes_per_element × input elements`.
@@ -329,6 +449,21 @@ pub enum ModelKind {
     /// offsets `[batch, 4, h, w]` and probabilities `[batch, 2, h, w]`, one cell per 12×12
     /// window at stride 2. The worker answers `face_prob` `[batch, h, w]` and `box_offsets`.
     FaceDetection,
+    /// Any TorchScript model of one input whose tensors the entry declares (`input`,
+    /// `outputs`, `method`, `probe_sizes`): the method is called with the input and its
+    /// tensors are answered as they are, split per request along the batch dimension.
+    Declared,
+}
+
+impl ModelKind {
+    /// The name the config spells it with.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::VoiceActivity => "voice_activity",
+            ModelKind::FaceDetection => "face_detection",
+            ModelKind::Declared => "declared",
+        }
+    }
 }
 
 fn default_sample_rate() -> u32 {
@@ -378,5 +513,85 @@ mod tests {
         let config = from_toml("").expect("defaults are valid");
         assert!(config.max_body_bytes_in_flight >= config.max_request_bytes as u64);
         assert!(config.memory_host_allowance_bytes >= 2 * config.max_body_bytes_in_flight);
+    }
+
+    /// A config of a `face_detection` entry (`models[0]`) and a `declared` one (`models[1]`)
+    /// whose keys are `keys`.
+    fn with_declared(keys: &str) -> String {
+        format!(
+            "[[models]]\nname = \"pnet\"\npath = \"p.jit\"\nkind = \"face_detection\"\n\n\
+             [[models]]\nname = \"rnet\"\npath = \"r.jit\"\nkind = \"declared\"\n{keys}\n"
+        )
+    }
+
+    const RNET: &str = "input = { name = \"image\", shape = [-1, 3, 24, 24] }\n\
+        outputs = [ { name = \"box_offsets\", shape = [-1, 4] }, { name = \"face_prob\", shape = [-1, 2] } ]\n";
+
+    #[test]
+    fn a_declared_model_reads_its_tensors_method_and_probe_sizes() {
+        let config = from_toml(&with_declared(RNET)).expect("the R-Net entry");
+        let rnet = &config.models[1];
+        assert_eq!(rnet.kind, ModelKind::Declared);
+        assert_eq!((rnet.method(), rnet.probe_sizes()), ("forward", &DEFAULT_PROBE_SIZES[..]));
+        assert_eq!(rnet.input, Some(DeclaredTensor { name: "image".into(), shape: vec![-1, 3, 24, 24] }));
+        let outputs = rnet.outputs.as_deref().expect("outputs");
+        assert_eq!(outputs.iter().map(|o| (o.name.as_str(), o.shape.as_slice())).collect::<Vec<_>>(), [
+            ("box_offsets", &[-1i64, 4][..]),
+            ("face_prob", &[-1, 2][..])
+        ]);
+        let config = from_toml(&with_declared(&format!("{RNET}method = \"detect\"\nprobe_sizes = [16]\n"))).expect("method and sizes");
+        assert_eq!((config.models[1].method(), config.models[1].probe_sizes()), ("detect", &[16usize][..]));
+        let widest = "input = { name = \"x\", shape = [-1, 2147483648, -1, 1, 1, 1, 1, 1] }\noutputs = [ { name = \"y\", shape = [-1] } ]\n";
+        from_toml(&with_declared(&format!("{widest}probe_sizes = [1, 65536]\n"))).expect("the limits themselves");
+    }
+
+    #[test]
+    fn every_mistake_in_a_declared_model_is_named_by_its_key() {
+        let output = "outputs = [ { name = \"y\", shape = [-1, 4] } ]\n";
+        let input = "input = { name = \"x\", shape = [-1, 3, 24, 24] }\n";
+        let check = |keys: String, want: &str| {
+            let err = from_toml(&with_declared(&keys)).expect_err(want).to_string();
+            assert!(err.contains(want), "{keys}\nwant: {want}\ngot:  {err}");
+        };
+        check(output.into(), "models[1].input is required for kind \"declared\"");
+        check(input.into(), "models[1].outputs needs at least one entry");
+        check(format!("{input}outputs = []\n"), "models[1].outputs needs at least one entry");
+        check(format!("{input}{output}method = \"\"\n"), "models[1].method must not be empty");
+        check(format!("input = {{ name = \"\", shape = [-1] }}\n{output}"), "models[1].input.name must not be empty");
+        let long = "n".repeat(65);
+        check(format!("{input}outputs = [ {{ name = \"y\", shape = [-1] }}, {{ name = \"{long}\", shape = [-1] }} ]\n"),
+            "models[1].outputs[1].name must be at most 64 bytes, got 65");
+        check(format!("{input}outputs = [ {{ name = \"y\", shape = [-1] }}, {{ name = \"y\", shape = [-1, 2] }} ]\n"),
+            "models[1].outputs[1].name 'y' names an earlier output too");
+        check(format!("input = {{ name = \"x\", shape = [] }}\n{output}"), "models[1].input.shape must have 1 to 8 dimensions, got []");
+        check(format!("input = {{ name = \"x\", shape = [-1, 1, 1, 1, 1, 1, 1, 1, 1] }}\n{output}"),
+            "models[1].input.shape must have 1 to 8 dimensions");
+        check(format!("input = {{ name = \"x\", shape = [1, 3] }}\n{output}"), "models[1].input.shape[0] must be -1 (the batch");
+        check(format!("{input}outputs = [ {{ name = \"y\", shape = [-1] }}, {{ name = \"z\", shape = [-1, 4, 0] }} ]\n"),
+            "models[1].outputs[1].shape[2] must be -1 (any size) or 1..=2147483648, got 0");
+        check(format!("input = {{ name = \"x\", shape = [-1, -2] }}\n{output}"), "models[1].input.shape[1] must be -1 (any size) or 1..=2147483648, got -2");
+        check(format!("input = {{ name = \"x\", shape = [-1, 2147483649] }}\n{output}"), "models[1].input.shape[1] must be -1");
+        check(format!("{input}{output}probe_sizes = []\n"), "models[1].probe_sizes must not be empty");
+        check(format!("{input}{output}probe_sizes = [8, 0]\n"), "models[1].probe_sizes[1] must be 1..=65536, got 0");
+        check(format!("{input}{output}probe_sizes = [65537]\n"), "models[1].probe_sizes[0] must be 1..=65536, got 65537");
+        // A key of its own kind's tensors, misspelled, is refused by serde.
+        check(format!("{input}{output}outputs_ = 1\n"), "outputs_");
+        check(format!("input = {{ name = \"x\", shape = [-1], dtype = \"FP32\" }}\n{output}"), "dtype");
+    }
+
+    #[test]
+    fn the_declared_keys_are_refused_on_the_other_kinds() {
+        for (key, value) in [
+            ("method", "\"forward\""),
+            ("input", "{ name = \"image\", shape = [-1, 3, -1, -1] }"),
+            ("outputs", "[ { name = \"p\", shape = [-1] } ]"),
+            ("probe_sizes", "[64]"),
+        ] {
+            for kind in ["face_detection", "voice_activity"] {
+                let text = format!("[[models]]\nname = \"m\"\npath = \"m.jit\"\nkind = \"{kind}\"\n{key} = {value}\n");
+                let err = from_toml(&text).expect_err(key).to_string();
+                assert!(err.contains(&format!("models[0].{key} is only for kind \"declared\", not \"{kind}\"")), "{err}");
+            }
+        }
     }
 }

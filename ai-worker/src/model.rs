@@ -6,15 +6,19 @@
 //! are serialised by a mutex: Silero VAD keeps recurrent state inside the module, so two
 //! concurrent calls into one copy would corrupt each other's results. `instances` loads
 //! several copies, so that several batches of one model can run at once.
+//!
+//! Two kinds have their tensors written here (Silero VAD, MTCNN P-Net); a `declared` model's
+//! come from its config entry ([`TensorSpec`]s built at load), so that a model of one input
+//! is served with no code of its own.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
 use tch::{CModule, Device, IValue, Kind, Tensor};
 
-use crate::config::{DeviceChoice, ModelConfig, ModelKind};
+use crate::config::{DeclaredTensor, DeviceChoice, ModelConfig, ModelKind, DEFAULT_PROBE_SIZES};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
@@ -132,16 +136,23 @@ impl InputTensor {
 const F32_BYTES: usize = std::mem::size_of::<f32>();
 
 /// A tensor a model takes or gives, as OIP metadata shows it (`-1`: a variable dimension).
-#[derive(Debug, Clone, Copy)]
+/// The name is shared with every [`OutputTensor`] of it, so answers copy no string.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
-    pub name: &'static str,
-    pub shape: &'static [i64],
+    pub name: Arc<str>,
+    pub shape: Vec<i64>,
+}
+
+impl TensorSpec {
+    fn new(name: &str, shape: &[i64]) -> TensorSpec {
+        TensorSpec { name: name.into(), shape: shape.to_vec() }
+    }
 }
 
 /// A model's output, row-major f32 with its shape.
 #[derive(Debug, Clone)]
 pub struct OutputTensor {
-    pub name: &'static str,
+    pub name: Arc<str>,
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
 }
@@ -149,8 +160,35 @@ pub struct OutputTensor {
 pub struct Model {
     config: ModelConfig,
     device: Device,
+    /// The one input and the outputs, in the order [`Model::infer_batch`] returns them.
+    input: TensorSpec,
+    outputs: Vec<TensorSpec>,
     /// One loaded copy per configured instance; a batch runs on whichever is free.
     modules: Vec<Mutex<CModule>>,
+}
+
+/// A model's input and outputs: written here for the two built-in kinds, the config entry's
+/// for `declared` (which `config.rs` validated; a config built in code is checked here too).
+fn tensor_specs(config: &ModelConfig) -> Result<(TensorSpec, Vec<TensorSpec>), String> {
+    Ok(match config.kind {
+        ModelKind::VoiceActivity => (TensorSpec::new("audio", &[-1, -1]), vec![TensorSpec::new("speech_prob", &[-1, -1])]),
+        ModelKind::FaceDetection => (
+            TensorSpec::new("image", &[-1, 3, -1, -1]),
+            vec![TensorSpec::new("face_prob", &[-1, -1, -1]), TensorSpec::new("box_offsets", &[-1, 4, -1, -1])],
+        ),
+        ModelKind::Declared => {
+            let spec = |t: &DeclaredTensor| TensorSpec::new(&t.name, &t.shape);
+            let input = config.input.as_ref().map(spec).ok_or("kind 'declared' needs an input")?;
+            let outputs: Vec<TensorSpec> = config.outputs.iter().flatten().map(spec).collect();
+            if outputs.is_empty() {
+                return Err("kind 'declared' needs at least one output".into());
+            }
+            if std::iter::once(&input).chain(&outputs).any(|t| t.shape.first() != Some(&-1)) {
+                return Err("a declared tensor's first dimension must be -1 (the batch)".into());
+            }
+            (input, outputs)
+        }
+    })
 }
 
 impl Model {
@@ -160,6 +198,7 @@ impl Model {
         let started = Instant::now();
         let (name, path) = (config.name.clone(), config.path.display().to_string());
         let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
+        let (input, outputs) = tensor_specs(&config).map_err(load_err)?;
         let mut modules = Vec::new();
         for _ in 0..config.instances.max(1) {
             let mut module = CModule::load_on_device(&config.path, device)
@@ -167,9 +206,16 @@ impl Model {
             module.set_eval();
             modules.push(Mutex::new(module));
         }
-        let model = Model { config, device, modules };
+        let model = Model { config, device, input, outputs, modules };
         let probe = model.probe_input(1, model.smallest_probe());
-        model.infer(&probe).map_err(|e| load_err(format!("warm-up call failed: {e}")))?;
+        model.infer(&probe).map_err(|e| {
+            load_err(format!(
+                "warm-up call of method '{}' with input '{}' of shape {:?} failed: {e}",
+                model.method(),
+                model.input.name,
+                probe.shape
+            ))
+        })?;
         tracing::info!(
             model = %model.config.name,
             device = ?device,
@@ -196,44 +242,68 @@ impl Model {
     }
 
     /// The model's one input tensor: its name and OIP shape (`-1`: variable).
-    pub fn input_spec(&self) -> TensorSpec {
-        match self.config.kind {
-            ModelKind::VoiceActivity => TensorSpec { name: "audio", shape: &[-1, -1] },
-            ModelKind::FaceDetection => TensorSpec { name: "image", shape: &[-1, 3, -1, -1] },
-        }
+    pub fn input_spec(&self) -> &TensorSpec {
+        &self.input
     }
 
     /// The model's output tensors, in the order [`Model::infer_batch`] returns them.
-    pub fn output_specs(&self) -> &'static [TensorSpec] {
+    pub fn output_specs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    /// The TorchScript method a batch is run through.
+    fn method(&self) -> &str {
         match self.config.kind {
-            ModelKind::VoiceActivity => &[TensorSpec { name: "speech_prob", shape: &[-1, -1] }],
-            ModelKind::FaceDetection => &[
-                TensorSpec { name: "face_prob", shape: &[-1, -1, -1] },
-                TensorSpec { name: "box_offsets", shape: &[-1, 4, -1, -1] },
-            ],
+            ModelKind::VoiceActivity => "audio_forward",
+            ModelKind::FaceDetection => "forward",
+            ModelKind::Declared => self.config.method(),
         }
+    }
+
+    /// For `declared`: whether every non-batch input dimension is fixed, so that inputs differ
+    /// only in rows and a probe's size is a row multiplier.
+    fn rows_only(&self) -> bool {
+        self.input.shape[1..].iter().all(|&d| d > 0)
+    }
+
+    /// For `declared`: the probe sizes of the variable dimensions, ascending.
+    fn declared_probe_sizes(&self) -> Vec<usize> {
+        let mut sizes = self.config.probe_sizes().to_vec();
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes
     }
 
     fn smallest_probe(&self) -> usize {
         match self.config.kind {
             ModelKind::VoiceActivity => self.config.sample_rate_hz as usize,
             ModelKind::FaceDetection => 64,
+            ModelKind::Declared if self.rows_only() => 1,
+            ModelKind::Declared => self.declared_probe_sizes().first().copied().unwrap_or(DEFAULT_PROBE_SIZES[0]),
         }
     }
 
     /// The probe inputs of the start-up memory calibration, small to large: three sizes, each
-    /// at batch 1 and 2 (sizes: 1, 4 and 16 s of audio; 128², 256² and 512² images).
+    /// at batch 1 and 2 (sizes: 1, 4 and 16 s of audio; 128², 256² and 512² images; for a
+    /// `declared` model 1, 8 and 32 rows when its other dimensions are fixed, else its probe
+    /// sizes, with batch 4 too when it names only one, as the fit needs three probes).
     pub fn calibration_inputs(&self) -> Vec<InputTensor> {
-        let sizes: [usize; 3] = match self.config.kind {
+        let (sizes, batches): (Vec<usize>, &[usize]) = match self.config.kind {
             ModelKind::VoiceActivity => {
                 let sr = self.config.sample_rate_hz as usize;
-                [sr, 4 * sr, 16 * sr]
+                (vec![sr, 4 * sr, 16 * sr], &[1, 2])
             }
-            ModelKind::FaceDetection => [128, 256, 512],
+            ModelKind::FaceDetection => (vec![128, 256, 512], &[1, 2]),
+            ModelKind::Declared if self.rows_only() => (vec![1, 8, 32], &[1, 2]),
+            ModelKind::Declared => {
+                let sizes = self.declared_probe_sizes();
+                let batches: &[usize] = if sizes.len() == 1 { &[1, 2, 4] } else { &[1, 2] };
+                (sizes, batches)
+            }
         };
         let mut probes = Vec::new();
         for size in sizes {
-            for batch in [1, 2] {
+            for &batch in batches {
                 let probe = self.probe_input(batch, size);
                 if probe.elements() <= self.config.max_input_elements as u64 {
                     probes.push(probe);
@@ -244,8 +314,12 @@ impl Model {
     }
 
     /// The input sizes the start-up throughput calibration times (see `batching.rs`), small to
-    /// large: 1 and 4 s of audio; 64², 128², 256² and 512² images. Each size is one size
-    /// class; sizes between them take the nearest class's figures until measured online.
+    /// large: 1 and 4 s of audio; 64², 128², 256² and 512² images; a `declared` model's probe
+    /// sizes. Each size is one size class; sizes between them take the nearest class's
+    /// figures until measured online. A `declared` model whose non-batch dimensions are all
+    /// fixed has one class (the sizer's classes are by elements per row, and all its rows are
+    /// alike), so it is timed at one row per item only: a larger row multiplier would file
+    /// `size` rows as one item of a class no request ever falls in.
     pub fn batching_probe_sizes(&self) -> Vec<usize> {
         let sizes = match self.config.kind {
             ModelKind::VoiceActivity => {
@@ -253,6 +327,8 @@ impl Model {
                 vec![sr, 4 * sr]
             }
             ModelKind::FaceDetection => vec![64, 128, 256, 512],
+            ModelKind::Declared if self.rows_only() => vec![1],
+            ModelKind::Declared => self.declared_probe_sizes(),
         };
         sizes.into_iter().filter(|&size| self.probe_input_elements(1, size) <= self.config.max_input_elements).collect()
     }
@@ -262,11 +338,20 @@ impl Model {
         match self.config.kind {
             ModelKind::VoiceActivity => batch * size,
             ModelKind::FaceDetection => batch * 3 * size * size,
+            ModelKind::Declared => self.declared_probe_shape(batch, size).iter().product(),
         }
     }
 
+    /// For `declared`: the shape of a probe of `batch` at `size`: `batch × size` rows of the
+    /// declared shape when it is fixed, else `batch` rows with every variable dimension `size`.
+    fn declared_probe_shape(&self, batch: usize, size: usize) -> Vec<usize> {
+        let rows = if self.rows_only() { batch * size } else { batch };
+        std::iter::once(rows).chain(self.input.shape[1..].iter().map(|&d| if d > 0 { d as usize } else { size })).collect()
+    }
+
     /// A deterministic, non-trivial input of `batch` rows: a quiet tone of `size` samples for
-    /// audio, a gradient of `size`² pixels for images.
+    /// audio, a gradient of `size`² pixels for images, for a `declared` model a gradient from
+    /// 1 down to above -1 along each row (never all zeros, whatever the shape).
     pub fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
         match self.config.kind {
             ModelKind::VoiceActivity => {
@@ -278,16 +363,25 @@ impl Model {
                 let data: Vec<f32> = (0..batch * 3 * plane).map(|i| ((i % plane) as f32 / plane as f32) - 0.5).collect();
                 InputTensor::from_f32(vec![batch, 3, size, size], &data)
             }
+            ModelKind::Declared => {
+                let shape = self.declared_probe_shape(batch, size);
+                let per_row = shape[1..].iter().product::<usize>().max(1);
+                let data: Vec<f32> = (0..shape.iter().product::<usize>())
+                    .map(|i| 1.0 - 2.0 * (i % per_row) as f32 / per_row as f32)
+                    .collect();
+                InputTensor::from_f32(shape, &data)
+            }
         }
     }
 
     /// Whether inputs of different sizes may share a batch, padded (see `engine.rs`): audio
     /// yes (Silero runs forward in time, so trailing silence leaves earlier windows as they
-    /// were), images no (ceil-mode pooling sees the padding at a smaller image's edge).
+    /// were), images no (ceil-mode pooling sees the padding at a smaller image's edge),
+    /// `declared` models no (nothing says what padding would do to them).
     pub fn can_pad(&self) -> bool {
         match self.config.kind {
             ModelKind::VoiceActivity => true,
-            ModelKind::FaceDetection => false,
+            ModelKind::FaceDetection | ModelKind::Declared => false,
         }
     }
 
@@ -330,6 +424,18 @@ impl Model {
                     )));
                 }
             }
+            ModelKind::Declared => {
+                let declared = &self.input.shape;
+                let fits = input.shape.len() == declared.len()
+                    && input.shape.first().is_some_and(|&rows| rows >= 1)
+                    && input.shape.iter().zip(declared).skip(1).all(|(&n, &d)| if d > 0 { n as i64 == d } else { n >= 1 });
+                if !fits {
+                    return Err(ModelError::BadInput(format!(
+                        "input '{}' must have shape {declared:?} (-1: any size), got {:?}",
+                        self.input.name, input.shape
+                    )));
+                }
+            }
         }
         if elements > self.config.max_input_elements {
             return Err(ModelError::BadInput(format!(
@@ -367,6 +473,8 @@ impl Model {
                 let (h, w) = (cells(input_shape[2]), cells(input_shape[3]));
                 vec![vec![input_shape[0], h, w], vec![input_shape[0], 4, h, w]]
             }
+            // Never padded: each output is the rows of the returned tensor (`infer_unchecked`).
+            ModelKind::Declared => Vec::new(),
         }
     }
 
@@ -382,6 +490,14 @@ impl Model {
     pub fn infer_batch(&self, inputs: &[&InputTensor]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
         for input in inputs {
             self.validate(input)?;
+        }
+        if self.config.kind == ModelKind::Declared && inputs.windows(2).any(|w| w[0].shape[1..] != w[1].shape[1..]) {
+            // The engine never forms such a batch (`can_pad`); outputs could not be split.
+            return Err(ModelError::BadInput(format!(
+                "model '{}' batches only inputs of one shape but rows alone, got {:?}",
+                self.config.name,
+                inputs.iter().map(|i| &i.shape).collect::<Vec<_>>()
+            )));
         }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.infer_unchecked(inputs)));
         match outcome {
@@ -404,28 +520,40 @@ impl Model {
         let shape = Self::padded_shape(inputs);
         let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape)).map_err(failed)?;
         let module = self.free_instance();
-        let raw = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
-            let x = batch_input.f_to_device(self.device)?;
+        let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
+            let x = batch_input.f_to_device(self.device).map_err(failed)?;
             match self.config.kind {
                 ModelKind::VoiceActivity => {
                     let sr = IValue::Int(i64::from(self.config.sample_rate_hz));
-                    match module.method_is("audio_forward", &[IValue::Tensor(x), sr])? {
+                    match module.method_is("audio_forward", &[IValue::Tensor(x), sr]).map_err(failed)? {
                         IValue::Tensor(t) => Ok(vec![t]),
-                        other => Err(tch::TchError::Kind(format!("audio_forward returned {other:?}, expected a tensor"))),
+                        other => Err(failed(tch::TchError::Kind(format!("audio_forward returned {other:?}, expected a tensor")))),
                     }
                 }
-                ModelKind::FaceDetection => match module.forward_is(&[IValue::Tensor(x)])? {
+                ModelKind::FaceDetection => match module.forward_is(&[IValue::Tensor(x)]).map_err(failed)? {
                     IValue::Tuple(mut parts) if parts.len() == 2 => {
                         let (Some(IValue::Tensor(probs)), Some(IValue::Tensor(boxes))) = (parts.pop(), parts.pop()) else {
-                            return Err(tch::TchError::Kind("forward must return (boxes, probs) tensors".into()));
+                            return Err(failed(tch::TchError::Kind("forward must return (boxes, probs) tensors".into())));
                         };
-                        Ok(vec![probs.f_select(1, 1)?, boxes])
+                        Ok(vec![probs.f_select(1, 1).map_err(failed)?, boxes])
                     }
-                    other => Err(tch::TchError::Kind(format!("forward returned {other:?}, expected (boxes, probs)"))),
+                    other => Err(failed(tch::TchError::Kind(format!("forward returned {other:?}, expected (boxes, probs)")))),
                 },
+                ModelKind::Declared => {
+                    let method = self.method();
+                    let in_method = |e: ModelError| match e {
+                        ModelError::Runtime { name, message } => {
+                            ModelError::Runtime { name, message: format!("method '{method}': {message}") }
+                        }
+                        other => other,
+                    };
+                    let returned = module.method_is(method, &[IValue::Tensor(x)]).map_err(|e| in_method(failed(e)))?;
+                    let tensors = returned_tensors(returned).map_err(|message| self.declared_error(&message))?;
+                    self.check_declared_outputs(&tensors, shape[0])?;
+                    Ok(tensors)
+                }
             }
-        })
-        .map_err(failed)?;
+        })?;
         drop(module);
         drop(batch_input);
 
@@ -439,20 +567,110 @@ impl Model {
         let mut per_request = Vec::with_capacity(inputs.len());
         for input in inputs {
             let rows = input.shape[0] as i64;
+            let wants = match self.config.kind {
+                // Unpadded: the returned tensors' own dimensions, this request's rows.
+                ModelKind::Declared => raw
+                    .iter()
+                    .map(|t| std::iter::once(input.shape[0]).chain(t.size().into_iter().skip(1).map(|d| d as usize)).collect())
+                    .collect(),
+                _ => self.output_shapes(&input.shape),
+            };
             let mut outputs = Vec::with_capacity(specs.len());
-            for ((spec, tensor), want) in specs.iter().zip(&raw).zip(self.output_shapes(&input.shape)) {
+            for ((spec, tensor), want) in specs.iter().zip(&raw).zip(wants) {
                 let mut t = tensor.f_narrow(0, row, rows).map_err(failed)?;
                 for (dim, &n) in want.iter().enumerate().skip(1) {
                     t = t.f_narrow(dim as i64, 0, n as i64).map_err(failed)?;
                 }
                 let flat = t.f_contiguous().and_then(|t| t.f_reshape([-1])).map_err(failed)?;
                 let data = Vec::<f32>::try_from(&flat).map_err(failed)?;
-                outputs.push(OutputTensor { name: spec.name, shape: want, data });
+                outputs.push(OutputTensor { name: spec.name.clone(), shape: want, data });
             }
             row += rows;
             per_request.push(outputs);
         }
         Ok(per_request)
+    }
+
+    /// A `declared` model's method returned something its declaration does not allow.
+    fn declared_error(&self, message: &str) -> ModelError {
+        ModelError::Runtime { name: self.config.name.clone(), message: format!("method '{}' {message}", self.method()) }
+    }
+
+    /// Checks a `declared` model's returned tensors against its declared outputs: as many,
+    /// each of the declared rank, `rows` rows and the declared size in each fixed dimension.
+    fn check_declared_outputs(&self, tensors: &[Tensor], rows: usize) -> Result<(), ModelError> {
+        let names = || self.outputs.iter().map(|o| &*o.name).collect::<Vec<_>>().join(", ");
+        if tensors.len() != self.outputs.len() {
+            return Err(self.declared_error(&format!(
+                "returned {} tensor{}, but {} output{} declared ({})",
+                tensors.len(),
+                if tensors.len() == 1 { "" } else { "s" },
+                self.outputs.len(),
+                if self.outputs.len() == 1 { " is" } else { "s are" },
+                names()
+            )));
+        }
+        for (spec, tensor) in self.outputs.iter().zip(tensors) {
+            let got = tensor.size();
+            let fits = got.len() == spec.shape.len()
+                && got[0] == rows as i64
+                && got.iter().zip(&spec.shape).skip(1).all(|(&n, &d)| d < 0 || n == d);
+            if !fits {
+                let why = if got.len() != spec.shape.len() {
+                    "its rank differs".to_string()
+                } else if got[0] != rows as i64 {
+                    format!("its first dimension is not the batch's {rows} rows")
+                } else {
+                    "a fixed dimension differs".to_string()
+                };
+                return Err(self.declared_error(&format!(
+                    "returned output '{}' of shape {got:?}, declared {:?} (-1: any size): {why}",
+                    spec.name, spec.shape
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The tensors a method returned: one tensor, or a tuple or list of tensors; else what was
+/// returned instead, for the error.
+fn returned_tensors(value: IValue) -> Result<Vec<Tensor>, String> {
+    match value {
+        IValue::Tensor(t) => Ok(vec![t]),
+        IValue::TensorList(ts) => Ok(ts),
+        IValue::Tuple(parts) | IValue::GenericList(parts) => parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, part)| match part {
+                IValue::Tensor(t) => Ok(t),
+                other => Err(format!("returned {} at position {i} where a tensor was expected", describe(&other))),
+            })
+            .collect(),
+        other => Err(format!("returned {}, expected a tensor or a tuple or list of tensors", describe(&other))),
+    }
+}
+
+/// What kind of value an `IValue` is, in words (its `Debug` may print a whole tensor).
+fn describe(value: &IValue) -> String {
+    match value {
+        IValue::None => "None".into(),
+        IValue::Tensor(_) => "a tensor".into(),
+        IValue::Double(_) => "a float".into(),
+        IValue::Int(_) => "an int".into(),
+        IValue::Bool(_) => "a bool".into(),
+        IValue::Tuple(v) => format!("a tuple of {} values", v.len()),
+        IValue::IntList(v) => format!("a list of {} ints", v.len()),
+        IValue::DoubleList(v) => format!("a list of {} floats", v.len()),
+        IValue::BoolList(v) => format!("a list of {} bools", v.len()),
+        IValue::String(_) => "a string".into(),
+        IValue::StringList(v) => format!("a list of {} strings", v.len()),
+        IValue::TensorList(v) => format!("a list of {} tensors", v.len()),
+        IValue::GenericList(v) => format!("a list of {} values", v.len()),
+        IValue::GenericDict(v) => format!("a dict of {} entries", v.len()),
+        IValue::Object(_) => "an object".into(),
+        IValue::Device(_) => "a device".into(),
+        _ => "a value of another type".into(),
     }
 }
 
@@ -532,9 +750,201 @@ fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
+/// Models of the repository's `models/` folder for the crate's tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::path::{Path, PathBuf};
+
+    use figment::providers::{Format, Toml};
+
+    use super::*;
+    use crate::config::DeviceChoice;
+
+    /// A file of `models/` (exported by `scripts/setup`).
+    pub fn model_file(file: &str) -> PathBuf {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models").join(file);
+        assert!(path.is_file(), "{} missing: run scripts/setup", path.display());
+        path
+    }
+
+    /// A `[[models]]` entry of `mtcnn_pnet.jit` named `name`, of `kind`, with more `keys`.
+    pub fn pnet_entry(name: &str, kind: &str, keys: &str) -> ModelConfig {
+        let path = model_file("mtcnn_pnet.jit");
+        let text = format!("name = \"{name}\"\npath = \"{}\"\nkind = \"{kind}\"\n{keys}\n", path.display());
+        figment::Figment::from(Toml::string(&text)).extract().expect("a model entry")
+    }
+
+    /// Loads `config` on the CPU with the worker's libtorch settings.
+    pub fn load(config: ModelConfig) -> Result<Model, ModelError> {
+        let device = init_torch(DeviceChoice::Cpu, 1)?;
+        Model::load(config, device)
+    }
+
+    /// P-Net declared with its own tensors: its image, box offsets and both probabilities.
+    pub const DECLARED_PNET: &str = "input = { name = \"image\", shape = [-1, 3, -1, -1] }\n\
+        outputs = [ { name = \"box_offsets\", shape = [-1, 4, -1, -1] }, { name = \"probs\", shape = [-1, 2, -1, -1] } ]\n";
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testing::{load, pnet_entry, DECLARED_PNET};
     use super::*;
+
+    /// An image of `rows` × 3 × `h` × `w`, a gradient shifted by `seed`.
+    fn image(rows: usize, h: usize, w: usize, seed: f32) -> InputTensor {
+        let n = rows * 3 * h * w;
+        let data: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed).sin() * 0.8).collect();
+        InputTensor::from_f32(vec![rows, 3, h, w], &data)
+    }
+
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn declared_pnet_answers_what_face_detection_answers_bit_for_bit() {
+        let built_in = load(pnet_entry("pnet", "face_detection", "")).expect("P-Net as face_detection");
+        let declared = load(pnet_entry("pnet_declared", "declared", DECLARED_PNET)).expect("P-Net declared");
+        assert_eq!(declared.input_spec(), &TensorSpec::new("image", &[-1, 3, -1, -1]));
+        assert_eq!(
+            declared.output_specs(),
+            [TensorSpec::new("box_offsets", &[-1, 4, -1, -1]), TensorSpec::new("probs", &[-1, 2, -1, -1])]
+        );
+        let small = declared.probe_input(1, 24);
+        assert_eq!(small.shape, [1, 3, 24, 24]);
+        let (two, wide) = (image(2, 24, 24, 1.0), image(1, 30, 40, 2.0));
+        for batch in [vec![&small, &two], vec![&wide]] {
+            let want = built_in.infer_batch(&batch).expect("face_detection");
+            let got = declared.infer_batch(&batch).expect("declared");
+            for ((input, want), got) in batch.iter().zip(&want).zip(&got) {
+                let [face_prob, boxes] = &want[..] else { panic!("face_detection answers two tensors") };
+                let [box_offsets, probs] = &got[..] else { panic!("two declared outputs") };
+                assert_eq!((&*box_offsets.name, &*probs.name), ("box_offsets", "probs"));
+                assert_eq!(box_offsets.shape, boxes.shape, "{:?}", input.shape);
+                assert_eq!(bits(&box_offsets.data), bits(&boxes.data), "{:?}", input.shape);
+                let [rows, h, w] = face_prob.shape[..] else { panic!("face_prob is [rows, h, w]") };
+                assert_eq!(probs.shape, [rows, 2, h, w]);
+                let channel_1: Vec<f32> = probs.data.chunks(h * w).skip(1).step_by(2).flatten().copied().collect();
+                assert_eq!(bits(&channel_1), bits(&face_prob.data), "{:?}", input.shape);
+            }
+        }
+        let err = declared.infer_batch(&[&small, &wide]).expect_err("two shapes in one batch");
+        assert!(err.to_string().contains("batches only inputs of one shape"), "{err}");
+    }
+
+    #[test]
+    fn declared_inputs_must_fit_the_declared_shape() {
+        // P-Net at 24² only: every non-batch dimension fixed.
+        let keys = "input = { name = \"image\", shape = [-1, 3, 24, 24] }\n\
+            outputs = [ { name = \"box_offsets\", shape = [-1, 4, 7, 7] }, { name = \"probs\", shape = [-1, 2, 7, 7] } ]\n\
+            max_input_elements = 6912\n";
+        let model = load(pnet_entry("pnet24", "declared", keys)).expect("P-Net at 24²");
+        let check = |shape: &[usize], want: Result<(), String>| {
+            let elements = shape.iter().product::<usize>();
+            let input = InputTensor::from_f32(shape.to_vec(), &vec![0.5; elements]);
+            match (model.validate(&input), want) {
+                (Ok(()), Ok(())) => {}
+                (Err(ModelError::BadInput(got)), Err(want)) => assert_eq!(got, want, "{shape:?}"),
+                (got, want) => panic!("{shape:?}: got {got:?}, want {want:?}"),
+            }
+        };
+        let wrong = |got: &str| format!("input 'image' must have shape [-1, 3, 24, 24] (-1: any size), got {got}");
+        check(&[1, 3, 24, 24], Ok(()));
+        check(&[4, 3, 24, 24], Ok(()));
+        check(&[2, 3, 25, 24], Err(wrong("[2, 3, 25, 24]")));
+        check(&[0, 3, 24, 24], Err(wrong("[0, 3, 24, 24]")));
+        check(&[3, 24, 24], Err(wrong("[3, 24, 24]")));
+        check(&[1, 1, 3, 24, 24], Err(wrong("[1, 1, 3, 24, 24]")));
+        check(&[], Err(wrong("[]")));
+        check(&[5, 3, 24, 24], Err("input has 8640 elements, more than this model's limit of 6912".into()));
+
+        // Fixed dimensions: a probe's size multiplies rows.
+        let probe = model.probe_input(2, 8);
+        assert_eq!(probe.shape, [16, 3, 24, 24]);
+        assert_eq!(model.probe_input_elements(2, 8), 16 * 1728);
+        let rows = |probes: Vec<InputTensor>| probes.iter().map(|p| p.shape[0]).collect::<Vec<_>>();
+        assert_eq!(rows(model.calibration_inputs()), [1, 2], "filtered by max_input_elements (4 rows)");
+        assert_eq!(model.batching_probe_sizes(), [1]);
+        let unbounded = load(pnet_entry("pnet24", "declared", &keys.replace("6912", "100000000"))).expect("no limit");
+        let outputs = unbounded.infer(&probe).expect("16 rows");
+        assert_eq!(outputs.iter().map(|o| o.shape.clone()).collect::<Vec<_>>(), [vec![16, 4, 7, 7], vec![16, 2, 7, 7]]);
+        assert_eq!(rows(unbounded.calibration_inputs()), [1, 2, 8, 16, 32, 64]);
+        for p in unbounded.calibration_inputs() {
+            let values: Vec<f32> = p.le_bytes().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            assert!(values.iter().all(|v| (-1.0..=1.0).contains(v)) && values.iter().any(|&v| v != 0.0));
+            assert_eq!(p.elements(), unbounded.probe_input_elements(p.shape[0], 1) as u64);
+        }
+    }
+
+    #[test]
+    fn variable_dimensions_take_the_probe_sizes() {
+        let model = load(pnet_entry("pnet", "declared", &format!("{DECLARED_PNET}probe_sizes = [48, 16]\n"))).expect("P-Net");
+        assert_eq!(model.probe_input(2, 16).shape, [2, 3, 16, 16]);
+        assert_eq!(model.probe_input_elements(2, 16), 2 * 3 * 256);
+        assert_eq!(model.batching_probe_sizes(), [16, 48]);
+        let shapes: Vec<Vec<usize>> = model.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        assert_eq!(shapes, [[1, 3, 16, 16], [2, 3, 16, 16], [1, 3, 48, 48], [2, 3, 48, 48]]);
+        let one = load(pnet_entry("pnet", "declared", &format!("{DECLARED_PNET}probe_sizes = [20]\n"))).expect("P-Net");
+        let rows: Vec<usize> = one.calibration_inputs().iter().map(|p| p.shape[0]).collect();
+        assert_eq!(rows, [1, 2, 4], "three probes for the fit from one size");
+        assert!(model.validate(&image(1, 12, 500, 0.0)).is_ok());
+        let err = model.validate(&image(1, 0, 12, 0.0)).expect_err("an empty dimension").to_string();
+        assert_eq!(err, "input 'image' must have shape [-1, 3, -1, -1] (-1: any size), got [1, 3, 0, 12]");
+    }
+
+    #[test]
+    fn a_declared_model_that_refuses_its_declaration_stops_at_load() {
+        let check = |keys: &str, wants: &[&str]| {
+            let err = load(pnet_entry("wrong_pnet", "declared", keys)).err().expect("refused at load").to_string();
+            assert!(err.starts_with("loading model 'wrong_pnet' from "), "{err}");
+            for want in wants {
+                assert!(err.contains(want), "want {want:?} in: {err}");
+            }
+        };
+        let image = "input = { name = \"image\", shape = [-1, 3, -1, -1] }\n";
+        let boxes = "{ name = \"box_offsets\", shape = [-1, 4, -1, -1] }";
+        check(
+            &format!("{image}outputs = [ {boxes} ]\n"),
+            &["method 'forward'", "shape [1, 3, 32, 32]", "returned 2 tensors, but 1 output is declared (box_offsets)"],
+        );
+        check(
+            &format!("{DECLARED_PNET}method = \"detect\"\n"),
+            &["warm-up call of method 'detect' with input 'image' of shape [1, 3, 32, 32] failed", "method 'detect': ", "detect"],
+        );
+        check(
+            &DECLARED_PNET.replace("[-1, 3, -1, -1]", "[-1, 4, -1, -1]"),
+            &["method 'forward'", "shape [1, 4, 32, 32]", "channels"],
+        );
+        check(
+            &DECLARED_PNET.replace("[-1, 4, -1, -1]", "[-1, 4]"),
+            &["returned output 'box_offsets' of shape [1, 4, 11, 11], declared [-1, 4] (-1: any size): its rank differs"],
+        );
+        check(
+            &DECLARED_PNET.replace("[-1, 2, -1, -1]", "[-1, 3, -1, -1]"),
+            &["returned output 'probs' of shape [1, 2, 11, 11], declared [-1, 3, -1, -1] (-1: any size): a fixed dimension differs"],
+        );
+        check(
+            &DECLARED_PNET.replace(" ]", ", { name = \"extra\", shape = [-1] } ]"),
+            &["returned 2 tensors, but 3 outputs are declared (box_offsets, probs, extra)"],
+        );
+    }
+
+    #[test]
+    fn only_tensors_or_sequences_of_them_are_outputs() {
+        let t = || IValue::Tensor(Tensor::from_slice(&[1.0f32, 2.0]));
+        assert_eq!(returned_tensors(t()).map(|v| v.len()), Ok(1));
+        assert_eq!(returned_tensors(IValue::Tuple(vec![t(), t()])).map(|v| v.len()), Ok(2));
+        assert_eq!(returned_tensors(IValue::GenericList(vec![t(), t(), t()])).map(|v| v.len()), Ok(3));
+        assert_eq!(returned_tensors(IValue::TensorList(vec![Tensor::from_slice(&[1.0f32])])).map(|v| v.len()), Ok(1));
+        assert_eq!(
+            returned_tensors(IValue::Tuple(vec![t(), IValue::Int(3)])).map(|v| v.len()),
+            Err("returned an int at position 1 where a tensor was expected".into())
+        );
+        assert_eq!(
+            returned_tensors(IValue::GenericDict(vec![])).map(|v| v.len()),
+            Err("returned a dict of 0 entries, expected a tensor or a tuple or list of tensors".into())
+        );
+    }
 
     #[test]
     fn out_of_memory_is_found_inside_a_torchscript_traceback() {

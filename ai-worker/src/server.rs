@@ -440,21 +440,27 @@ async fn model_metadata(
 ) -> Result<Json<oip::ModelMetadata>, ApiError> {
     let (_, served) = state.served(&name)?;
     let model = &served.model;
-    let tensor = |spec: &TensorSpec| oip::TensorMetadata {
-        name: spec.name.into(),
-        datatype: DataType::Fp32.as_str().into(),
-        shape: spec.shape.to_vec(),
-    };
+    let (inputs, outputs) = tensor_metadata(model);
     let mut parameters = oip::Parameters::new();
     parameters.insert("memory_estimate".into(), serde_json::to_value(served.estimate.view()).unwrap_or_default());
     Ok(Json(oip::ModelMetadata {
         name: model.name().into(),
         versions: Some(vec!["1".into()]),
         platform: "pytorch_libtorch".into(),
-        inputs: vec![tensor(&model.input_spec())],
-        outputs: model.output_specs().iter().map(tensor).collect(),
+        inputs,
+        outputs,
         parameters: Some(parameters),
     }))
+}
+
+/// The model's input and outputs as OIP metadata: all FP32, shapes as the model states them.
+fn tensor_metadata(model: &Model) -> (Vec<oip::TensorMetadata>, Vec<oip::TensorMetadata>) {
+    let tensor = |spec: &TensorSpec| oip::TensorMetadata {
+        name: spec.name.to_string(),
+        datatype: DataType::Fp32.as_str().into(),
+        shape: spec.shape.clone(),
+    };
+    (vec![tensor(model.input_spec())], model.output_specs().iter().map(tensor).collect())
 }
 
 async fn model_metadata_versioned(
@@ -541,7 +547,7 @@ async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request
 
     let tensors: Vec<Tensor> = outputs
         .into_iter()
-        .map(|o| Tensor { name: o.name.into(), shape: o.shape, data: TensorData::Fp32(o.data) })
+        .map(|o| Tensor { name: o.name.to_string(), shape: o.shape, data: TensorData::Fp32(o.data) })
         .collect();
     let tensors: Vec<Tensor> = match &request.outputs {
         Some(asked) if !asked.is_empty() => tensors.into_iter().filter(|t| asked.iter().any(|a| a.name == t.name)).collect(),
@@ -594,7 +600,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 /// Finds the model's input among the request's tensors, checks its datatype and values, and
 /// takes binary data as a slice of `body` (no copy).
 fn take_input(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Result<InputTensor, ApiError> {
-    let wanted = model.input_spec().name;
+    let wanted = &*model.input_spec().name;
     let count = tensors.len();
     let tensor = if count == 1 {
         tensors.into_iter().next()
@@ -671,6 +677,31 @@ mod tests {
             assert_eq!(first_non_finite(&shifted[3..]).map(|(i, _)| i), Some(at), "{bad} at {at}, misaligned");
         }
         assert_eq!(first_non_finite(&[]), None);
+    }
+
+    #[test]
+    fn a_declared_model_is_asked_for_and_answers_its_declared_tensors() {
+        let keys = model::testing::DECLARED_PNET.replace("\"image\"", "\"picture\"");
+        let model = model::testing::load(model::testing::pnet_entry("pnet", "declared", &keys)).expect("P-Net declared");
+        let meta = |name: &str, shape: &[i64]| oip::TensorMetadata { name: name.into(), datatype: "FP32".into(), shape: shape.to_vec() };
+        assert_eq!(
+            tensor_metadata(&model),
+            (vec![meta("picture", &[-1, 3, -1, -1])], vec![meta("box_offsets", &[-1, 4, -1, -1]), meta("probs", &[-1, 2, -1, -1])])
+        );
+        let raw = |name: &str, side: usize| oip::RawTensor {
+            name: name.into(),
+            shape: vec![1, 3, side, side],
+            datatype: DataType::Fp32,
+            data: RawData::Json(TensorData::Fp32(vec![0.5; 3 * side * side])),
+        };
+        let input = take_input(&model, vec![raw("image", 12), raw("picture", 16)], &Bytes::new()).expect("the declared input");
+        assert_eq!(input.shape, [1, 3, 16, 16]);
+        let err = take_input(&model, vec![raw("image", 12), raw("other", 16)], &Bytes::new()).expect_err("not the declared input");
+        assert_eq!((err.status, err.message.as_str()), (StatusCode::BAD_REQUEST, "model 'pnet' takes one input named 'picture', request had 2"));
+        let wrong = InputTensor::from_f32(vec![1, 3, 16], &[0.5; 48]);
+        let err = ApiError::from(model.validate(&wrong).expect_err("a rank short"));
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert_eq!(err.message, "input 'picture' must have shape [-1, 3, -1, -1] (-1: any size), got [1, 3, 16]");
     }
 
     fn request(parameters: serde_json::Value) -> oip::InferRequest {
