@@ -1,10 +1,13 @@
 """Puts the TorchScript models vramgate serves into a folder, and checks each one loads and runs.
 
 Silero VAD ships as TorchScript inside the `silero-vad` package, so it is copied as it is.
-MTCNN's P-Net face detector ships as a pickled state dict inside the `facenet-pytorch` wheel
-(passed as the second argument; only its weights file is read, the package is never imported):
-the network is defined here, the weights loaded into it, and the result scripted.
-Quiet when the models are already there and unchanged.
+MTCNN's three face detection stages (P-Net, R-Net, O-Net) ship as pickled state dicts inside the
+`facenet-pytorch` wheel (passed as the second argument; only its weights files are read, the
+package is never imported): each network is defined here exactly as facenet-pytorch defines it,
+its weights loaded strictly, and the result scripted into mtcnn_pnet.jit, mtcnn_rnet.jit and
+mtcnn_onet.jit. R-Net and O-Net are checked against the eager network they were scripted from.
+range_checked_vad.jit is a test fixture, defined here. Quiet when the models are already there
+and unchanged.
 """
 
 import hashlib
@@ -70,33 +73,156 @@ class PNet(torch.nn.Module):
         return self.conv4_2(x), self.softmax4_1(self.conv4_1(x))
 
 
-def export_pnet(out_dir, wheel):
+class RNet(torch.nn.Module):
+    """MTCNN stage 2: refines P-Net's candidate windows, each cut out and resized to 24x24.
+
+    Input: [batch, 3, 24, 24], scaled like P-Net's. Output: box offsets [batch, 4] and face
+    probabilities [batch, 2] (softmax over no-face/face). As in facenet-pytorch, the conv output
+    [batch, 64, 3, 3] is permuted to [batch, W, H, C] before flattening: its dense weights were
+    converted from a channels-last (TensorFlow/Caffe) layout and depend on that order.
+    """
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(3, 28, kernel_size=3)
+        self.prelu1 = nn.PReLU(28)
+        self.pool1 = nn.MaxPool2d(3, 2, ceil_mode=True)
+        self.conv2 = nn.Conv2d(28, 48, kernel_size=3)
+        self.prelu2 = nn.PReLU(48)
+        self.pool2 = nn.MaxPool2d(3, 2, ceil_mode=True)
+        self.conv3 = nn.Conv2d(48, 64, kernel_size=2)
+        self.prelu3 = nn.PReLU(64)
+        self.dense4 = nn.Linear(576, 128)
+        self.prelu4 = nn.PReLU(128)
+        self.dense5_1 = nn.Linear(128, 2)
+        self.softmax5_1 = nn.Softmax(dim=1)
+        self.dense5_2 = nn.Linear(128, 4)
+
+    def forward(self, x):
+        x = self.pool1(self.prelu1(self.conv1(x)))
+        x = self.pool2(self.prelu2(self.conv2(x)))
+        x = self.prelu3(self.conv3(x))
+        x = x.permute(0, 3, 2, 1).contiguous()
+        x = self.prelu4(self.dense4(x.view(x.shape[0], -1)))
+        return self.dense5_2(x), self.softmax5_1(self.dense5_1(x))
+
+
+class ONet(torch.nn.Module):
+    """MTCNN stage 3: scores R-Net's survivors again at 48x48 and places five landmarks.
+
+    Input: [batch, 3, 48, 48], scaled like P-Net's. Output: box offsets [batch, 4], landmarks
+    [batch, 10] (five x offsets then five y offsets, as fractions of the box's width and height),
+    and face probabilities [batch, 2]. The conv output is permuted before flattening, like R-Net's.
+    """
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(3, 32, kernel_size=3)
+        self.prelu1 = nn.PReLU(32)
+        self.pool1 = nn.MaxPool2d(3, 2, ceil_mode=True)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3)
+        self.prelu2 = nn.PReLU(64)
+        self.pool2 = nn.MaxPool2d(3, 2, ceil_mode=True)
+        self.conv3 = nn.Conv2d(64, 64, kernel_size=3)
+        self.prelu3 = nn.PReLU(64)
+        self.pool3 = nn.MaxPool2d(2, 2, ceil_mode=True)
+        self.conv4 = nn.Conv2d(64, 128, kernel_size=2)
+        self.prelu4 = nn.PReLU(128)
+        self.dense5 = nn.Linear(1152, 256)
+        self.prelu5 = nn.PReLU(256)
+        self.dense6_1 = nn.Linear(256, 2)
+        self.softmax6_1 = nn.Softmax(dim=1)
+        self.dense6_2 = nn.Linear(256, 4)
+        self.dense6_3 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        x = self.pool1(self.prelu1(self.conv1(x)))
+        x = self.pool2(self.prelu2(self.conv2(x)))
+        x = self.pool3(self.prelu3(self.conv3(x)))
+        x = self.prelu4(self.conv4(x))
+        x = x.permute(0, 3, 2, 1).contiguous()
+        x = self.prelu5(self.dense5(x.view(x.shape[0], -1)))
+        return self.dense6_2(x), self.dense6_3(x), self.softmax6_1(self.dense6_1(x))
+
+
+def _export_mtcnn(out_dir, wheel, name, net_cls, check):
+    """Scripts `net_cls` with facenet-pytorch's `<name>.pt` weights into mtcnn_<name>.jit, then
+    calls check(eager, exported) on the eager network and the saved file loaded back. Skipped when
+    the file exists and its stamp names the same wheel."""
     import io
     import zipfile
 
-    dst = os.path.join(out_dir, "mtcnn_pnet.jit")
+    dst = os.path.join(out_dir, f"mtcnn_{name}.jit")
     stamp = dst + ".source"
     source = os.path.basename(wheel)
     if os.path.exists(dst) and os.path.exists(stamp) and open(stamp).read() == source:
         return
     with zipfile.ZipFile(wheel) as z:
-        weights = z.read("facenet_pytorch/data/pnet.pt")
+        weights = z.read(f"facenet_pytorch/data/{name}.pt")
     state = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
-    net = PNet()
-    net.load_state_dict(state)
+    net = net_cls()
+    net.load_state_dict(state)  # strict: every name and shape must match facenet-pytorch's
     net.eval()
     scripted = torch.jit.script(net)
-    # Only a smoke check: it runs, and the map's shape follows the formula in PNet's doc.
-    with torch.no_grad():
-        boxes, probs = scripted(torch.zeros(1, 3, 64, 48))
-    if tuple(probs.shape) != (1, 2, 27, 19) or tuple(boxes.shape) != (1, 4, 27, 19):
-        sys.exit(f"export_models: pnet returned {tuple(probs.shape)}, {tuple(boxes.shape)}")
     tmp = dst + ".tmp"
     scripted.save(tmp)
+    try:
+        check(net, torch.jit.load(tmp, map_location="cpu"))
+    except BaseException:
+        os.remove(tmp)
+        raise
     os.replace(tmp, dst)
     with open(stamp, "w") as f:
         f.write(source)
     print(f"export_models: wrote {dst}", file=sys.stderr)
+
+
+def export_pnet(out_dir, wheel):
+    def check(eager, exported):
+        # Only a smoke check: it runs, and the map's shape follows the formula in PNet's doc.
+        with torch.no_grad():
+            boxes, probs = exported(torch.zeros(1, 3, 64, 48))
+        if tuple(probs.shape) != (1, 2, 27, 19) or tuple(boxes.shape) != (1, 4, 27, 19):
+            sys.exit(f"export_models: pnet returned {tuple(probs.shape)}, {tuple(boxes.shape)}")
+
+    _export_mtcnn(out_dir, wheel, "pnet", PNet, check)
+
+
+def _check_against_eager(name, size, shapes):
+    """A check for _export_mtcnn: on fixed pseudo-random crops (batch 1 and 3, values in the
+    networks' input range), the exported model's outputs have `shapes` (per row) and match the
+    eager network's to 1e-5."""
+
+    def check(eager, exported):
+        gen = torch.Generator().manual_seed(20160401)
+        for batch in (1, 3):
+            x = torch.rand(batch, 3, size, size, generator=gen) * 2 - 1
+            with torch.no_grad():
+                want, got = eager(x), exported(x)
+            if len(got) != len(shapes):
+                sys.exit(f"export_models: {name} returned {len(got)} outputs, expected {len(shapes)}")
+            for k, (w, g, cols) in enumerate(zip(want, got, shapes)):
+                if tuple(g.shape) != (batch, cols):
+                    sys.exit(f"export_models: {name} output {k} has shape {tuple(g.shape)} "
+                             f"for batch {batch}, expected {(batch, cols)}")
+                diff = (w - g).abs().max().item()
+                if not diff < 1e-5:
+                    sys.exit(f"export_models: {name} output {k} differs from the eager network "
+                             f"by {diff:.3g} (batch {batch}; limit 1e-5)")
+
+    return check
+
+
+def export_rnet(out_dir, wheel):
+    # (box offsets [N, 4], probabilities [N, 2])
+    _export_mtcnn(out_dir, wheel, "rnet", RNet, _check_against_eager("rnet", 24, (4, 2)))
+
+
+def export_onet(out_dir, wheel):
+    # (box offsets [N, 4], landmarks [N, 10], probabilities [N, 2])
+    _export_mtcnn(out_dir, wheel, "onet", ONet, _check_against_eager("onet", 48, (4, 10, 2)))
 
 
 class RangeCheckedVad(torch.nn.Module):
@@ -137,6 +263,8 @@ def main():
     export_range_checked(out_dir)
     if len(sys.argv) > 2:
         export_pnet(out_dir, sys.argv[2])
+        export_rnet(out_dir, sys.argv[2])
+        export_onet(out_dir, sys.argv[2])
 
 
 if __name__ == "__main__":
