@@ -145,12 +145,13 @@ pub async fn run(
         for task in &tasks {
             topics.extend([task.requests_topic.clone(), task.results_topic.clone(), task.dlq_topic.clone()]);
         }
-        let workers = tasks.iter().map(|t| t.workers.clone()).collect();
+        let workers = tasks.iter().flat_map(|t| t.stages.iter().cloned()).collect();
         tokio::spawn(health::run_checks(health.clone(), consumer.clone(), topics, workers))
     };
     let discovery: Vec<_> = tasks
         .iter()
-        .map(|t| tokio::spawn(crate::call::discovery::maintain(t.workers.clone(), t.worker_source.clone())))
+        .flat_map(|t| t.stages.iter().map(|set| (set.clone(), t.worker_source.clone())))
+        .map(|(set, source)| tokio::spawn(crate::call::discovery::maintain(set, source)))
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let stop_commits = Arc::new(AtomicBool::new(false));
@@ -199,7 +200,7 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     }
     for task in tasks {
         m.permit_limit.with_label_values(&[&task.name]).set(task.workers.permit_limit() as i64);
-        task.workers.publish();
+        task.stages.iter().for_each(|set| set.publish());
     }
     for (tp, n) in shared.offsets.lock().pending() {
         m.pending.with_label_values(&[&tp.0, &tp.1.to_string()]).set(n as i64);

@@ -35,7 +35,7 @@ use crate::consume::offsets::{SharedOffsets, Ticket};
 use crate::consume::transaction::{Outbox, Pending};
 use crate::produce::{self, Outgoing, Producer};
 use crate::task::Task;
-use crate::tasks::{Converted, Plan};
+use crate::tasks::{Converted, Plan, Step};
 use crate::call::{self, client::InferCall};
 
 /// Log lines a second, per kind of line; the rest are counted in `log_lines_suppressed_total`.
@@ -528,37 +528,97 @@ async fn convert_and_call(
         let _entered = span.enter();
         let converted = plan.convert(&bytes);
         if let Ok(c) = &converted {
-            span.record("output.elements", c.tensor.shape.iter().product::<usize>());
+            span.record("output.elements", c.calls.iter().map(|call| call.tensor.shape.iter().product::<usize>()).sum::<usize>());
         }
         converted
     })
     .await;
     queue.dec();
-    let Converted { tensor, outputs, finish } = result.and_then(|r| r).map_err(reject)?;
-    let convert_ms = call::ms(convert_started.elapsed());
+    let mut converted = result.and_then(|r| r).map_err(reject)?;
+    let mut convert_ms = call::ms(convert_started.elapsed());
 
-    // One encoded body that every attempt re-sends; the input and tensor are gone after it.
-    let infer_call = InferCall::new(&id, &tensor, outputs);
-    drop(tensor);
-    held.shrink_to(record_bytes + infer_call.body_len() as u64);
-
-    let call = call::call_worker(task, &infer_call, &shared.metrics).await.map_err(reject)?;
-    drop(infer_call);
-    let output = finish.output(&call.output.tensors).map_err(reject)?;
+    // The calls, step by step: a task with one model makes one call; a cascade makes each
+    // stage's calls together, and its CPU work between stages runs on the task's pool.
+    let chain_started = Instant::now();
+    let (mut wait_ms, mut inference_ms, mut attempts) = (0.0, 0.0, 0u32);
+    let mut models: Vec<String> = Vec::new();
+    let output = loop {
+        let Converted { calls, finish } = converted;
+        // One encoded body per call, which every attempt re-sends; the tensors are gone after.
+        let bodies: Vec<(usize, InferCall)> =
+            calls.into_iter().map(|c| (c.stage, InferCall::new(&id, &c.tensor, c.outputs))).collect();
+        let holding = record_bytes + finish.held_bytes() + bodies.iter().map(|(_, b)| b.body_len() as u64).sum::<u64>();
+        if holding > held.bytes() {
+            held.grow(holding - held.bytes()).await;
+        } else {
+            held.shrink_to(holding);
+        }
+        let answers = call_stage(task, &bodies, &shared.metrics, chain_started).await.map_err(reject)?;
+        drop(bodies);
+        let (mut step_wait, mut step_inference) = (0.0f64, 0.0f64);
+        let mut tensors = Vec::with_capacity(answers.len());
+        for answer in answers {
+            // Calls made together overlap: a step costs its slowest call.
+            step_wait = step_wait.max(answer.wait_ms);
+            step_inference = step_inference.max(answer.inference_ms);
+            attempts += answer.attempts;
+            if !models.contains(&answer.output.model) {
+                models.push(answer.output.model.clone());
+            }
+            tensors.push(answer.output.tensors);
+        }
+        (wait_ms, inference_ms) = (wait_ms + step_wait, inference_ms + step_inference);
+        let step = if finish.cpu_bound() {
+            let between = Instant::now();
+            let step = on_pool(&task.pool, task.pool.current_num_threads(), move || finish.output(tensors)).await;
+            convert_ms += call::ms(between.elapsed());
+            step.and_then(|r| r)
+        } else {
+            finish.output(tensors)
+        };
+        match step.map_err(reject)? {
+            Step::Done(output) => break output,
+            Step::Next(next) => converted = next,
+        }
+    };
     Ok(ResultEvent {
         version: SCHEMA_VERSION,
         id,
         task: task_name,
         status: "ok".into(),
-        model: call.output.model,
+        model: models.join(","),
         output,
         timings_ms: TimingsMs {
             convert: convert_ms,
-            gpu_wait: call.wait_ms,
-            inference: call.inference_ms,
+            gpu_wait: wait_ms,
+            inference: inference_ms,
             total: call::ms(started.elapsed()),
         },
-        attempts: call.attempts,
+        attempts,
+    })
+}
+
+/// Makes one step's calls together and waits for all of them; the first that fails for good
+/// fails the record (the others are dropped, which cancels them). With more than one model in
+/// the task, the step is a `stage` span and a failure names the stage and its model.
+async fn call_stage(
+    task: &Task,
+    bodies: &[(usize, InferCall)],
+    metrics: &Metrics,
+    chain_started: Instant,
+) -> Result<Vec<call::WorkerCall>, Failure> {
+    let Some(&(stage, _)) = bodies.first() else { return Ok(Vec::new()) };
+    let calls = futures::future::try_join_all(
+        bodies.iter().map(|(stage, body)| call::call_worker(task, *stage, body, metrics, chain_started)),
+    );
+    if task.stages.len() == 1 {
+        return calls.await;
+    }
+    let model = task.stages.get(stage).map(|s| s.model.as_str()).unwrap_or("?");
+    let span = tracing::info_span!("stage", stage = stage + 1, model, calls = bodies.len());
+    calls.instrument(span).await.map_err(|mut failure| {
+        failure.message = format!("stage {} of {} ({model}): {}", stage + 1, task.stages.len(), failure.message);
+        failure
     })
 }
 

@@ -28,6 +28,9 @@ pub struct Task {
     congested: AtomicBool,
     /// The task's workers, and where they come from (kept current by `call::discovery`).
     pub workers: Arc<WorkerSet>,
+    /// The workers of each further model the task calls (its converter's `stage_models`), from
+    /// the same source, each with its own GPU permits: `stages[0]` is `workers` itself.
+    pub stages: Vec<Arc<WorkerSet>>,
     pub worker_source: WorkerSource,
     /// What this task does to a request before and after the worker call.
     pub converter: Box<dyn Converter>,
@@ -81,11 +84,20 @@ impl Task {
         let (requests_topic, results_topic, dlq_topic) =
             (config.requests_topic(name), config.results_topic(name), config.dlq_topic(name));
         let hot = Hot::new(name, &requests_topic, &results_topic, &dlq_topic, &metrics);
-        let workers =
-            WorkerSet::new(name, &config.model, routing, timeout, token, config.gpu_permits.clone(), metrics);
+        let converter = converter(config);
         let worker_source = config.workers(worker);
-        if let WorkerSource::Static(urls) = &worker_source {
-            workers.replace(urls)?;
+        // Stage 0 is labelled with the task's name, as it always was; a further stage with
+        // `<task>/<model>`, so that its permits and workers show apart.
+        let later = converter.stage_models();
+        let labels = std::iter::once(name.to_string()).chain(later.iter().map(|m| format!("{name}/{m}")));
+        let models = std::iter::once(config.model.clone()).chain(later.iter().cloned());
+        let mut stages = Vec::new();
+        for (label, model) in labels.zip(models) {
+            let set = WorkerSet::new(&label, &model, routing, timeout, token.clone(), config.gpu_permits.clone(), metrics.clone());
+            if let WorkerSource::Static(urls) = &worker_source {
+                set.replace(urls)?;
+            }
+            stages.push(Arc::new(set));
         }
         Ok(Task {
             name: name.to_string(),
@@ -95,8 +107,9 @@ impl Task {
             config: config.clone(),
             pool,
             congested: AtomicBool::new(false),
-            converter: converter(config),
-            workers: Arc::new(workers),
+            converter,
+            workers: stages[0].clone(),
+            stages,
             worker_source,
             hot,
         })

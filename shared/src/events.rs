@@ -100,7 +100,8 @@ pub struct ImageOutput {
     pub format: String,
 }
 
-/// One detected face: a box in input pixels and the model's face probability.
+/// One detected face: a box in input pixels and the model's face probability; with MTCNN's
+/// whole cascade, also its five landmarks.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct FaceBox {
     pub x1: f32,
@@ -108,6 +109,10 @@ pub struct FaceBox {
     pub x2: f32,
     pub y2: f32,
     pub score: f32,
+    /// `[x, y]` of the left eye, right eye, nose, left and right mouth corner (as the image is
+    /// viewed); absent from P-Net's proposals (`mode = "proposals"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub landmarks: Option<[[f32; 2]; 5]>,
 }
 
 /// Why a record went to the dead-letter topic. A small fixed set, so consumers can route on it.

@@ -784,6 +784,25 @@ pub const VAD_MODEL: (&str, &str, &str, &str) = ("silero_vad", "silero_vad.jit",
 /// The worker's MTCNN P-Net model, as [`worker_config`] takes it; the name is the image task's
 /// default model.
 pub const PNET_MODEL: (&str, &str, &str, &str) = ("mtcnn_pnet", "mtcnn_pnet.jit", "face_detection", "");
+/// MTCNN's R-Net and O-Net, declared as config/worker.toml declares them: the image task's
+/// second and third stages.
+pub const RNET_MODEL: (&str, &str, &str, &str) = (
+    "mtcnn_rnet",
+    "mtcnn_rnet.jit",
+    "declared",
+    "input = { name = \"image\", shape = [-1, 3, 24, 24] }\n\
+     outputs = [{ name = \"box_offsets\", shape = [-1, 4] }, { name = \"face_prob\", shape = [-1, 2] }]",
+);
+pub const ONET_MODEL: (&str, &str, &str, &str) = (
+    "mtcnn_onet",
+    "mtcnn_onet.jit",
+    "declared",
+    "input = { name = \"image\", shape = [-1, 3, 48, 48] }\n\
+     outputs = [{ name = \"box_offsets\", shape = [-1, 4] }, { name = \"landmarks\", shape = [-1, 10] }, \
+     { name = \"face_prob\", shape = [-1, 2] }]",
+);
+/// The three models of the image task's cascade (`mode = "faces"`, its default).
+pub const FACE_MODELS: [(&str, &str, &str, &str); 3] = [PNET_MODEL, RNET_MODEL, ONET_MODEL];
 
 /// Gateway overrides that point the voice task at `topics`.
 pub fn voice_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
@@ -803,13 +822,31 @@ pub fn gateway_base_env(group: &str, worker_url: &str, root: &Path) -> Vec<(&'st
     ]
 }
 
-/// Gateway overrides that point the image task at `topics`.
+/// Gateway overrides that point the image task at `topics`, running P-Net alone at one scale
+/// (`mode = "proposals"`): one worker call per image, the fixed-cost image load the flow-control
+/// tests and benches drive. [`faces_task_env`] runs the task as users get it.
 pub fn image_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
+    let mut env = faces_task_env(topics);
+    env.push(("TASKS__IMAGE__IMAGE__MODE", "proposals".into()));
+    env
+}
+
+/// Gateway overrides that point the image task at `topics`, as configured: MTCNN's whole
+/// cascade, whose worker needs [`FACE_MODELS`].
+pub fn faces_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
     vec![
         ("TASKS__IMAGE__REQUESTS_TOPIC", topics.requests.clone()),
         ("TASKS__IMAGE__RESULTS_TOPIC", topics.results.clone()),
         ("TASKS__IMAGE__DLQ_TOPIC", topics.dlq.clone()),
     ]
+}
+
+/// A photograph set-up extracted from a pinned package (`.local/photos/`, listed in
+/// `tests/photos.md`).
+pub fn photo(name: &str) -> PathBuf {
+    let path = repo_root().join(".local/photos").join(name);
+    assert!(path.is_file(), "{} missing: run scripts/setup", path.display());
+    path
 }
 
 /// Starts the api-gateway with environment overrides (`VRAMGATE_GATEWAY_*`) on top of the

@@ -10,12 +10,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use vramgate_cli::jaeger::{Jaeger, Span, Trace};
-use vramgate_tests::images::{crowd, png};
 use vramgate_tests::jaeger::JaegerProcess;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
-    binary, brokers, gateway_base_env, image_task_env, scratch_dir, start_gateway, start_gateway_with, start_worker, unique,
-    voice_task_env, worker_config, Collector, TaskTopics, PNET_MODEL, VAD_MODEL,
+    binary, brokers, faces_task_env, gateway_base_env, photo, scratch_dir, start_gateway, start_gateway_with, start_worker,
+    unique, voice_task_env, worker_config, Collector, TaskTopics, ONET_MODEL, PNET_MODEL, RNET_MODEL, VAD_MODEL,
 };
 
 /// One request admitted at a time, one waiting for at most 200 ms: a burst is answered 503 +
@@ -153,11 +152,11 @@ async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow
     let voice = TaskTopics::create(&unique("trace-voice"), 3).await?;
     let image = TaskTopics::create(&unique("trace-image"), 1).await?;
     let config = format!("{SMALL_WORKER}{}", telemetry_toml(&jaeger_process));
-    let worker = start_worker(&worker_config(&config, &[VAD_MODEL, PNET_MODEL])).await?;
+    let worker = start_worker(&worker_config(&config, &[VAD_MODEL, PNET_MODEL, RNET_MODEL, ONET_MODEL])).await?;
     let root = scratch_dir("traces");
     let mut env = gateway_base_env(&unique("trace-group"), &worker.url, &root);
     env.extend(voice_task_env(&voice));
-    env.extend(image_task_env(&image));
+    env.extend(faces_task_env(&image));
     env.extend(gateway_telemetry(&jaeger_process));
     let gateway = start_gateway_with(&env, &[("VRAMGATE_LOG_FORMAT", "json")]).await?;
     let collector = Collector::start(&[&voice.results, &voice.dlq, &image.results, &image.dlq])?;
@@ -166,8 +165,9 @@ async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow
     let corrupt = root.join("corrupt.wav");
     std::fs::write(&corrupt, b"RIFF\x10\x00\x00\x00WAVEnot really a wave file")?;
     voice_paths.push(corrupt);
-    let image_path = root.join("crowd.png");
-    std::fs::write(&image_path, png(&crowd(320, 240, 60.0, 3)))?;
+    // A photograph with a face, so that all three of MTCNN's stages run.
+    let image_path = root.join("astronaut.png");
+    std::fs::copy(photo("astronaut.png"), &image_path)?;
 
     let voices = cli_produce(&jaeger_process, "voice", &voice.requests, "wav", &[], &voice_paths)?;
     let images = cli_produce(&jaeger_process, "image", &image.requests, "png", &[], &[image_path])?;
@@ -207,6 +207,20 @@ async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow
     let trace = wait_for_trace(&jaeger, &image_event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
     assert_one_trace_across_services(&trace, &image.requests, &image.results);
     assert_eq!(trace.span("convert").and_then(|s| tag_str(s, "input.format")), Some("image"));
+    // One span per stage of the cascade, each with its calls' permit waits, and the worker's
+    // inference for each of the three models.
+    let shown = vramgate_cli::jaeger::render(&trace);
+    let stages: Vec<Option<&str>> = trace.spans_named("stage").map(|s| tag_str(s, "model")).collect();
+    assert_eq!(stages.len(), 3, "one span per stage:\n{shown}");
+    for model in ["mtcnn_pnet", "mtcnn_rnet", "mtcnn_onet"] {
+        assert!(stages.contains(&Some(model)), "no stage span for {model}:\n{shown}");
+        let waited = trace.spans_named("gpu_permit_wait").any(|s| tag_str(s, "model") == Some(model));
+        assert!(waited, "no permit wait for {model}:\n{shown}");
+        let inferred = trace.spans_named("inference").any(|s| tag_str(s, "model") == Some(model));
+        assert!(inferred, "no inference of {model}:\n{shown}");
+    }
+    let faces = snapshot[&image_event.id][0].value["output"]["faces"].as_array().map(Vec::len);
+    assert_eq!(faces, Some(1), "the astronaut's one face: {:?}", snapshot[&image_event.id][0].value);
 
     // The dead-lettered event: its trace says why, with error status, and never reached the worker.
     assert_eq!(snapshot[&corrupt_event.id][0].topic, voice.dlq);

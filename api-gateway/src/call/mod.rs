@@ -26,8 +26,10 @@ use client::{CallError, InferCall, ModelOutput};
 use retry::{Decision, RetryPolicy};
 
 use crate::failure::Failure;
+use vramgate_shared::events::{ErrorKind, Stage};
 use crate::metrics::Metrics;
 use crate::task::Task;
+use workers::WorkerSet;
 
 static RETRY_LOG: LogLimit = LogLimit::new(20);
 
@@ -41,16 +43,23 @@ pub struct WorkerCall {
     pub inference_ms: f64,
 }
 
-/// Calls the task's worker with `call` until it answers, or the retry policy gives up.
-pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Result<WorkerCall, Failure> {
-    let mut policy = RetryPolicy::new(&task.config.retry, Instant::now());
+/// Calls a worker of the task's stage `stage` (0: the task's `model`; see
+/// [`crate::tasks::Converter::stage_models`]) with `call` until it answers, or the retry policy
+/// gives up. `since`: when the record's first call began; the time 503s may keep it waiting
+/// (`max_retry_seconds`) counts from there, over all its calls and stages.
+pub async fn call_worker(task: &Task, stage: usize, call: &InferCall, metrics: &Metrics, since: Instant) -> Result<WorkerCall, Failure> {
+    let Some(set) = task.stages.get(stage) else {
+        let message = format!("task {} has {} models; a call asked for stage {stage}", task.name, task.stages.len());
+        return Err(Failure::new(ErrorKind::Internal, Stage::Infer, message));
+    };
+    let mut policy = RetryPolicy::new(&task.config.retry, since);
     let mut calls = 0u32;
     let mut wait_ms = 0.0;
     let mut inference_ms = 0.0;
     let mut failed_on: Option<String> = None;
     loop {
         calls += 1;
-        let (result, waited, took, worker) = permitted_call(task, call, calls, failed_on.as_deref(), metrics).await;
+        let (result, waited, took, worker) = permitted_call(task, set, call, calls, failed_on.as_deref(), metrics).await;
         wait_ms += ms(waited);
         inference_ms += ms(took);
         let error = match result {
@@ -65,7 +74,7 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
         // A worker that failed (not one that is merely busy) is no reason to wait when another
         // can take the call now.
         let elsewhere = matches!(error, CallError::Failed { .. } | CallError::TimedOut { .. } | CallError::Unreachable { .. })
-            && worker.as_deref().is_some_and(|url| task.workers.another_in_service(url));
+            && worker.as_deref().is_some_and(|url| set.another_in_service(url));
         failed_on = worker;
         match policy.next(error, calls, Instant::now()) {
             Decision::GiveUp(failure) => return Err(failure),
@@ -100,6 +109,7 @@ pub async fn call_worker(task: &Task, call: &InferCall, metrics: &Metrics) -> Re
 /// time the call took and the worker's URL.
 async fn permitted_call(
     task: &Task,
+    set: &WorkerSet,
     call: &InferCall,
     attempt: u32,
     avoid: Option<&str>,
@@ -109,13 +119,14 @@ async fn permitted_call(
     let mut waited = Duration::ZERO;
     let mut choices = 0;
     loop {
-        let Some(endpoint) = task.workers.choose(call.elements(), avoid) else {
+        let Some(endpoint) = set.choose(call.elements(), avoid) else {
             let message = format!("no worker known for task {} (none listed, or none found in DNS)", task.name);
             return (Err(CallError::Unreachable { message }), waited, Duration::ZERO, None);
         };
         let waiting = tracing::info_span!(
             "gpu_permit_wait",
             task = %task.name,
+            model = %set.model,
             worker = %endpoint.url,
             permit.limit = endpoint.permits.limit(),
             permit.waiting = endpoint.permits.waiting(),
@@ -125,10 +136,10 @@ async fn permitted_call(
         choices += 1;
         // A worker ejected while this call waited for its permit is left for another in
         // service (chosen again, at most once per worker).
-        if endpoint.is_ejected() && task.workers.another_in_service(&endpoint.url) && choices <= task.workers.count() {
+        if endpoint.is_ejected() && set.another_in_service(&endpoint.url) && choices <= set.count() {
             continue;
         }
-        let (result, took) = call_on(task, call, &endpoint, permit, attempt, metrics).await;
+        let (result, took) = call_on(task, set, call, &endpoint, permit, attempt, metrics).await;
         return (result, waited, took, Some(endpoint.url.clone()));
     }
 }
@@ -137,6 +148,7 @@ async fn permitted_call(
 /// health. Returns the answer and the time the call took.
 async fn call_on(
     task: &Task,
+    set: &WorkerSet,
     call: &InferCall,
     endpoint: &workers::Endpoint,
     permit: permits::Permit<'_>,
@@ -147,12 +159,12 @@ async fn call_on(
     in_flight.inc();
     let sent = endpoint.send(call.elements());
     let started = Instant::now();
-    let result = endpoint.client.infer(&task.config.model, call, attempt, |headers| endpoint.observe(headers)).await;
+    let result = endpoint.client.infer(&set.model, call, attempt, |headers| endpoint.observe(headers)).await;
     let took = started.elapsed();
     in_flight.dec();
     let outcome = result.as_ref().map(|_| ());
     let ejected = endpoint.finish(sent, outcome);
-    task.workers.record(endpoint, outcome, ejected);
+    set.record(endpoint, outcome, ejected);
     match &result {
         Ok(_) => endpoint.permits.succeeded(&permit, took),
         Err(error) if error.is_overload() => endpoint.permits.overloaded(),

@@ -8,8 +8,11 @@
 //!    before any input is read;
 //! 2. [`Plan::probe`]: the input's header, checked against the limits, and the bytes its
 //!    conversion will hold at its peak (reserved before decoding);
-//! 3. [`Plan::convert`] (CPU-bound, on the task's rayon pool): the model's input tensor, the
-//!    outputs to ask for, and a [`Finish`] that turns the model's outputs into the result.
+//! 3. [`Plan::convert`] (CPU-bound, on the task's rayon pool): the worker calls to make (each a
+//!    model's input tensor and the outputs to ask for), and a [`Finish`] that turns their
+//!    answers into the result, or into further calls: a task may run several models in turn
+//!    (the image task runs MTCNN's three networks), each call admitted by its own model's
+//!    workers and permits ([`Converter::stage_models`]).
 
 pub mod image;
 pub mod voice;
@@ -25,6 +28,12 @@ use crate::call::client::OutputTensor;
 pub trait Converter: Send + Sync {
     /// The plan for one request: its options checked and merged over the task's.
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure>;
+
+    /// The models its later calls go to, by name: stage 0 is the task's `model`, stage `i` is
+    /// this list's `i - 1`th. Each gets its own workers and GPU permits.
+    fn stage_models(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// One request's conversion, options settled.
@@ -37,16 +46,64 @@ pub trait Plan: Send + Sync {
     fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure>;
 }
 
-/// The model's input and how to read its answer.
+/// The worker calls to make next, all at once, and how to read their answers.
 pub struct Converted {
-    pub tensor: Tensor,
-    /// The model outputs to ask for, in the order [`Finish::output`] reads them.
-    pub outputs: &'static [&'static str],
+    pub calls: Vec<ModelCall>,
     pub finish: Box<dyn Finish>,
 }
 
-/// What a request needs, after the worker answered, to build its result's `output`.
+impl Converted {
+    /// One call to the task's own model (stage 0).
+    pub fn one(tensor: Tensor, outputs: &'static [&'static str], finish: Box<dyn Finish>) -> Self {
+        Converted { calls: vec![ModelCall { stage: 0, tensor, outputs }], finish }
+    }
+}
+
+/// One worker call: a model's input, and the outputs to ask for.
+pub struct ModelCall {
+    /// Which of the task's models (see [`Converter::stage_models`]).
+    pub stage: usize,
+    pub tensor: Tensor,
+    /// The model outputs to ask for, in the order [`Finish::output`] reads them.
+    pub outputs: &'static [&'static str],
+}
+
+/// What a request needs, after the worker answered, to go on: to its result's `output`, or to
+/// further calls.
 pub trait Finish: Send {
-    /// `tensors` are the outputs asked for, in order.
-    fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure>;
+    /// `answers[i]` holds the outputs of call `i`, in the order that call asked for them.
+    fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure>;
+
+    /// Whether [`output`](Self::output) is CPU-bound work for the task's rayon pool (crops and
+    /// resampling between stages) rather than a few microseconds on the caller's thread.
+    fn cpu_bound(&self) -> bool {
+        false
+    }
+
+    /// Bytes this keeps until its calls are answered (say, the image the next stage crops).
+    fn held_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// Where a request stands after an answer.
+pub enum Step {
+    /// The result's `output`.
+    Done(serde_json::Value),
+    /// More calls.
+    Next(Converted),
+}
+
+/// The one answer of a one-call step: its outputs, or why there is not exactly one.
+pub fn only_answer(answers: Vec<Vec<OutputTensor>>) -> Result<Vec<OutputTensor>, Failure> {
+    let n = answers.len();
+    let mut answers = answers.into_iter();
+    match (answers.next(), answers.next()) {
+        (Some(one), None) => Ok(one),
+        _ => Err(Failure::new(
+            vramgate_shared::events::ErrorKind::Internal,
+            vramgate_shared::events::Stage::Postprocess,
+            format!("{n} answers for one call"),
+        )),
+    }
 }

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
 use vramgate_shared::oip::{Tensor, TensorData};
 
-use super::{Converted as ModelInput, Converter, Finish, Plan};
+use super::{only_answer, Converted as ModelInput, Converter, Finish, Plan, Step};
 use crate::audio::wav::{self, WavInfo};
 use crate::audio::{self, segments::SegmentParams};
 use crate::failure::Failure;
@@ -211,7 +211,7 @@ impl Plan for VoicePlan {
         let samples = std::mem::take(&mut converted.samples);
         let tensor = Tensor { name: MODEL_INPUT.into(), shape: vec![1, samples.len()], data: TensorData::Fp32(samples) };
         let finish = VoiceFinish { converted, params: self.params.clone() };
-        Ok(ModelInput { tensor, outputs: &[MODEL_OUTPUT], finish: Box::new(finish) })
+        Ok(ModelInput::one(tensor, &[MODEL_OUTPUT], Box::new(finish)))
     }
 }
 
@@ -221,9 +221,11 @@ struct VoiceFinish {
 }
 
 impl Finish for VoiceFinish {
-    fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure> {
+    fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
+        let tensors = only_answer(answers)?;
         let probs = tensors.first().map_or(&[][..], |t| t.data.as_slice());
-        Ok(serde_json::to_value(output(probs, &self.converted, &self.params)).expect("voice outputs always serialise"))
+        let output = serde_json::to_value(output(probs, &self.converted, &self.params)).expect("voice outputs always serialise");
+        Ok(Step::Done(output))
     }
 }
 

@@ -14,7 +14,7 @@ use ::image::codecs::png::PngDecoder;
 use ::image::codecs::webp::WebPDecoder;
 use ::image::imageops::FilterType;
 use ::image::metadata::Orientation;
-use ::image::{DynamicImage, ImageDecoder, ImageError, ImageFormat, Limits};
+use ::image::{DynamicImage, ImageDecoder, ImageError, ImageFormat, Limits, RgbImage};
 
 use vramgate_shared::events::{ErrorKind, Stage};
 
@@ -47,7 +47,7 @@ pub struct ImageHeader {
 }
 
 impl ImageHeader {
-    fn pixels(&self) -> u64 {
+    pub fn pixels(&self) -> u64 {
         u64::from(self.width) * u64::from(self.height)
     }
 }
@@ -74,13 +74,7 @@ pub fn probe(bytes: &[u8], max_pixels: u64) -> Result<ImageHeader, Failure> {
 /// The target height in the stored frame depends on the EXIF orientation, which the header does
 /// not carry, so the larger model side stands in for it.
 pub fn conversion_bytes(header: &ImageHeader, options: &ImageOptions) -> u64 {
-    let pixels = header.pixels();
-    let decoded = pixels.saturating_mul(u64::from(header.bytes_per_pixel));
-    let decoder_working = match header.format {
-        "jpeg" => header.encoded_bytes.saturating_add(pixels.saturating_mul(JPEG_WORKING_BYTES_PER_PIXEL)),
-        "webp" => pixels.saturating_mul(WEBP_WORKING_BYTES_PER_PIXEL),
-        _ => 0,
-    };
+    let (decoded, decoder_working) = decoding(header);
     let model_pixels = u64::from(options.width) * u64::from(options.height);
     let intermediate =
         u64::from(header.width).saturating_mul(u64::from(options.width.max(options.height))).saturating_mul(16);
@@ -171,6 +165,40 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<Prepared, Failure
         placement: fit.placement(oriented_width, oriented_height),
         format,
     })
+}
+
+/// The whole image, decoded and turned as its EXIF orientation says, as 8-bit RGB (alpha
+/// dropped, grey repeated, as PIL's `convert("RGB")` does): what MTCNN's cascade resamples its
+/// pyramid and its crops from. The same limits, orientation and panic guard as [`convert`].
+pub fn decode_rgb(bytes: &[u8], max_pixels: u64) -> Result<(RgbImage, &'static str), Failure> {
+    let Opened { mut decoder, header } = open(bytes, max_pixels)?;
+    let format = header.format;
+    let orientation = guarded(format, || Ok(decoder.orientation().unwrap_or(Orientation::NoTransforms)))?;
+    let mut decoded = guarded(format, || DynamicImage::from_decoder(decoder).map_err(|e| image_failure(format, &e)))?;
+    decoded.apply_orientation(orientation);
+    Ok((decoded.into_rgb8(), format))
+}
+
+/// Bytes [`decode_rgb`] holds at its peak: the decoder's output and working memory, then that
+/// output and its RGB copy (none when it is already 8-bit RGB, but the header does not promise
+/// the orientation is a no-op, so one turned copy is counted).
+pub fn decode_bytes(header: &ImageHeader) -> u64 {
+    let (decoded, decoder_working) = decoding(header);
+    let rgb = header.pixels().saturating_mul(3);
+    decoded.saturating_add(decoder_working).max(decoded.saturating_add(rgb))
+}
+
+/// The decoder's output buffer, and its working memory beside it (a JPEG decoder's copy of the
+/// input and its coefficients, a WebP decoder's frame).
+fn decoding(header: &ImageHeader) -> (u64, u64) {
+    let pixels = header.pixels();
+    let decoded = pixels.saturating_mul(u64::from(header.bytes_per_pixel));
+    let working = match header.format {
+        "jpeg" => header.encoded_bytes.saturating_add(pixels.saturating_mul(JPEG_WORKING_BYTES_PER_PIXEL)),
+        "webp" => pixels.saturating_mul(WEBP_WORKING_BYTES_PER_PIXEL),
+        _ => 0,
+    };
+    (decoded, working)
 }
 
 /// A decoder that has read the header, and what the header said.

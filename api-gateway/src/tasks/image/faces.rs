@@ -57,6 +57,7 @@ pub fn faces(
                 x2: x1 + CELL_SIZE + offset(2, cell) * CELL_SIZE,
                 y2: y1 + CELL_SIZE + offset(3, cell) * CELL_SIZE,
                 score: round_to(p, 1e4),
+                landmarks: None,
             };
             to_image(&model, placement)
         })
@@ -103,7 +104,7 @@ fn to_image(model: &FaceBox, placement: &Placement) -> Option<FaceBox> {
     let (width, height) = (placement.width as f32, placement.height as f32);
     let x = |v: f32| round_to(((v - placement.pad_x) / placement.scale_x).clamp(0.0, width), 10.0);
     let y = |v: f32| round_to(((v - placement.pad_y) / placement.scale_y).clamp(0.0, height), 10.0);
-    let image = FaceBox { x1: x(model.x1), y1: y(model.y1), x2: x(model.x2), y2: y(model.y2), score: model.score };
+    let image = FaceBox { x1: x(model.x1), y1: y(model.y1), x2: x(model.x2), y2: y(model.y2), score: model.score, landmarks: None };
     (image.x2 > image.x1 && image.y2 > image.y1).then_some(image)
 }
 
@@ -170,7 +171,7 @@ mod tests {
     }
 
     fn face(x1: f32, y1: f32, x2: f32, y2: f32, score: f32) -> FaceBox {
-        FaceBox { x1, y1, x2, y2, score }
+        FaceBox { x1, y1, x2, y2, score, landmarks: None }
     }
 
     fn identity(width: u32, height: u32) -> Placement {

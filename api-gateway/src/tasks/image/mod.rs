@@ -1,29 +1,34 @@
-//! The `image` task: PNG/JPEG/WebP bytes → oriented, resized, normalised RGB (CPU, on the
-//! task's rayon pool) → the worker's MTCNN P-Net → face boxes in the input image's pixels.
+//! The `image` task: PNG/JPEG/WebP bytes → oriented RGB (CPU, on the task's rayon pool) →
+//! MTCNN's three networks on the worker, in turn → faces with their landmarks, in the input
+//! image's pixels, as facenet-pytorch's `MTCNN.detect` finds them (`mode = "faces"`, the
+//! default). `mode = "proposals"` runs P-Net alone, once, on the image fitted to a fixed size:
+//! raw proposals, for load tests and benches.
 //!
 //! This module owns the CPU side of that task: reading the header (so an oversized image is
 //! refused before a pixel is decoded), sizing the conversion for the memory budget, building the
-//! model's tensor, and turning the model's maps back into boxes.
-//!
-//! Coordinates are 0-based pixel *edges* throughout: pixel `(x, y)` covers `[x, x + 1) ×
-//! [y, y + 1)`, so a box `(0, 0, width, height)` is the whole image. That is the one convention in
-//! which "scale by s" and "move by p" map boxes exactly, with no ±1 corrections.
+//! models' tensors, and turning the models' answers into faces.
 //!
 //! The work is split along those lines:
-//! - `convert`: image bytes → the model's tensor: the header probe, the decode under limits
-//!   (PNG, JPEG, WebP), the EXIF orientation and the fit to the model's input ([`probe`],
-//!   [`conversion_bytes`], [`convert()`], [`Placement`], [`Prepared`]);
-//! - `faces`: P-Net's output maps → face boxes in the input image's pixels, with non-maximum
-//!   suppression ([`faces()`], [`output`]);
-//! - this file: the task's options ([`ImageOptions`], [`ResizeMode`], [`image_options`]) and the
-//!   glue that plugs the two into the task traits ([`ImageTask`]).
+//! - `convert`: image bytes → pixels: the header probe, the decode under limits (PNG, JPEG,
+//!   WebP), the EXIF orientation ([`probe`], [`decode_rgb`]), and for proposals the fit to the
+//!   model's input ([`conversion_bytes`], [`convert()`], [`Placement`], [`Prepared`]);
+//! - `mtcnn`: the cascade's arithmetic between the networks (pyramid, area resampling, crops,
+//!   regression, suppression), as the reference computes it, in the reference's coordinates;
+//! - `cascade`: the cascade as a chain of worker calls (each stage's calls, and what the next
+//!   stage needs of the image), on the task traits;
+//! - `faces`: proposals: P-Net's maps at one scale → boxes in 0-based pixel edges, with
+//!   non-maximum suppression ([`faces()`], [`output`]);
+//! - this file: the task's options ([`ImageOptions`], [`ImageMode`], [`ResizeMode`],
+//!   [`image_options`]) and the glue that plugs them into the task traits ([`ImageTask`]).
 
+mod cascade;
 mod convert;
 mod faces;
+mod mtcnn;
 #[cfg(test)]
 mod test_util;
 
-pub use self::convert::{conversion_bytes, convert, probe, ImageHeader, Placement, Prepared};
+pub use self::convert::{conversion_bytes, convert, decode_bytes, decode_rgb, probe, ImageHeader, Placement, Prepared};
 pub use self::faces::{faces, output};
 
 use std::sync::Arc;
@@ -32,7 +37,7 @@ use serde::{Deserialize, Serialize};
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{Tensor, TensorData};
 
-use super::{Converted, Converter, Finish, Plan};
+use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::failure::Failure;
 use crate::call::client::OutputTensor;
 
@@ -48,7 +53,20 @@ pub const BOX_OUTPUT: &str = "box_offsets";
 const MIN_MODEL_SIDE: u32 = 12;
 const MAX_MODEL_SIDE: u32 = 8192;
 
-/// How the image is fitted to the model's input size.
+/// What the task answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageMode {
+    /// MTCNN's whole cascade (P-Net over a pyramid, then R-Net, then O-Net): the faces, with
+    /// landmarks, that facenet-pytorch's `MTCNN.detect` finds.
+    Faces,
+    /// P-Net alone at one scale, on the image fitted to `width × height`: raw proposals, not
+    /// faces. One worker call per image of a fixed size, which is what the load tests and
+    /// benches want; no user should act on its boxes.
+    Proposals,
+}
+
+/// How the image is fitted to the model's input size (`proposals` only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ResizeMode {
@@ -63,36 +81,65 @@ pub enum ResizeMode {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImageOptions {
-    /// Model input width in pixels.
-    pub width: u32,
-    /// Model input height in pixels.
-    pub height: u32,
-    pub resize: ResizeMode,
+    pub mode: ImageMode,
     /// Images whose header declares more pixels than this are dead-lettered as
     /// `input_too_large` before their pixels are decoded.
     pub max_pixels: u64,
-    /// A cell is a face candidate when its probability reaches this.
-    pub threshold: f32,
-    /// Of two boxes overlapping by more than this intersection-over-union, the lower-scored one
-    /// is dropped.
-    pub nms_iou: f32,
     /// At most this many faces are reported, the highest-scored ones.
     pub max_faces: usize,
+    /// `faces`: the smallest face looked for, in pixels (the pyramid's first level scales it
+    /// to P-Net's 12-pixel window). At least 12, so no level is larger than the image.
+    pub min_face_size: u32,
+    /// `faces`: the face probability each network must see: P-Net (at least), R-Net and O-Net
+    /// (more than).
+    pub thresholds: [f32; 3],
+    /// `faces`: each pyramid level is this much smaller than the last.
+    pub factor: f64,
+    /// `faces`: the models of the second and third stages (the first is the task's `model`).
+    pub refine_model: String,
+    pub output_model: String,
+    /// `faces`: candidates one stage may pass to the next; an image that gives more is
+    /// dead-lettered (`input_too_large`), naming the stage.
+    pub max_candidates: usize,
+    /// `faces`: rows of one R-Net or O-Net call; a stage's candidates go as several calls at
+    /// once when there are more (facenet-pytorch runs them 512 at a time too).
+    pub max_batch_rows: usize,
+    /// `proposals`: the model input size in pixels.
+    pub width: u32,
+    pub height: u32,
+    pub resize: ResizeMode,
+    /// `proposals`: a cell is a candidate when its probability reaches this.
+    pub threshold: f32,
+    /// `proposals`: of two boxes overlapping by more than this intersection-over-union, the
+    /// lower-scored one is dropped.
+    pub nms_iou: f32,
 }
 
 impl Default for ImageOptions {
     fn default() -> Self {
         ImageOptions {
+            mode: ImageMode::Faces,
+            max_pixels: 40_000_000,
+            max_faces: 100,
+            min_face_size: 20,
+            thresholds: [0.6, 0.7, 0.7],
+            factor: 0.709,
+            refine_model: "mtcnn_rnet".into(),
+            output_model: "mtcnn_onet".into(),
+            max_candidates: 5000,
+            max_batch_rows: 512,
             width: 320,
             height: 320,
             resize: ResizeMode::Letterbox,
-            max_pixels: 40_000_000,
             threshold: 0.7,
             nms_iou: 0.5,
-            max_faces: 100,
         }
     }
 }
+
+/// The smallest `min_face_size`: below P-Net's window the first level would be larger than the
+/// image, and its memory would grow with the square of the ratio.
+pub const MIN_FACE_SIZE: u32 = 12;
 
 impl ImageOptions {
     /// Checks what the types cannot. Messages name the key relative to the task
@@ -106,7 +153,13 @@ impl ImageOptions {
         if self.max_pixels == 0 {
             return Err("image.max_pixels must be at least 1".into());
         }
-        for (key, value) in [("threshold", self.threshold), ("nms_iou", self.nms_iou)] {
+        for (key, value) in [
+            ("threshold", self.threshold),
+            ("nms_iou", self.nms_iou),
+            ("thresholds[0]", self.thresholds[0]),
+            ("thresholds[1]", self.thresholds[1]),
+            ("thresholds[2]", self.thresholds[2]),
+        ] {
             if !(0.0..=1.0).contains(&value) {
                 return Err(format!("image.{key} must be between 0 and 1, got {value}"));
             }
@@ -114,8 +167,29 @@ impl ImageOptions {
         if self.max_faces == 0 {
             return Err("image.max_faces must be at least 1".into());
         }
+        check_face_size(self.min_face_size).map_err(|e| format!("image.{e}"))?;
+        if !(self.factor > 0.1 && self.factor < 0.95) {
+            return Err(format!("image.factor must be above 0.1 and below 0.95, got {}", self.factor));
+        }
+        for (key, model) in [("refine_model", &self.refine_model), ("output_model", &self.output_model)] {
+            if model.is_empty() || model.len() > 128 {
+                return Err(format!("image.{key} must name a model (1 to 128 bytes)"));
+            }
+        }
+        for (key, n) in [("max_candidates", self.max_candidates), ("max_batch_rows", self.max_batch_rows)] {
+            if !(1..=100_000).contains(&n) {
+                return Err(format!("image.{key} must be between 1 and 100000, got {n}"));
+            }
+        }
         Ok(())
     }
+}
+
+fn check_face_size(size: u32) -> Result<(), String> {
+    if !(MIN_FACE_SIZE..=100_000).contains(&size) {
+        return Err(format!("min_face_size must be between {MIN_FACE_SIZE} and 100000 pixels, got {size}"));
+    }
+    Ok(())
 }
 
 /// The `image` converter of the task table.
@@ -136,31 +210,56 @@ struct ImageRequestOptions {
     threshold: Option<f32>,
     nms_iou: Option<f32>,
     max_faces: Option<usize>,
+    min_face_size: Option<u32>,
+    thresholds: Option<[f32; 3]>,
 }
 
 pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>) -> Result<ImageOptions, Failure> {
     let mut merged = config.clone();
     let Some(value) = options.filter(|v| !v.is_null()) else { return Ok(merged) };
-    let parsed: ImageRequestOptions = serde_json::from_value(value.clone())
-        .map_err(|e| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid image options: {e}")))?;
-    for (name, v) in [("threshold", parsed.threshold), ("nms_iou", parsed.nms_iou)] {
+    let invalid = |message: String| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, message);
+    let parsed: ImageRequestOptions =
+        serde_json::from_value(value.clone()).map_err(|e| invalid(format!("invalid image options: {e}")))?;
+    let thresholds = parsed.thresholds.unwrap_or_default();
+    for (name, v) in [
+        ("threshold", parsed.threshold),
+        ("nms_iou", parsed.nms_iou),
+        ("thresholds[0]", parsed.thresholds.map(|_| thresholds[0])),
+        ("thresholds[1]", parsed.thresholds.map(|_| thresholds[1])),
+        ("thresholds[2]", parsed.thresholds.map(|_| thresholds[2])),
+    ] {
         if v.is_some_and(|v| !(0.0..=1.0).contains(&v)) {
-            return Err(Failure::new(
-                ErrorKind::InvalidRequest,
-                Stage::Parse,
-                format!("image option {name} must be between 0 and 1, got {}", v.unwrap_or_default()),
-            ));
+            return Err(invalid(format!("image option {name} must be between 0 and 1, got {}", v.unwrap_or_default())));
         }
+    }
+    if let Some(size) = parsed.min_face_size {
+        check_face_size(size).map_err(|e| invalid(format!("image option {e}")))?;
+    }
+    if parsed.max_faces == Some(0) {
+        return Err(invalid("image option max_faces must be at least 1".into()));
     }
     merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
     merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
     merged.max_faces = parsed.max_faces.unwrap_or(merged.max_faces);
+    merged.min_face_size = parsed.min_face_size.unwrap_or(merged.min_face_size);
+    merged.thresholds = parsed.thresholds.unwrap_or(merged.thresholds);
     Ok(merged)
 }
 
 impl Converter for ImageTask {
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        Ok(Arc::new(ImagePlan { options: image_options(&self.options, options)? }))
+        let options = image_options(&self.options, options)?;
+        Ok(match options.mode {
+            ImageMode::Faces => Arc::new(cascade::CascadePlan::new(options)),
+            ImageMode::Proposals => Arc::new(ImagePlan { options }),
+        })
+    }
+
+    fn stage_models(&self) -> Vec<String> {
+        match self.options.mode {
+            ImageMode::Faces => vec![self.options.refine_model.clone(), self.options.output_model.clone()],
+            ImageMode::Proposals => Vec::new(),
+        }
     }
 }
 
@@ -182,7 +281,7 @@ impl Plan for ImagePlan {
         };
         let finish =
             ImageFinish { placement: prepared.placement, format: prepared.format, options: self.options.clone() };
-        Ok(Converted { tensor, outputs: &[PROB_OUTPUT, BOX_OUTPUT], finish: Box::new(finish) })
+        Ok(Converted::one(tensor, &[PROB_OUTPUT, BOX_OUTPUT], Box::new(finish)))
     }
 }
 
@@ -193,8 +292,9 @@ struct ImageFinish {
 }
 
 impl Finish for ImageFinish {
-    fn output(self: Box<Self>, tensors: &[OutputTensor]) -> Result<serde_json::Value, Failure> {
-        let [prob, boxes] = tensors else {
+    fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
+        let tensors = only_answer(answers)?;
+        let [prob, boxes] = &tensors[..] else {
             return Err(Failure::new(
                 ErrorKind::Internal,
                 Stage::Postprocess,
@@ -202,7 +302,8 @@ impl Finish for ImageFinish {
             ));
         };
         let faces = faces(&prob.data, &prob.shape, &boxes.data, &self.placement, &self.options)?;
-        Ok(serde_json::to_value(output(faces, &self.placement, self.format)).expect("image outputs always serialise"))
+        let output = serde_json::to_value(output(faces, &self.placement, self.format)).expect("image outputs always serialise");
+        Ok(Step::Done(output))
     }
 }
 
