@@ -379,7 +379,7 @@ fn summarise_result(payload: &[u8]) -> String {
                 let more = image.faces.len().saturating_sub(best.len());
                 let more = if more > 0 { format!(" and {more} more") } else { String::new() };
                 format!(
-                    "{} face box(es) in {}×{} {}: {}{more}",
+                    "{} face(s) in {}×{} {}: {}{more}",
                     image.faces.len(),
                     image.width,
                     image.height,

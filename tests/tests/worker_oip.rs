@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use vramgate_tests::{silero_worker_config, start_worker, venv_python};
+use vramgate_tests::{silero_worker_config, start_worker, venv_python, worker_config, ONET_MODEL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tritonclient_http_talks_to_the_worker() {
@@ -18,6 +18,24 @@ async fn tritonclient_http_talks_to_the_worker() {
         String::from_utf8_lossy(&output.stderr),
         worker.service.log_tail()
     );
+}
+
+/// A model only its config entry describes (`kind = "declared"`: MTCNN's O-Net): tritonclient
+/// reads its declared metadata, and its answers equal facenet-pytorch's own ONet on the same crops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tritonclient_calls_a_declared_model_and_it_agrees_with_its_package() {
+    let worker = start_worker(&worker_config("[batching]\ncalibrate = false", &[ONET_MODEL])).await.expect("worker starts");
+    let script = vramgate_tests::repo_root().join("tests/python/declared_model_check.py");
+    let host = worker.url.trim_start_matches("http://").to_string();
+    let output = Command::new(venv_python()).arg(&script).arg(&host).output().expect("runs python");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "declared model check failed:\n{stdout}\n{}\nworker log:\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        worker.service.log_tail()
+    );
+    eprintln!("{stdout}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
