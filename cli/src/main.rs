@@ -369,6 +369,9 @@ fn summarise_result(payload: &[u8]) -> String {
             format!("speech {} (of {:.2} s)", segments.join(", "), v.duration_seconds)
         }
         Err(_) => match serde_json::from_value::<ImageOutput>(result.output.clone()) {
+            Ok(image) if image.faces.is_empty() => {
+                format!("no face in {}×{} {}", image.width, image.height, image.format)
+            }
             Ok(image) => {
                 let best: Vec<String> = image
                     .faces
