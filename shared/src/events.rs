@@ -61,7 +61,9 @@ pub struct ResultEvent {
     pub task: String,
     /// Always `"ok"`; failures go to the dead-letter topic instead.
     pub status: String,
-    /// The model that produced the output, as the worker names it.
+    /// The model that produced the output, as the worker names it; for a task that calls
+    /// several models in turn, those it called, in order, joined by commas (an image too small
+    /// for P-Net's window calls none: empty).
     pub model: String,
     /// Task-specific output, e.g. [`VoiceOutput`].
     pub output: serde_json::Value,

@@ -296,5 +296,40 @@ async fn a_failing_stage_dead_letters_its_event_by_name_and_the_next_goes_on() {
     let retried = metrics.sum("vramgate_gateway_retries_total", &[("task", "image"), ("reason", "error")]);
     eprintln!("worker killed mid-burst: {results} of {} results, {retried} calls retried", ids.len());
     assert!(retried > 0.0, "the kill hit no call in flight:\n{}", metrics.text);
+
+    // Odd images through the whole cascade: other pixel formats (alpha, grey, 16-bit, WebP),
+    // strips, and images too small for any pyramid level. Each is a result of its own size.
+    let rgb = astronaut_image.to_rgb8();
+    let odd_dir = root.join("odd");
+    std::fs::create_dir_all(&odd_dir).expect("a folder");
+    let mut odd: Vec<(&str, image::DynamicImage, image::ImageFormat, usize)> = vec![
+        ("rgba.png", image::DynamicImage::ImageRgba8(astronaut_image.to_rgba8()), image::ImageFormat::Png, 1),
+        ("grey.png", image::DynamicImage::ImageLuma8(astronaut_image.to_luma8()), image::ImageFormat::Png, 1),
+        ("rgb16.png", image::DynamicImage::ImageRgb16(astronaut_image.to_rgb16()), image::ImageFormat::Png, 1),
+        ("lossless.webp", image::DynamicImage::ImageRgb8(rgb.clone()), image::ImageFormat::WebP, 1),
+        ("11x11.png", image::DynamicImage::ImageRgb8(image::imageops::thumbnail(&rgb, 11, 11)), image::ImageFormat::Png, 0),
+    ];
+    for (name, w, h) in [("strip-4000x20.png", 4000, 20), ("strip-20x4000.png", 20, 4000), ("12x12.png", 12, 12)] {
+        let resized = image::imageops::resize(&rgb, w, h, image::imageops::FilterType::Triangle);
+        odd.push((name, image::DynamicImage::ImageRgb8(resized), image::ImageFormat::Png, usize::MAX));
+    }
+    let mut ids = Vec::new();
+    for (name, picture, format, _) in &odd {
+        let path = odd_dir.join(name);
+        picture.save_with_format(&path, *format).expect("writing an odd image");
+        let id = unique("odd");
+        send(&producer, &topics.requests, &id, &request_file(&id, "image", &path)).await.expect("send");
+        ids.push(id);
+    }
+    let got = outputs(&topics, &ids, Duration::from_secs(120), || gateway.log_tail()).await;
+    for (id, (name, picture, _, faces)) in ids.iter().zip(&odd) {
+        let value = &got[id].value;
+        assert_eq!(got[id].topic, topics.results, "{name}: {value}");
+        let size = (value["output"]["width"].as_u64(), value["output"]["height"].as_u64());
+        assert_eq!(size, (Some(picture.width().into()), Some(picture.height().into())), "{name}: {value}");
+        let found = value["output"]["faces"].as_array().map_or(usize::MAX, Vec::len);
+        assert!(*faces == usize::MAX || found == *faces, "{name}: {found} faces, expected {faces}: {value}");
+        eprintln!("{name}: {found} faces [{}]", value["model"]);
+    }
     drop((gateway, worker));
 }
