@@ -324,23 +324,30 @@ pub enum Routing {
     LeastInFlight,
 }
 
-/// Workers found in DNS: every address `name` resolves to, on `port`, re-resolved every
-/// `refresh_seconds`.
+/// Workers found in DNS: every address (A and AAAA) `name` resolves to, on `port`, or with
+/// `srv` every address of every SRV target on its record's port; re-resolved every
+/// `refresh_seconds` (`call::discovery`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DnsConfig {
     /// The name to resolve, e.g. `ai-worker.vramgate.svc.cluster.local` (a headless Service
-    /// answers with one address per ready pod).
+    /// answers with one address per ready pod), or with `srv` an SRV name,
+    /// `_http._tcp.ai-worker.vramgate.svc.cluster.local`.
     pub name: String,
+    /// The workers' port (not used with `srv`: each record names its own).
     pub port: u16,
+    /// `name` is an SRV name (`_service._proto.name`): the workers are its targets' addresses,
+    /// each on its record's port.
+    pub srv: bool,
     /// `http` or `https`.
     pub scheme: String,
     /// How often the name is resolved again (0.5 s to 1 h).
     pub refresh_seconds: f64,
-    /// A DNS server (`ip:port`) asked directly over UDP for A records; unset: the system
-    /// resolver (`/etc/hosts`, `resolv.conf` and its search domains, as a pod's own lookups).
+    /// A DNS server (`ip:port`) asked directly (UDP, TCP for truncated answers), and no other;
+    /// unset: the system resolver (`/etc/hosts`, `resolv.conf` and its search domains, as a
+    /// pod's own lookups).
     pub nameserver: Option<String>,
-    /// Most addresses taken from one answer (at most 64); the rest are ignored, with a warning.
+    /// Most workers taken from one answer (at most 64); the rest are ignored, with a warning.
     pub max_endpoints: usize,
 }
 
@@ -349,6 +356,7 @@ impl Default for DnsConfig {
         DnsConfig {
             name: String::new(),
             port: 8081,
+            srv: false,
             scheme: "http".into(),
             refresh_seconds: 5.0,
             nameserver: None,
@@ -365,6 +373,19 @@ impl DnsConfig {
     fn validate(&self, at: &str) -> Result<(), String> {
         if self.name.trim().is_empty() {
             return Err(format!("{at}.name is empty: name the DNS name whose addresses are the workers"));
+        }
+        if let Err(e) = hickory_resolver::proto::rr::Name::from_ascii(self.name.trim()) {
+            return Err(format!("{at}.name '{}' is not a DNS name: {e}", self.name));
+        }
+        // `_service._proto.name` (RFC 2782): an SRV name asked for addresses, or a host name
+        // asked for SRV records, finds nothing and would empty the worker set.
+        let labels: Vec<&str> = self.name.trim().split('.').collect();
+        let srv_name = labels.len() > 2 && labels[0].starts_with('_') && labels[1].starts_with('_');
+        if self.srv && !srv_name {
+            return Err(format!("{at}.srv is set but name '{}' is not an SRV name (_service._proto.name)", self.name));
+        }
+        if !self.srv && srv_name {
+            return Err(format!("{at}.name '{}' is an SRV name: set srv = true", self.name));
         }
         if !matches!(self.scheme.as_str(), "http" | "https") {
             return Err(format!("{at}.scheme must be http or https, got '{}'", self.scheme));
@@ -770,6 +791,39 @@ mod tests {
         config.worker.dns = Some(DnsConfig { name: "w".into(), nameserver: Some("10.0.0.1".into()), ..DnsConfig::default() });
         assert!(config.validate().expect_err("no port").contains("ip:port"));
         assert_eq!(GatewayConfig::default().tasks["voice"].workers(&WorkerEndpoint::default()), WorkerSource::Static(vec!["http://127.0.0.1:8081".into()]));
+    }
+
+    #[test]
+    fn dns_names_and_srv_are_checked() {
+        let check = |name: &str, srv: bool, error: Option<&str>| {
+            let dns = DnsConfig { name: name.into(), srv, ..DnsConfig::default() };
+            match (dns.validate("worker.dns"), error) {
+                (Ok(()), None) => {}
+                (Err(e), Some(part)) => assert!(e.contains(part), "{name} (srv {srv}): {e}"),
+                (got, _) => panic!("{name} (srv {srv}): {got:?}, expected an error with {error:?}"),
+            }
+        };
+        check("ai-worker.vramgate.svc.cluster.local", false, None);
+        check("ai-worker", false, None);
+        check("_http._tcp.ai-worker.vramgate.svc.cluster.local.", true, None);
+        check("ai-worker.vramgate.svc.cluster.local", true, Some("not an SRV name"));
+        check("_http._tcp.ai-worker", false, Some("set srv = true"));
+        check("a..b", false, Some("not a DNS name"));
+        check(&format!("{}.local", "x".repeat(64)), false, Some("not a DNS name"));
+        check(" ", false, Some("is empty"));
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("VGGW_WORKER__DNS__NAME", "_http._tcp.w.local");
+            jail.set_env("VGGW_WORKER__DNS__SRV", "true");
+            jail.set_env("VGGW_TASKS__IMAGE__WORKER_DNS__NAME", "w.local");
+            let config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+            config.validate().expect("validates");
+            assert!(config.worker.dns.as_ref().is_some_and(|d| d.srv));
+            assert!(config.tasks["image"].worker_dns.as_ref().is_some_and(|d| !d.srv));
+            jail.set_env("VGGW_TASKS__IMAGE__WORKER_DNS__SRV", "true");
+            let config: GatewayConfig = vramgate_shared::config::load(None, "VGGW_").expect("loads");
+            assert!(config.validate().expect_err("a host name as SRV").contains("tasks.image"));
+            Ok(())
+        });
     }
 
     #[test]

@@ -7,14 +7,19 @@
 //! - one of them SIGKILLed mid-run and restarted: every event still ends in a result or a dead
 //!   letter, the dead worker is ejected, the others take its calls, and it rejoins;
 //! - workers found in DNS (a DNS server run by the test): added and removed endpoints are
-//!   followed without a restart;
+//!   followed without a restart; A and AAAA answers, SRV targets on their records' ports, a
+//!   truncated answer read again over TCP, and the `max_endpoints` cap, on the worker set alone;
 //! - a worker another client loaded while the gateway last heard from it: once that load
 //!   drains, the gateway's estimate of its room is refreshed without a call of its own.
 
 use std::collections::HashSet;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
+use vramgate_gateway::call::discovery::{refresh, Finder};
+use vramgate_gateway::call::workers::WorkerSet;
+use vramgate_gateway::config::{DnsConfig, PermitConfig, Routing};
+use vramgate_gateway::metrics::Metrics;
 use vramgate_tests::dns::DnsServer;
 use vramgate_tests::fleet::{self, fleet_env, mixed_events, run_load, shares, start_cards};
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
@@ -241,6 +246,71 @@ async fn workers_found_in_dns_are_added_and_removed_without_a_restart() {
     assert_eq!(dead, 0, "dead letters from valid inputs");
     drop(b);
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// What DNS discovery makes of answers, on a worker set alone (no broker, no worker: only the
+/// URLs matter here): both address families, SRV targets with their records' ports, an answer
+/// too long for UDP read over TCP, NXDOMAIN emptying the set, and the `max_endpoints` cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_answers_of_both_families_and_srv_targets_become_workers() {
+    let dns = DnsServer::start().await.expect("dns server");
+    let set = WorkerSet::new("voice", "m", Routing::Memory, 1.0, None, PermitConfig::default(), Metrics::new());
+    let finder = |name: &str, srv: bool, max_endpoints: usize| {
+        let nameserver = Some(dns.addr.to_string());
+        Finder::new(DnsConfig { name: name.into(), srv, port: 8081, nameserver, max_endpoints, ..DnsConfig::default() })
+    };
+    async fn urls_after(set: &WorkerSet, finder: &mut Finder) -> Vec<String> {
+        refresh(set, finder).await;
+        set.urls()
+    }
+    let v6 = |last: u16| IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, last));
+
+    // A and AAAA of one name: both families, IPv6 in brackets; a change is seen at the next
+    // refresh (no cache), with the same finder.
+    let dual = "dual.vramgate.test";
+    dns.set(dual, &[IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)), v6(1), IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))]);
+    let mut both = finder(dual, false, 64);
+    let got = urls_after(&set, &mut both).await;
+    eprintln!("A and AAAA: {got:?}");
+    assert_eq!(got, ["http://10.0.0.1:8081", "http://10.0.0.2:8081", "http://[fd00::1]:8081"]);
+    dns.set(dual, &[v6(1), v6(2)]);
+    assert_eq!(urls_after(&set, &mut both).await, ["http://[fd00::1]:8081", "http://[fd00::2]:8081"]);
+
+    // SRV: each target's addresses on its record's port (the configured 8081 unused); a target
+    // without addresses adds none, and "." is no target.
+    let service = "_http._tcp.workers.vramgate.test";
+    dns.set("a.vramgate.test", &[Ipv4Addr::new(10, 0, 1, 1)]);
+    dns.set("b.vramgate.test", &[IpAddr::V4(Ipv4Addr::new(10, 0, 1, 2)), v6(3)]);
+    dns.set_srv(
+        service,
+        &[(10, 0, 9001, "a.vramgate.test."), (10, 0, 9002, "b.vramgate.test."), (20, 0, 9003, "gone.vramgate.test."), (0, 0, 9, ".")],
+    );
+    let mut srv = finder(service, true, 64);
+    let got = urls_after(&set, &mut srv).await;
+    eprintln!("SRV: {got:?}");
+    assert_eq!(got, ["http://10.0.1.1:9001", "http://10.0.1.2:9002", "http://[fd00::3]:9002"]);
+    // Capped: the most preferred records are looked up, and the URLs cut to max_endpoints.
+    let found = finder(service, true, 1).find().await.expect("SRV lookup");
+    assert_eq!((found.urls, found.in_dns), (vec!["http://10.0.1.1:9001".to_string()], 3));
+    assert_eq!(urls_after(&set, &mut finder(service, true, 2)).await, ["http://10.0.1.1:9001", "http://10.0.1.2:9002"]);
+
+    // 40 addresses: 640 bytes of records, over the server's 512-byte UDP answers, so truncated
+    // there and read again over TCP; capped at 32.
+    let many = "many.vramgate.test";
+    let ips: Vec<Ipv4Addr> = (1..=40).map(|i| Ipv4Addr::new(10, 0, 2, i)).collect();
+    dns.set(many, &ips);
+    let over_tcp = dns.tcp_queries();
+    let found = finder(many, false, 64).find().await.expect("lookup over TCP");
+    assert_eq!(found.urls.len(), 40, "{found:?}");
+    assert!(dns.tcp_queries() > over_tcp, "the truncated answer was not asked again over TCP");
+    assert_eq!(over_tcp, 0, "short answers came over TCP");
+    let got = urls_after(&set, &mut finder(many, false, 32)).await;
+    assert_eq!(got.len(), 32);
+    assert_eq!(got.first().map(String::as_str), Some("http://10.0.2.1:8081"));
+
+    // NXDOMAIN (the name removed) empties the set.
+    dns.set::<IpAddr>(dual, &[]);
+    assert!(urls_after(&set, &mut both).await.is_empty());
 }
 
 /// What the gateway knows of a worker's room comes with the worker's answers; load that another

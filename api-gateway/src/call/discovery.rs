@@ -3,22 +3,38 @@
 //! and, for workers found in DNS, resolves the name again every
 //! `refresh_seconds` and adds and removes endpoints as the answer changes, without a restart.
 //!
-//! Two resolvers:
-//! - **The system's** (default): `getaddrinfo` through tokio, so `/etc/hosts`, `resolv.conf`
-//!   and its search domains apply exactly as to any other process in the pod (a Kubernetes
-//!   headless Service's short name resolves to one address per ready pod).
-//! - **A named DNS server** (`nameserver = "ip:port"`): one A query over UDP with EDNS (4 KiB
-//!   answers, room for 64 addresses), built and parsed here ([`query`], [`parse_answer`]); it
-//!   is what the integration test points at a DNS server it controls, and what a deployment
-//!   uses to ask a particular server without touching the system's configuration.
+//! A name's workers ([`Finder`]) are its A and AAAA addresses on `port`, or, with `srv = true`,
+//! every SRV target's A and AAAA addresses on that record's port. Two resolvers:
+//! - **The system's** (no `nameserver`): addresses through `getaddrinfo` (tokio), so
+//!   `/etc/hosts`, `nsswitch.conf`, `resolv.conf` and its search domains and `ndots` apply
+//!   exactly as to any other process in the pod (a Kubernetes headless Service's short name
+//!   resolves to one address per ready pod). `getaddrinfo` has no SRV, so SRV names go to
+//!   hickory-resolver built from the same `resolv.conf` (its name servers, search domains and
+//!   `ndots`) and `/etc/hosts`.
+//! - **A named DNS server** (`nameserver = "ip:port"`): hickory-resolver with that server only
+//!   (no system configuration, no hosts file), over UDP with EDNS, and over TCP when an answer
+//!   comes back truncated.
 //!
-//! A name that does not exist (NXDOMAIN) or has no addresses empties the set; a lookup that
-//! fails (no answer, timeout, a malformed answer) keeps the previous set and is logged.
+//! Every hickory query is bounded by [`PROBE_TIMEOUT`] and retried once; one whole lookup (A
+//! and AAAA together; SRV, then its targets) by [`LOOKUP_TIMEOUT`]. Its cache is off, so a
+//! change in DNS shows at the next refresh whatever the records' TTL.
+//!
+//! A name that does not exist (NXDOMAIN) or has no records empties the set; a lookup that fails
+//! (no answer, timeout, a server error, one SRV target's lookup failing) keeps the previous set
+//! and is logged. A and AAAA are asked separately so that one family failing keeps the set too,
+//! rather than dropping the other family's workers for one refresh (hickory's `lookup_ip`
+//! returns whichever family answered).
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::{StreamExt, TryStreamExt};
+use hickory_resolver::config::{NameServerConfig, ResolveHosts, ResolverConfig};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::rdata::SRV;
+use hickory_resolver::proto::rr::{Name, RData, Record};
+use hickory_resolver::TokioResolver;
 use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 
 use super::workers::WorkerSet;
@@ -26,10 +42,12 @@ use crate::config::{DnsConfig, WorkerSource};
 
 /// How often workers out of service (or not heard from yet) are checked for a probe.
 pub const PROBE_INTERVAL: Duration = Duration::from_millis(250);
-/// Limit of one probe, and of one DNS query.
+/// Limit of one probe, and of one DNS query (one try; a query is tried twice at most).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Largest DNS answer read (the EDNS buffer size offered).
-const DNS_BUFFER: usize = 4096;
+/// Limit of one whole lookup of a name's workers; past it the workers known are kept.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(4);
+/// SRV targets looked up at a time.
+const TARGETS_AT_ONCE: usize = 8;
 
 static DNS_LOG: LogLimit = LogLimit::new(2);
 
@@ -42,12 +60,16 @@ pub async fn maintain(set: Arc<WorkerSet>, source: WorkerSource) {
             return;
         }
     };
+    let mut finder = match source {
+        WorkerSource::Dns(dns) => Some(Finder::new(dns)),
+        WorkerSource::Static(_) => None,
+    };
     let mut next_lookup = Instant::now();
     loop {
-        if let WorkerSource::Dns(dns) = &source {
+        if let Some(finder) = &mut finder {
             if Instant::now() >= next_lookup {
-                refresh(&set, dns).await;
-                next_lookup = Instant::now() + dns.refresh();
+                refresh(&set, finder).await;
+                next_lookup = Instant::now() + finder.dns.refresh();
             }
         }
         set.probe(&http).await;
@@ -55,22 +77,23 @@ pub async fn maintain(set: Arc<WorkerSet>, source: WorkerSource) {
     }
 }
 
-/// Resolves `dns` once and makes the set match the answer.
-pub async fn refresh(set: &WorkerSet, dns: &DnsConfig) {
-    let addresses = match resolve(dns).await {
-        Ok(addresses) => addresses,
+/// Resolves the finder's name once and makes the set match the answer.
+pub async fn refresh(set: &WorkerSet, finder: &mut Finder) {
+    let found = match finder.find().await {
+        Ok(found) => found,
         Err(e) => {
             if DNS_LOG.allow() {
                 let error = bounded(&e, LOG_FIELD_MAX_BYTES);
-                tracing::warn!(task = %set.task, name = %dns.name, error, "worker lookup failed; keeping the workers known");
+                tracing::warn!(task = %set.task, name = %finder.dns.name, error, "worker lookup failed; keeping the workers known");
             }
             return;
         }
     };
-    let mut urls: Vec<String> = addresses.iter().map(|ip| url(&dns.scheme, *ip, dns.port)).collect();
-    if urls.len() > dns.max_endpoints {
+    let dns = &finder.dns;
+    let mut urls = found.urls;
+    if found.in_dns > dns.max_endpoints {
         tracing::warn!(
-            task = %set.task, name = %dns.name, found = urls.len(), max_endpoints = dns.max_endpoints,
+            task = %set.task, name = %dns.name, found = found.in_dns, max_endpoints = dns.max_endpoints,
             "more workers in DNS than max_endpoints; the rest are ignored"
         );
         urls.truncate(dns.max_endpoints);
@@ -84,6 +107,163 @@ pub async fn refresh(set: &WorkerSet, dns: &DnsConfig) {
     }
 }
 
+/// What one lookup found.
+#[derive(Debug, PartialEq)]
+pub struct Found {
+    /// Worker URLs, sorted by address and without repeats.
+    pub urls: Vec<String>,
+    /// Workers in DNS: `urls`, plus one for each SRV record past `max_endpoints` (not looked up).
+    pub in_dns: usize,
+}
+
+/// Finds a task's workers in DNS. The hickory resolver is built at the first lookup that needs
+/// one and kept (a build that fails is a failed lookup, tried again at the next refresh).
+pub struct Finder {
+    pub dns: DnsConfig,
+    resolver: Option<TokioResolver>,
+}
+
+impl Finder {
+    pub fn new(dns: DnsConfig) -> Self {
+        Finder { dns, resolver: None }
+    }
+
+    /// The workers of the name now; an error keeps the set as it is.
+    pub async fn find(&mut self) -> Result<Found, String> {
+        let name = self.dns.name.clone();
+        tokio::time::timeout(LOOKUP_TIMEOUT, self.lookup())
+            .await
+            .map_err(|_| format!("looking up {name} took longer than {LOOKUP_TIMEOUT:?}"))?
+    }
+
+    async fn lookup(&mut self) -> Result<Found, String> {
+        let dns = &self.dns;
+        if dns.nameserver.is_none() && !dns.srv {
+            let found = tokio::net::lookup_host((dns.name.as_str(), dns.port))
+                .await
+                .map_err(|e| format!("resolving {}: {e}", dns.name))?;
+            let urls = urls(&dns.scheme, found.collect());
+            return Ok(Found { in_dns: urls.len(), urls });
+        }
+        let resolver: &TokioResolver = match &mut self.resolver {
+            Some(resolver) => resolver,
+            empty => empty.insert(build_resolver(dns)?),
+        };
+        let name = query_name(dns)?;
+        if !dns.srv {
+            let addresses = addresses(resolver, name).await?;
+            let urls = urls(&dns.scheme, addresses.into_iter().map(|ip| SocketAddr::new(ip, dns.port)).collect());
+            return Ok(Found { in_dns: urls.len(), urls });
+        }
+        let records = match resolver.srv_lookup(name).await {
+            Ok(lookup) => {
+                let srv = |r: &Record| match &r.data {
+                    RData::SRV(srv) => Some(srv.clone()),
+                    _ => None,
+                };
+                lookup.answers().iter().filter_map(srv).collect()
+            }
+            Err(e) if e.is_no_records_found() => Vec::new(),
+            Err(e) => return Err(format!("SRV of {}: {e}", dns.name)),
+        };
+        let (targets, skipped) = srv_targets(records, dns.max_endpoints);
+        let found: Vec<Vec<SocketAddr>> = futures::stream::iter(targets)
+            .map(|(target, port)| async move {
+                let ips = addresses(resolver, target).await?;
+                Ok::<_, String>(ips.into_iter().map(|ip| SocketAddr::new(ip, port)).collect())
+            })
+            .buffered(TARGETS_AT_ONCE)
+            .try_collect()
+            .await?;
+        let urls = urls(&dns.scheme, found.into_iter().flatten().collect());
+        Ok(Found { in_dns: urls.len() + skipped, urls })
+    }
+}
+
+/// A hickory resolver for `dns`: its `nameserver` alone, or the system's configuration.
+fn build_resolver(dns: &DnsConfig) -> Result<TokioResolver, String> {
+    let mut builder = match &dns.nameserver {
+        Some(server) => {
+            let server: SocketAddr = server.parse().map_err(|_| format!("nameserver '{server}' is not ip:port"))?;
+            let mut ns = NameServerConfig::udp_and_tcp(server.ip());
+            for connection in &mut ns.connections {
+                connection.port = server.port();
+            }
+            let config = ResolverConfig::from_name_servers(vec![ns]);
+            let mut builder = TokioResolver::builder_with_config(config, TokioRuntimeProvider::default());
+            builder.options_mut().use_hosts_file = ResolveHosts::Never;
+            builder
+        }
+        None => TokioResolver::builder_tokio().map_err(|e| format!("reading the system's DNS configuration: {e}"))?,
+    };
+    let options = builder.options_mut();
+    options.timeout = PROBE_TIMEOUT;
+    options.attempts = 1;
+    // No cache: every refresh asks the server, so a change shows at the next one.
+    options.cache_size = 0;
+    options.positive_max_ttl = Some(Duration::ZERO);
+    options.negative_max_ttl = Some(Duration::ZERO);
+    builder.build().map_err(|e| format!("building the DNS resolver: {e}"))
+}
+
+/// `dns.name` as asked: as written under the system's configuration (its search domains apply
+/// to a relative name), fully qualified when asking a named server (which has no search list).
+fn query_name(dns: &DnsConfig) -> Result<Name, String> {
+    let mut name = Name::from_ascii(dns.name.trim()).map_err(|e| format!("'{}' is not a DNS name: {e}", dns.name))?;
+    if dns.nameserver.is_some() {
+        name.set_fqdn(true);
+    }
+    Ok(name)
+}
+
+/// The A and AAAA addresses of `name`, asked in parallel. No records (or NXDOMAIN) for a
+/// family is none of it; any other failure of either is an error.
+async fn addresses(resolver: &TokioResolver, name: Name) -> Result<Vec<IpAddr>, String> {
+    let (v4, v6) = tokio::join!(resolver.ipv4_lookup(name.clone()), resolver.ipv6_lookup(name.clone()));
+    let mut found = Vec::new();
+    for (family, answer) in [("A", v4), ("AAAA", v6)] {
+        match answer {
+            Ok(lookup) => found.extend(lookup.answers().iter().filter_map(|r| match &r.data {
+                RData::A(a) => Some(IpAddr::V4(a.0)),
+                RData::AAAA(aaaa) => Some(IpAddr::V6(aaaa.0)),
+                _ => None,
+            })),
+            Err(e) if e.is_no_records_found() => {}
+            Err(e) => return Err(format!("{family} of {name}: {e}")),
+        }
+    }
+    Ok(found)
+}
+
+/// The (target, port) pairs of an SRV answer to look up, most preferred first (lowest priority,
+/// then highest weight), without repeats and without "." (RFC 2782: no service here), at most
+/// `max`; and how many more there were. Every target is a worker: priority and weight only
+/// decide which are kept past `max`.
+fn srv_targets(mut records: Vec<SRV>, max: usize) -> (Vec<(Name, u16)>, usize) {
+    records.retain(|r| !r.target.is_root());
+    records.sort_by_key(|r| (r.priority, std::cmp::Reverse(r.weight), r.target.clone(), r.port));
+    let mut targets: Vec<(Name, u16)> = Vec::with_capacity(records.len().min(max));
+    let mut skipped = 0;
+    for r in records {
+        if targets.iter().any(|(t, p)| *t == r.target && *p == r.port) {
+            continue;
+        }
+        if targets.len() < max {
+            targets.push((r.target, r.port));
+        } else {
+            skipped += 1;
+        }
+    }
+    (targets, skipped)
+}
+
+/// Worker URLs of `addresses`, sorted and without repeats.
+fn urls(scheme: &str, mut addresses: Vec<SocketAddr>) -> Vec<String> {
+    addresses.sort();
+    addresses.dedup();
+    addresses.iter().map(|a| url(scheme, a.ip(), a.port())).collect()
+}
+
 fn url(scheme: &str, ip: IpAddr, port: u16) -> String {
     match ip {
         IpAddr::V4(ip) => format!("{scheme}://{ip}:{port}"),
@@ -91,183 +271,76 @@ fn url(scheme: &str, ip: IpAddr, port: u16) -> String {
     }
 }
 
-/// The addresses of `dns.name`, sorted and without repeats.
-pub async fn resolve(dns: &DnsConfig) -> Result<Vec<IpAddr>, String> {
-    let mut addresses: Vec<IpAddr> = match &dns.nameserver {
-        Some(server) => {
-            let server: SocketAddr =
-                server.parse().map_err(|_| format!("nameserver '{server}' is not ip:port"))?;
-            query(server, &dns.name).await?.into_iter().map(IpAddr::V4).collect()
-        }
-        None => {
-            let found = tokio::time::timeout(PROBE_TIMEOUT, tokio::net::lookup_host((dns.name.as_str(), dns.port)))
-                .await
-                .map_err(|_| format!("resolving {} took longer than {PROBE_TIMEOUT:?}", dns.name))?
-                .map_err(|e| format!("resolving {}: {e}", dns.name))?;
-            found.map(|a| a.ip()).collect()
-        }
-    };
-    addresses.sort();
-    addresses.dedup();
-    Ok(addresses)
-}
-
-/// Asks `server` for the A records of `name` over UDP. NXDOMAIN is an empty answer.
-pub async fn query(server: SocketAddr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let id = (nanos ^ std::process::id()) as u16;
-    let request = build_query(id, name)?;
-    let local: SocketAddr = if server.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("valid address");
-    let socket = tokio::net::UdpSocket::bind(local).await.map_err(|e| format!("opening a UDP socket: {e}"))?;
-    socket.connect(server).await.map_err(|e| format!("DNS server {server}: {e}"))?;
-    socket.send(&request).await.map_err(|e| format!("asking {server}: {e}"))?;
-    let mut buffer = vec![0u8; DNS_BUFFER];
-    let deadline = tokio::time::Instant::now() + PROBE_TIMEOUT;
-    loop {
-        let len = tokio::time::timeout_at(deadline, socket.recv(&mut buffer))
-            .await
-            .map_err(|_| format!("DNS server {server} did not answer within {PROBE_TIMEOUT:?}"))?
-            .map_err(|e| format!("reading {server}'s answer: {e}"))?;
-        match parse_answer(id, &buffer[..len]) {
-            // A stray datagram (another id) is skipped; the deadline bounds the wait.
-            Err(AnswerError::OtherId) => continue,
-            Err(AnswerError::Bad(e)) => return Err(format!("{server} answered for {name}: {e}")),
-            Ok(addresses) => return Ok(addresses),
-        }
-    }
-}
-
-/// An A query for `name`, recursion desired, with an EDNS record offering [`DNS_BUFFER`].
-fn build_query(id: u16, name: &str) -> Result<Vec<u8>, String> {
-    let name = name.trim().trim_end_matches('.');
-    if name.is_empty() || name.len() > 253 {
-        return Err(format!("'{name}' is not a DNS name (1 to 253 characters)"));
-    }
-    let mut q = Vec::with_capacity(name.len() + 30);
-    q.extend_from_slice(&id.to_be_bytes());
-    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 1]); // RD; 1 question, 1 additional
-    for label in name.split('.') {
-        if label.is_empty() || label.len() > 63 {
-            return Err(format!("'{name}' has an empty label or one longer than 63 characters"));
-        }
-        q.push(label.len() as u8);
-        q.extend_from_slice(label.as_bytes());
-    }
-    q.extend_from_slice(&[0, 0, 1, 0, 1]); // root; type A; class IN
-    q.extend_from_slice(&[0, 0, 41]); // OPT record: root name, type 41
-    q.extend_from_slice(&(DNS_BUFFER as u16).to_be_bytes());
-    q.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // extended rcode and flags, no data
-    Ok(q)
-}
-
-#[derive(Debug, PartialEq)]
-enum AnswerError {
-    OtherId,
-    Bad(String),
-}
-
-/// The A records in an answer to query `id`. Every read is bounds-checked: a malformed or
-/// hostile answer is an error, never a panic.
-fn parse_answer(id: u16, buf: &[u8]) -> Result<Vec<Ipv4Addr>, AnswerError> {
-    let bad = |m: &str| AnswerError::Bad(m.to_string());
-    let u16_at = |at: usize| -> Result<u16, AnswerError> {
-        buf.get(at..at + 2).map(|b| u16::from_be_bytes([b[0], b[1]])).ok_or_else(|| bad("answer cut short"))
-    };
-    if u16_at(0)? != id {
-        return Err(AnswerError::OtherId);
-    }
-    let flags = u16_at(2)?;
-    if flags & 0x8000 == 0 {
-        return Err(bad("not an answer"));
-    }
-    match flags & 0x000f {
-        0 => {}
-        3 => return Ok(Vec::new()),
-        rcode => return Err(AnswerError::Bad(format!("error code {rcode}"))),
-    }
-    let questions = u16_at(4)?;
-    let answers = u16_at(6)?;
-    let mut at = 12;
-    for _ in 0..questions {
-        at = skip_name(buf, at)? + 4;
-    }
-    let mut found = Vec::new();
-    for _ in 0..answers {
-        at = skip_name(buf, at)?;
-        let (kind, class, len) = (u16_at(at)?, u16_at(at + 2)?, u16_at(at + 8)? as usize);
-        let data = buf.get(at + 10..at + 10 + len).ok_or_else(|| bad("record cut short"))?;
-        if kind == 1 && class == 1 && len == 4 {
-            found.push(Ipv4Addr::new(data[0], data[1], data[2], data[3]));
-        }
-        at += 10 + len;
-    }
-    Ok(found)
-}
-
-/// The position after the name at `at` (labels, ending in a zero byte or a pointer).
-fn skip_name(buf: &[u8], mut at: usize) -> Result<usize, AnswerError> {
-    for _ in 0..128 {
-        let len = *buf.get(at).ok_or_else(|| AnswerError::Bad("name cut short".into()))? as usize;
-        match len & 0xc0 {
-            0 if len == 0 => return Ok(at + 1),
-            0 => at += 1 + len,
-            0xc0 => return Ok(at + 2),
-            _ => return Err(AnswerError::Bad("unknown label type".into())),
-        }
-    }
-    Err(AnswerError::Bad("name with too many labels".into()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// An answer to `query` with `ips` as A records (names as pointers to the question), plus a
-    /// CNAME-like record of another type that must be skipped.
-    fn answer(query: &[u8], ips: &[[u8; 4]]) -> Vec<u8> {
-        let question_end = skip_name(query, 12).expect("name") + 4;
-        let mut a = query[..question_end].to_vec();
-        a[2] = 0x81;
-        a[3] = 0x80;
-        a[6..8].copy_from_slice(&((ips.len() + 1) as u16).to_be_bytes());
-        a[10..12].copy_from_slice(&[0, 0]);
-        a.extend_from_slice(&[0xc0, 12, 0, 5, 0, 1, 0, 0, 0, 30, 0, 2, 0xc0, 12]);
-        for ip in ips {
-            a.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 30, 0, 4]);
-            a.extend_from_slice(ip);
-        }
-        a
+    fn srv(priority: u16, weight: u16, port: u16, target: &str) -> SRV {
+        SRV::new(priority, weight, port, Name::from_ascii(target).expect("a name"))
+    }
+
+    fn check_srv(records: Vec<SRV>, max: usize, expected: &[(&str, u16)], skipped: usize) {
+        let (targets, more) = srv_targets(records, max);
+        let targets: Vec<(String, u16)> = targets.into_iter().map(|(t, p)| (t.to_ascii(), p)).collect();
+        let expected: Vec<(String, u16)> = expected.iter().map(|(t, p)| (t.to_string(), *p)).collect();
+        assert_eq!((targets, more), (expected, skipped));
     }
 
     #[test]
-    fn answers_are_parsed_and_nonsense_is_an_error() {
-        let q = build_query(7, "ai-worker.vramgate.svc.cluster.local.").expect("valid name");
-        let a = answer(&q, &[[10, 0, 0, 1], [10, 0, 0, 2]]);
-        assert_eq!(parse_answer(7, &a), Ok(vec![Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2)]));
-        assert_eq!(parse_answer(8, &a), Err(AnswerError::OtherId));
-        let mut nx = a.clone();
-        nx[3] = 0x83;
-        assert_eq!(parse_answer(7, &nx), Ok(vec![]));
-        // Every truncation is an error, never a panic; so is every single-byte corruption.
-        for cut in 0..a.len() {
-            assert!(parse_answer(7, &a[..cut]).is_err(), "cut at {cut}");
-        }
-        for at in 0..a.len() {
-            for byte in [0x00, 0x3f, 0xc0, 0xff] {
-                let mut b = a.clone();
-                b[at] = byte;
-                let _ = parse_answer(7, &b);
-            }
-        }
-        assert!(build_query(1, "").is_err());
-        assert!(build_query(1, &"x".repeat(64)).is_err());
-        assert!(build_query(1, "a..b").is_err());
+    fn srv_records_become_targets_by_preference_without_repeats_or_root() {
+        let records = || {
+            vec![
+                srv(20, 0, 9003, "c.test."),
+                srv(10, 1, 9001, "a.test."),
+                srv(10, 5, 9002, "b.test."),
+                srv(10, 1, 9001, "a.test."),
+                srv(0, 0, 9000, "."),
+                srv(10, 1, 9004, "a.test."),
+            ]
+        };
+        check_srv(records(), 64, &[("b.test.", 9002), ("a.test.", 9001), ("a.test.", 9004), ("c.test.", 9003)], 0);
+        check_srv(records(), 2, &[("b.test.", 9002), ("a.test.", 9001)], 2);
+        check_srv(vec![srv(0, 0, 1, ".")], 64, &[], 0);
+    }
+
+    #[test]
+    fn urls_are_sorted_unique_and_bracket_ipv6() {
+        let addrs = ["[::1]:9002", "10.0.0.2:9001", "10.0.0.1:9001", "10.0.0.2:9001", "10.0.0.2:8000"];
+        let addrs: Vec<SocketAddr> = addrs.iter().map(|a| a.parse().expect("an address")).collect();
+        assert_eq!(
+            urls("https", addrs),
+            ["https://10.0.0.1:9001", "https://10.0.0.2:8000", "https://10.0.0.2:9001", "https://[::1]:9002"]
+        );
+    }
+
+    #[test]
+    fn names_for_a_named_server_are_fully_qualified() {
+        let dns = |nameserver: Option<&str>| DnsConfig {
+            name: "workers.ns".into(),
+            nameserver: nameserver.map(String::from),
+            ..DnsConfig::default()
+        };
+        assert!(query_name(&dns(Some("127.0.0.1:53"))).expect("a name").is_fqdn());
+        assert!(!query_name(&dns(None)).expect("a name").is_fqdn());
+        let srv = DnsConfig { name: "_http._tcp.ai-worker.ns.svc.cluster.local".into(), ..dns(None) };
+        assert_eq!(query_name(&srv).expect("an SRV name").num_labels(), 7);
     }
 
     #[tokio::test]
     async fn the_system_resolver_finds_localhost() {
-        let dns = DnsConfig { name: "localhost".into(), ..DnsConfig::default() };
-        let found = resolve(&dns).await.expect("localhost resolves");
-        assert!(found.iter().any(|ip| ip.is_loopback()), "{found:?}");
+        let mut finder = Finder::new(DnsConfig { name: "localhost".into(), ..DnsConfig::default() });
+        let found = finder.find().await.expect("localhost resolves");
+        assert!(found.urls.iter().any(|u| u == "http://127.0.0.1:8081" || u == "http://[::1]:8081"), "{found:?}");
+    }
+
+    /// A server that never answers: the lookup fails (the set would be kept) within its bound.
+    #[tokio::test]
+    async fn a_silent_server_is_a_failed_lookup_within_the_bound() {
+        let silent = tokio::net::UdpSocket::bind("127.0.0.1:0").await.expect("a socket");
+        let nameserver = Some(silent.local_addr().expect("its address").to_string());
+        let mut finder = Finder::new(DnsConfig { name: "w.test".into(), nameserver, ..DnsConfig::default() });
+        let started = Instant::now();
+        let error = finder.find().await.expect_err("no answer");
+        assert!(started.elapsed() <= LOOKUP_TIMEOUT + Duration::from_millis(500), "{:?}: {error}", started.elapsed());
     }
 }
