@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 pub use vramgate_shared::config::Secret;
+use vramgate_shared::oip::DataType;
 
 /// Prefix of the environment variables that override the config (`__` between levels).
 pub const ENV_PREFIX: &str = "VRAMGATE_WORKER_";
@@ -303,10 +304,15 @@ pub struct ModelConfig {
     /// from what batches are seen to use).
     #[serde(default)]
     pub estimate: Option<EstimateConfig>,
-    /// For `declared` only: the TorchScript method called with the one input tensor.
-    /// Unset: `forward`.
+    /// For `declared` only: the TorchScript method called with the one input tensor (then
+    /// `args`). Unset: `forward`.
     #[serde(default)]
     pub method: Option<String>,
+    /// For `declared` only: constant arguments passed after the input tensor, in order, on
+    /// every call: integers as `int`, floats as `float`, booleans as `bool` (Silero VAD's
+    /// `audio_forward(x, 16000)` takes `[16000]`). At most [`MAX_ARGS`]. Unset: none.
+    #[serde(default)]
+    pub args: Option<Vec<ConstArg>>,
     /// For `declared` only (required there): the model's one input.
     #[serde(default)]
     pub input: Option<DeclaredTensor>,
@@ -329,6 +335,51 @@ pub struct DeclaredTensor {
     /// Its dimensions: the first is the batch (rows) and must be `-1`; each other is a fixed
     /// size, or `-1` for any size.
     pub shape: Vec<i64>,
+    /// Its element type, spelled as in OIP: one of [`DECLARED_DATATYPES`]. An input is taken
+    /// only in it; an output is answered in it. Unset: `FP32`.
+    #[serde(default = "default_datatype")]
+    pub datatype: DataType,
+}
+
+fn default_datatype() -> DataType {
+    DataType::Fp32
+}
+
+/// A constant argument of a `declared` model's method, as its entry's `args` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum ConstArg {
+    /// A TOML integer: TorchScript `int`.
+    Int(i64),
+    /// A TOML float: TorchScript `float`.
+    Float(f64),
+    /// A TOML boolean: TorchScript `bool`.
+    Bool(bool),
+}
+
+impl<'de> Deserialize<'de> for ConstArg {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ConstArg;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an integer, a float or a boolean")
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<ConstArg, E> {
+                Ok(ConstArg::Bool(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ConstArg, E> {
+                Ok(ConstArg::Int(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ConstArg, E> {
+                i64::try_from(v).map(ConstArg::Int).map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<ConstArg, E> {
+                Ok(ConstArg::Float(v))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 /// The method a `declared` model is called through when its entry names none.
@@ -344,11 +395,21 @@ pub const MAX_DECLARED_RANK: usize = 8;
 pub const MAX_DECLARED_DIM: i64 = 1 << 31;
 /// Largest probe size a `declared` model may name.
 pub const MAX_PROBE_SIZE: usize = 65_536;
+/// Most constant arguments a `declared` model may take after its input.
+pub const MAX_ARGS: usize = 8;
+/// The datatypes a declared tensor may have (each has a libtorch kind of its own).
+pub const DECLARED_DATATYPES: [DataType; 6] =
+    [DataType::Bool, DataType::Uint8, DataType::Int32, DataType::Int64, DataType::Fp16, DataType::Fp32];
 
 impl ModelConfig {
     /// The TorchScript method a `declared` model is called through.
     pub fn method(&self) -> &str {
         self.method.as_deref().unwrap_or(DEFAULT_METHOD)
+    }
+
+    /// The constant arguments a `declared` model's method takes after its input.
+    pub fn args(&self) -> &[ConstArg] {
+        self.args.as_deref().unwrap_or_default()
     }
 
     /// The probe sizes of a `declared` model's variable dimensions.
@@ -360,6 +421,7 @@ impl ModelConfig {
     fn validate(&self, at: &str) -> Result<(), String> {
         let declared_only = [
             ("method", self.method.is_some()),
+            ("args", self.args.is_some()),
             ("input", self.input.is_some()),
             ("outputs", self.outputs.is_some()),
             ("probe_sizes", self.probe_sizes.is_some()),
@@ -372,6 +434,15 @@ impl ModelConfig {
         }
         if self.method().is_empty() {
             return Err(format!("{at}.method must not be empty"));
+        }
+        if self.args().len() > MAX_ARGS {
+            return Err(format!("{at}.args must have at most {MAX_ARGS} values, got {}", self.args().len()));
+        }
+        if let Some((k, x)) = self.args().iter().enumerate().find_map(|(k, a)| match a {
+            ConstArg::Float(x) if !x.is_finite() => Some((k, x)),
+            _ => None,
+        }) {
+            return Err(format!("{at}.args[{k}] must be a finite float, got {x}"));
         }
         let Some(input) = &self.input else {
             return Err(format!("{at}.input is required for kind \"declared\": {{ name = \"…\", shape = [-1, …] }}"));
@@ -418,6 +489,10 @@ impl DeclaredTensor {
         if let Some((d, n)) = shape.iter().enumerate().skip(1).find(|(_, &n)| n != -1 && !(1..=MAX_DECLARED_DIM).contains(&n)) {
             return Err(format!("{at}.shape[{d}] must be -1 (any size) or 1..={MAX_DECLARED_DIM}, got {n}"));
         }
+        if !DECLARED_DATATYPES.contains(&self.datatype) {
+            let allowed = DECLARED_DATATYPES.map(DataType::as_str).join(", ");
+            return Err(format!("{at}.datatype must be one of {allowed}, got {}", self.datatype));
+        }
         Ok(())
     }
 }
@@ -450,8 +525,9 @@ pub enum ModelKind {
     /// window at stride 2. The worker answers `face_prob` `[batch, h, w]` and `box_offsets`.
     FaceDetection,
     /// Any TorchScript model of one input whose tensors the entry declares (`input`,
-    /// `outputs`, `method`, `probe_sizes`): the method is called with the input and its
-    /// tensors are answered as they are, split per request along the batch dimension.
+    /// `outputs`, each with its datatype, `method`, `args`, `probe_sizes`): the method is
+    /// called with the input and the constant `args`, and its tensors are answered in their
+    /// declared datatypes, split per request along the batch dimension.
     Declared,
 }
 
@@ -533,7 +609,8 @@ mod tests {
         let rnet = &config.models[1];
         assert_eq!(rnet.kind, ModelKind::Declared);
         assert_eq!((rnet.method(), rnet.probe_sizes()), ("forward", &DEFAULT_PROBE_SIZES[..]));
-        assert_eq!(rnet.input, Some(DeclaredTensor { name: "image".into(), shape: vec![-1, 3, 24, 24] }));
+        assert_eq!(rnet.input, Some(DeclaredTensor { name: "image".into(), shape: vec![-1, 3, 24, 24], datatype: DataType::Fp32 }));
+        assert!(rnet.args().is_empty());
         let outputs = rnet.outputs.as_deref().expect("outputs");
         assert_eq!(outputs.iter().map(|o| (o.name.as_str(), o.shape.as_slice())).collect::<Vec<_>>(), [
             ("box_offsets", &[-1i64, 4][..]),
@@ -543,6 +620,25 @@ mod tests {
         assert_eq!((config.models[1].method(), config.models[1].probe_sizes()), ("detect", &[16usize][..]));
         let widest = "input = { name = \"x\", shape = [-1, 2147483648, -1, 1, 1, 1, 1, 1] }\noutputs = [ { name = \"y\", shape = [-1] } ]\n";
         from_toml(&with_declared(&format!("{widest}probe_sizes = [1, 65536]\n"))).expect("the limits themselves");
+    }
+
+    #[test]
+    fn a_declared_model_reads_datatypes_and_constant_args() {
+        let keys = "input = { name = \"tokens\", shape = [-1, -1], datatype = \"INT64\" }\n\
+            outputs = [ { name = \"mask\", shape = [-1, -1], datatype = \"BOOL\" }, { name = \"score\", shape = [-1] } ]\n\
+            args = [16000, 0.5, true, -3, 1e3, 8, 7, 6]\n";
+        let config = from_toml(&with_declared(keys)).expect("datatypes and args");
+        let m = &config.models[1];
+        assert_eq!(m.input.as_ref().map(|t| t.datatype), Some(DataType::Int64));
+        let datatypes: Vec<DataType> = m.outputs.iter().flatten().map(|o| o.datatype).collect();
+        assert_eq!(datatypes, [DataType::Bool, DataType::Fp32], "FP32 unless declared");
+        use ConstArg::{Bool, Float, Int};
+        assert_eq!(m.args(), [Int(16000), Float(0.5), Bool(true), Int(-3), Float(1e3), Int(8), Int(7), Int(6)]);
+        for datatype in DECLARED_DATATYPES {
+            let keys = RNET.replace("24] }", &format!("24], datatype = \"{datatype}\" }}"));
+            let config = from_toml(&with_declared(&keys)).unwrap_or_else(|e| panic!("{datatype}: {e}"));
+            assert_eq!(config.models[1].input.as_ref().map(|t| t.datatype), Some(datatype));
+        }
     }
 
     #[test]
@@ -574,6 +670,17 @@ mod tests {
         check(format!("{input}{output}probe_sizes = []\n"), "models[1].probe_sizes must not be empty");
         check(format!("{input}{output}probe_sizes = [8, 0]\n"), "models[1].probe_sizes[1] must be 1..=65536, got 0");
         check(format!("{input}{output}probe_sizes = [65537]\n"), "models[1].probe_sizes[0] must be 1..=65536, got 65537");
+        check(format!("input = {{ name = \"x\", shape = [-1], datatype = \"FP64\" }}\n{output}"),
+            "models[1].input.datatype must be one of BOOL, UINT8, INT32, INT64, FP16, FP32, got FP64");
+        check(format!("{input}outputs = [ {{ name = \"y\", shape = [-1] }}, {{ name = \"z\", shape = [-1], datatype = \"BYTES\" }} ]\n"),
+            "models[1].outputs[1].datatype must be one of BOOL, UINT8, INT32, INT64, FP16, FP32, got BYTES");
+        check(format!("input = {{ name = \"x\", shape = [-1], datatype = \"fp32\" }}\n{output}"), "unknown datatype 'fp32'");
+        check(format!("input = {{ name = \"x\", shape = [-1], datatype = \"fp32\" }}\n{output}"), "models.1.input.datatype");
+        check(format!("{input}{output}args = [1, 2, 3, 4, 5, 6, 7, 8, 9]\n"), "models[1].args must have at most 8 values, got 9");
+        check(format!("{input}{output}args = [1, nan]\n"), "models[1].args[1] must be a finite float, got NaN");
+        check(format!("{input}{output}args = [1, \"sixteen\"]\n"), "expected an integer, a float or a boolean");
+        check(format!("{input}{output}args = [[1]]\n"), "expected an integer, a float or a boolean");
+        check(format!("{input}{output}args = 16000\n"), "args");
         // A key of its own kind's tensors, misspelled, is refused by serde.
         check(format!("{input}{output}outputs_ = 1\n"), "outputs_");
         check(format!("input = {{ name = \"x\", shape = [-1], dtype = \"FP32\" }}\n{output}"), "dtype");
@@ -583,6 +690,7 @@ mod tests {
     fn the_declared_keys_are_refused_on_the_other_kinds() {
         for (key, value) in [
             ("method", "\"forward\""),
+            ("args", "[16000]"),
             ("input", "{ name = \"image\", shape = [-1, 3, -1, -1] }"),
             ("outputs", "[ { name = \"p\", shape = [-1] } ]"),
             ("probe_sizes", "[64]"),

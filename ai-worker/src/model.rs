@@ -7,9 +7,11 @@
 //! concurrent calls into one copy would corrupt each other's results. `instances` loads
 //! several copies, so that several batches of one model can run at once.
 //!
-//! Two kinds have their tensors written here (Silero VAD, MTCNN P-Net); a `declared` model's
-//! come from its config entry ([`TensorSpec`]s built at load), so that a model of one input
-//! is served with no code of its own.
+//! Two kinds have their tensors written here (Silero VAD, MTCNN P-Net; all FP32); a
+//! `declared` model's come from its config entry ([`TensorSpec`]s built at load, each with its
+//! datatype), so that a model of one input is served with no code of its own. An input's
+//! bytes become a libtorch tensor of its datatype's kind directly; an output is answered in
+//! its declared datatype, converted only where that is exact (see [`widens_exactly`]).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -17,8 +19,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tch::{CModule, Device, IValue, Kind, Tensor};
+use vramgate_shared::oip::{DataType, TensorData, F16};
 
-use crate::config::{DeclaredTensor, DeviceChoice, ModelConfig, ModelKind, DEFAULT_PROBE_SIZES};
+use crate::config::{ConstArg, DeclaredTensor, DeviceChoice, ModelConfig, ModelKind, DEFAULT_PROBE_SIZES};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
@@ -81,38 +84,52 @@ pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice,
     }
 }
 
-/// An input tensor as the HTTP layer hands it over: f32 values, row-major, with its shape.
-/// The values stay little-endian bytes (OIP's binary encoding) until the batch tensor is
-/// built, so a binary request's body is copied once, into that tensor: `data` is usually a
-/// slice of the body itself.
+/// An input tensor as the HTTP layer hands it over: values of one datatype, row-major, with
+/// its shape. The values stay little-endian bytes (OIP's binary encoding) until the batch
+/// tensor is built, so a binary request's body is copied once, into that tensor: `data` is
+/// usually a slice of the body itself.
 #[derive(Debug, Clone)]
 pub struct InputTensor {
     pub shape: Vec<usize>,
-    /// Little-endian f32 values at any alignment; a whole number of them.
+    datatype: DataType,
+    /// Little-endian values of `datatype` at any alignment; a whole number of them.
     data: Bytes,
 }
 
 impl InputTensor {
-    /// Takes `data` as little-endian f32 values; refuses a length that is not a whole number of
-    /// them. Whether they fill `shape` is [`Model::validate`]'s check.
-    pub fn from_le_bytes(shape: Vec<usize>, data: Bytes) -> Result<InputTensor, ModelError> {
-        if data.len() % F32_BYTES != 0 {
+    /// Takes `data` as little-endian values of `datatype`; refuses a length that is not a
+    /// whole number of them. Whether they fill `shape`, and whether the model takes
+    /// `datatype`, is [`Model::validate`]'s check.
+    pub fn from_le_bytes(shape: Vec<usize>, datatype: DataType, data: Bytes) -> Result<InputTensor, ModelError> {
+        let size = datatype.element_size().unwrap_or(1);
+        if data.len() % size != 0 {
             return Err(ModelError::BadInput(format!(
-                "FP32 data must be a whole number of {F32_BYTES}-byte values, got {} bytes",
+                "{datatype} data must be a whole number of {size}-byte values, got {} bytes",
                 data.len()
             )));
         }
-        Ok(InputTensor { shape, data })
+        Ok(InputTensor { shape, datatype, data })
     }
 
-    /// Takes values already decoded (JSON inputs, probes).
+    /// Takes values already decoded (JSON inputs, probes), in their own datatype.
+    pub fn from_data(shape: Vec<usize>, values: &TensorData) -> InputTensor {
+        let mut data = Vec::with_capacity(values.byte_len());
+        values.write_le_bytes(&mut data);
+        InputTensor { shape, datatype: values.datatype(), data: Bytes::from(data) }
+    }
+
+    /// Takes FP32 values already decoded.
     pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> InputTensor {
         let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        InputTensor { shape, data: Bytes::from(data) }
+        InputTensor { shape, datatype: DataType::Fp32, data: Bytes::from(data) }
+    }
+
+    pub fn datatype(&self) -> DataType {
+        self.datatype
     }
 
     pub fn elements(&self) -> u64 {
-        (self.data.len() / F32_BYTES) as u64
+        (self.data.len() / self.datatype.element_size().unwrap_or(1)) as u64
     }
 
     /// The values' little-endian bytes.
@@ -120,20 +137,82 @@ impl InputTensor {
         &self.data
     }
 
-    /// A host tensor of these values in `shape`: one copy of the bytes (on a big-endian host,
-    /// a decode and a copy).
+    /// A host tensor of these values in `shape`, of the datatype's kind: one copy of the bytes
+    /// (on a big-endian host, a byte swap and a copy).
     fn to_tensor(&self, shape: &[i64]) -> Result<Tensor, tch::TchError> {
+        let kind = tensor_kind(self.datatype)
+            .ok_or_else(|| tch::TchError::Kind(format!("no libtorch kind for datatype {}", self.datatype)))?;
+        let size = kind.elt_size_in_bytes();
+        // libtorch copies as many bytes as the shape needs: they must all be there.
+        let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+        if numel.and_then(|n| n.checked_mul(size)) != Some(self.data.len()) {
+            return Err(tch::TchError::Shape(format!("{} bytes of {} do not fill shape {shape:?}", self.data.len(), self.datatype)));
+        }
         if cfg!(target_endian = "little") {
-            Tensor::f_from_data_size(&self.data, shape, Kind::Float)
+            Tensor::f_from_data_size(&self.data, shape, kind)
         } else {
-            let values: Vec<f32> =
-                self.data.chunks_exact(F32_BYTES).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            Tensor::f_from_slice(&values)?.f_reshape(shape)
+            let swapped: Vec<u8> = self.data.chunks_exact(size).flat_map(|b| b.iter().rev().copied()).collect();
+            Tensor::f_from_data_size(&swapped, shape, kind)
         }
     }
 }
 
-const F32_BYTES: usize = std::mem::size_of::<f32>();
+/// The libtorch kind of a datatype a model may take or give; `None` for the others.
+fn tensor_kind(datatype: DataType) -> Option<Kind> {
+    match datatype {
+        DataType::Bool => Some(Kind::Bool),
+        DataType::Uint8 => Some(Kind::Uint8),
+        DataType::Int32 => Some(Kind::Int),
+        DataType::Int64 => Some(Kind::Int64),
+        DataType::Fp16 => Some(Kind::Half),
+        DataType::Fp32 => Some(Kind::Float),
+        _ => None,
+    }
+}
+
+/// Whether every value of kind `from` is a value of kind `to`, so that a model returning
+/// `from` may be answered in `to` by a cast. Anything else is refused: a silent narrowing
+/// (FP32 → FP16, INT64 → INT32) or a rounding (INT32 → FP32) would change the answer.
+fn widens_exactly(from: Kind, to: Kind) -> bool {
+    use Kind::{BFloat16, Bool, Float, Half, Int, Int16, Int64, Int8, Uint8};
+    from == to
+        || match to {
+            Uint8 => matches!(from, Bool),
+            Int => matches!(from, Bool | Uint8 | Int8 | Int16),
+            Int64 => matches!(from, Bool | Uint8 | Int8 | Int16 | Int),
+            // 11 significant bits: every 8-bit integer.
+            Half => matches!(from, Bool | Uint8 | Int8),
+            // 24 significant bits: every 16-bit integer and every half and bfloat16 value.
+            Float => matches!(from, Bool | Uint8 | Int8 | Int16 | Half | BFloat16),
+            _ => false,
+        }
+}
+
+/// A CPU tensor's values as the datatype's [`TensorData`]; the tensor is of its kind.
+fn tensor_data(t: &Tensor, datatype: DataType) -> Result<TensorData, tch::TchError> {
+    Ok(match datatype {
+        DataType::Bool => TensorData::Bool(Vec::try_from(t)?),
+        DataType::Uint8 => TensorData::Uint8(Vec::try_from(t)?),
+        DataType::Int32 => TensorData::Int32(Vec::try_from(t)?),
+        DataType::Int64 => TensorData::Int64(Vec::try_from(t)?),
+        // The bits as they are: a view as 16-bit integers reinterprets, it does not convert.
+        DataType::Fp16 => {
+            let bits = Vec::<i16>::try_from(&t.f_view_dtype(Kind::Int16)?)?;
+            TensorData::Fp16(bits.into_iter().map(|b| F16::from_bits(b as u16)).collect())
+        }
+        DataType::Fp32 => TensorData::Fp32(Vec::try_from(t)?),
+        other => return Err(tch::TchError::Kind(format!("no libtorch kind for datatype {other}"))),
+    })
+}
+
+/// A constant argument as TorchScript takes it.
+fn ivalue(arg: &ConstArg) -> IValue {
+    match *arg {
+        ConstArg::Int(n) => IValue::Int(n),
+        ConstArg::Float(x) => IValue::Double(x),
+        ConstArg::Bool(b) => IValue::Bool(b),
+    }
+}
 
 /// A tensor a model takes or gives, as OIP metadata shows it (`-1`: a variable dimension).
 /// The name is shared with every [`OutputTensor`] of it, so answers copy no string.
@@ -141,20 +220,35 @@ const F32_BYTES: usize = std::mem::size_of::<f32>();
 pub struct TensorSpec {
     pub name: Arc<str>,
     pub shape: Vec<i64>,
+    /// One of the datatypes [`tensor_kind`] knows.
+    pub datatype: DataType,
 }
 
 impl TensorSpec {
+    /// An FP32 tensor (every tensor of the built-in kinds).
     fn new(name: &str, shape: &[i64]) -> TensorSpec {
-        TensorSpec { name: name.into(), shape: shape.to_vec() }
+        TensorSpec { name: name.into(), shape: shape.to_vec(), datatype: DataType::Fp32 }
+    }
+
+    /// Refuses an input sent in another datatype than this one, naming both.
+    pub fn check_datatype(&self, sent: DataType) -> Result<(), ModelError> {
+        if sent == self.datatype {
+            return Ok(());
+        }
+        Err(ModelError::BadInput(format!("input '{}' must be {}, got {sent}", self.name, self.datatype)))
+    }
+
+    fn kind(&self) -> Kind {
+        tensor_kind(self.datatype).unwrap_or(Kind::Float)
     }
 }
 
-/// A model's output, row-major f32 with its shape.
+/// A model's output, row-major in its datatype, with its shape.
 #[derive(Debug, Clone)]
 pub struct OutputTensor {
     pub name: Arc<str>,
     pub shape: Vec<usize>,
-    pub data: Vec<f32>,
+    pub data: TensorData,
 }
 
 pub struct Model {
@@ -177,14 +271,18 @@ fn tensor_specs(config: &ModelConfig) -> Result<(TensorSpec, Vec<TensorSpec>), S
             vec![TensorSpec::new("face_prob", &[-1, -1, -1]), TensorSpec::new("box_offsets", &[-1, 4, -1, -1])],
         ),
         ModelKind::Declared => {
-            let spec = |t: &DeclaredTensor| TensorSpec::new(&t.name, &t.shape);
+            let spec = |t: &DeclaredTensor| TensorSpec { name: t.name.as_str().into(), shape: t.shape.clone(), datatype: t.datatype };
             let input = config.input.as_ref().map(spec).ok_or("kind 'declared' needs an input")?;
             let outputs: Vec<TensorSpec> = config.outputs.iter().flatten().map(spec).collect();
             if outputs.is_empty() {
                 return Err("kind 'declared' needs at least one output".into());
             }
-            if std::iter::once(&input).chain(&outputs).any(|t| t.shape.first() != Some(&-1)) {
+            let mut all = std::iter::once(&input).chain(&outputs);
+            if all.clone().any(|t| t.shape.first() != Some(&-1)) {
                 return Err("a declared tensor's first dimension must be -1 (the batch)".into());
+            }
+            if let Some(t) = all.find(|t| tensor_kind(t.datatype).is_none()) {
+                return Err(format!("tensor '{}' is declared {}, which no model here takes or gives", t.name, t.datatype));
             }
             (input, outputs)
         }
@@ -210,9 +308,10 @@ impl Model {
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| {
             load_err(format!(
-                "warm-up call of method '{}' with input '{}' of shape {:?} failed: {e}",
+                "warm-up call of method '{}' with input '{}' of datatype {} and shape {:?} failed: {e}",
                 model.method(),
                 model.input.name,
+                model.input.datatype,
                 probe.shape
             ))
         })?;
@@ -350,8 +449,10 @@ impl Model {
     }
 
     /// A deterministic, non-trivial input of `batch` rows: a quiet tone of `size` samples for
-    /// audio, a gradient of `size`² pixels for images, for a `declared` model a gradient from
-    /// 1 down to above -1 along each row (never all zeros, whatever the shape).
+    /// audio, a gradient of `size`² pixels for images; for a `declared` model of a float
+    /// datatype a gradient from 1 down to above -1 along each row, of an integer or BOOL one
+    /// 0 and 1 in turn along each row (never all zeros, whatever the shape; valid as an index
+    /// into anything of two entries or more).
     pub fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
         match self.config.kind {
             ModelKind::VoiceActivity => {
@@ -366,10 +467,18 @@ impl Model {
             ModelKind::Declared => {
                 let shape = self.declared_probe_shape(batch, size);
                 let per_row = shape[1..].iter().product::<usize>().max(1);
-                let data: Vec<f32> = (0..shape.iter().product::<usize>())
-                    .map(|i| 1.0 - 2.0 * (i % per_row) as f32 / per_row as f32)
-                    .collect();
-                InputTensor::from_f32(shape, &data)
+                let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
+                let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
+                let parity = at.map(|i| (i % 2) as u8);
+                let data = match self.input.datatype {
+                    DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
+                    DataType::Uint8 => TensorData::Uint8(parity.collect()),
+                    DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
+                    DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
+                    DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
+                    _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
+                };
+                InputTensor::from_data(shape, &data)
             }
         }
     }
@@ -385,8 +494,10 @@ impl Model {
         }
     }
 
-    /// Checks an input's shape against what the model takes, before any libtorch call.
+    /// Checks an input's datatype and shape against what the model takes, before any libtorch
+    /// call.
     pub fn validate(&self, input: &InputTensor) -> Result<(), ModelError> {
+        self.input.check_datatype(input.datatype)?;
         let elements: usize = input.shape.iter().product();
         if elements as u64 != input.elements() {
             return Err(ModelError::BadInput(format!(
@@ -547,7 +658,8 @@ impl Model {
                         }
                         other => other,
                     };
-                    let returned = module.method_is(method, &[IValue::Tensor(x)]).map_err(|e| in_method(failed(e)))?;
+                    let args: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(self.config.args().iter().map(ivalue)).collect();
+                    let returned = module.method_is(method, &args).map_err(|e| in_method(failed(e)))?;
                     let tensors = returned_tensors(returned).map_err(|message| self.declared_error(&message))?;
                     self.check_declared_outputs(&tensors, shape[0])?;
                     Ok(tensors)
@@ -557,12 +669,15 @@ impl Model {
         drop(module);
         drop(batch_input);
 
+        // Each in its declared kind (a declared model's outputs were checked to widen into it
+        // exactly; the built-in kinds' are FP32 whatever the module returns).
+        let specs = self.output_specs();
         let raw: Vec<Tensor> = raw
             .into_iter()
-            .map(|t| t.f_to_kind(Kind::Float).and_then(|t| t.f_to_device(Device::Cpu)))
+            .zip(specs)
+            .map(|(t, spec)| t.f_to_kind(spec.kind()).and_then(|t| t.f_to_device(Device::Cpu)))
             .collect::<Result<_, _>>()
             .map_err(failed)?;
-        let specs = self.output_specs();
         let mut row = 0i64;
         let mut per_request = Vec::with_capacity(inputs.len());
         for input in inputs {
@@ -582,7 +697,7 @@ impl Model {
                     t = t.f_narrow(dim as i64, 0, n as i64).map_err(failed)?;
                 }
                 let flat = t.f_contiguous().and_then(|t| t.f_reshape([-1])).map_err(failed)?;
-                let data = Vec::<f32>::try_from(&flat).map_err(failed)?;
+                let data = tensor_data(&flat, spec.datatype).map_err(failed)?;
                 outputs.push(OutputTensor { name: spec.name.clone(), shape: want, data });
             }
             row += rows;
@@ -597,7 +712,8 @@ impl Model {
     }
 
     /// Checks a `declared` model's returned tensors against its declared outputs: as many,
-    /// each of the declared rank, `rows` rows and the declared size in each fixed dimension.
+    /// each of the declared rank, `rows` rows, the declared size in each fixed dimension, and
+    /// of the declared datatype's kind or one that widens into it exactly.
     fn check_declared_outputs(&self, tensors: &[Tensor], rows: usize) -> Result<(), ModelError> {
         let names = || self.outputs.iter().map(|o| &*o.name).collect::<Vec<_>>().join(", ");
         if tensors.len() != self.outputs.len() {
@@ -626,6 +742,14 @@ impl Model {
                 return Err(self.declared_error(&format!(
                     "returned output '{}' of shape {got:?}, declared {:?} (-1: any size): {why}",
                     spec.name, spec.shape
+                )));
+            }
+            let kind = tensor.kind();
+            if !widens_exactly(kind, spec.kind()) {
+                return Err(self.declared_error(&format!(
+                    "returned output '{}' as {kind:?}, declared {}: only a kind that converts exactly is converted \
+                     (declare the datatype the model returns, or convert in the model)",
+                    spec.name, spec.datatype
                 )));
             }
         }
@@ -699,7 +823,8 @@ fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize]) -> Result<Tensor, t
     if inputs.len() == 1 && inputs[0].shape == shape {
         return inputs[0].to_tensor(&dims);
     }
-    let batch = Tensor::f_zeros(&dims, (Kind::Float, Device::Cpu))?;
+    let kind = tensor_kind(inputs[0].datatype).unwrap_or(Kind::Float);
+    let batch = Tensor::f_zeros(&dims, (kind, Device::Cpu))?;
     let mut row = 0i64;
     for input in inputs {
         let own: Vec<i64> = input.shape.iter().map(|&d| d as i64).collect();
@@ -767,12 +892,43 @@ pub(crate) mod testing {
         path
     }
 
-    /// A `[[models]]` entry of `mtcnn_pnet.jit` named `name`, of `kind`, with more `keys`.
-    pub fn pnet_entry(name: &str, kind: &str, keys: &str) -> ModelConfig {
-        let path = model_file("mtcnn_pnet.jit");
+    /// A `[[models]]` entry of the file at `path` named `name`, of `kind`, with more `keys`.
+    pub fn entry(path: &Path, name: &str, kind: &str, keys: &str) -> ModelConfig {
         let text = format!("name = \"{name}\"\npath = \"{}\"\nkind = \"{kind}\"\n{keys}\n", path.display());
         figment::Figment::from(Toml::string(&text)).extract().expect("a model entry")
     }
+
+    /// A `[[models]]` entry of `mtcnn_pnet.jit` named `name`, of `kind`, with more `keys`.
+    pub fn pnet_entry(name: &str, kind: &str, keys: &str) -> ModelConfig {
+        entry(&model_file("mtcnn_pnet.jit"), name, kind, keys)
+    }
+
+    /// A TorchScript module of one UINT8 input `x` `[rows, n]` and one output, `f(x)`, traced
+    /// here (`models/` has no model of an integer input) and saved under the temp folder as
+    /// `name` (a traced module may return only one tensor to be saved).
+    fn traced_uint8_model(name: &str, f: fn(&Tensor) -> Tensor) -> PathBuf {
+        let example = Tensor::from_slice(&[0u8, 100, 200, 255, 128, 127]).reshape([2, 3]);
+        let module = CModule::create_by_tracing(name, "forward", &[example], &mut |x| vec![f(&x[0])]).expect("a traced module");
+        let path = std::env::temp_dir().join(format!("vramgate-{name}-{}.jit", std::process::id()));
+        module.save(&path).expect("the traced module saved");
+        path
+    }
+
+    /// A module of a UINT8 input `x` `[rows, n]` answering `x > 127` (BOOL, `[rows, n]`).
+    pub fn bright_model() -> &'static Path {
+        static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+        PATH.get_or_init(|| traced_uint8_model("bright", |x| x.gt(127)))
+    }
+
+    /// A module of a UINT8 input `x` `[rows, n]` answering each row's sum (INT64, `[rows, 1]`).
+    pub fn row_sum_model() -> &'static Path {
+        static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+        PATH.get_or_init(|| traced_uint8_model("row_sum", |x| x.to_kind(Kind::Int64).sum_dim_intlist(1, true, Kind::Int64)))
+    }
+
+    /// [`bright_model`] declared: input `pixels` (UINT8), output `bright` (BOOL).
+    pub const DECLARED_BRIGHT: &str = "input = { name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\" }\n\
+        outputs = [ { name = \"bright\", shape = [-1, -1], datatype = \"BOOL\" } ]\n";
 
     /// Loads `config` on the CPU with the worker's libtorch settings.
     pub fn load(config: ModelConfig) -> Result<Model, ModelError> {
@@ -801,6 +957,14 @@ mod tests {
         values.iter().map(|v| v.to_bits()).collect()
     }
 
+    /// An output's values, which must be FP32.
+    fn fp32(data: &TensorData) -> &[f32] {
+        match data {
+            TensorData::Fp32(values) => values,
+            other => panic!("an FP32 output, got {}", other.datatype()),
+        }
+    }
+
     #[test]
     fn declared_pnet_answers_what_face_detection_answers_bit_for_bit() {
         let built_in = load(pnet_entry("pnet", "face_detection", "")).expect("P-Net as face_detection");
@@ -821,11 +985,11 @@ mod tests {
                 let [box_offsets, probs] = &got[..] else { panic!("two declared outputs") };
                 assert_eq!((&*box_offsets.name, &*probs.name), ("box_offsets", "probs"));
                 assert_eq!(box_offsets.shape, boxes.shape, "{:?}", input.shape);
-                assert_eq!(bits(&box_offsets.data), bits(&boxes.data), "{:?}", input.shape);
+                assert_eq!(bits(fp32(&box_offsets.data)), bits(fp32(&boxes.data)), "{:?}", input.shape);
                 let [rows, h, w] = face_prob.shape[..] else { panic!("face_prob is [rows, h, w]") };
                 assert_eq!(probs.shape, [rows, 2, h, w]);
-                let channel_1: Vec<f32> = probs.data.chunks(h * w).skip(1).step_by(2).flatten().copied().collect();
-                assert_eq!(bits(&channel_1), bits(&face_prob.data), "{:?}", input.shape);
+                let channel_1: Vec<f32> = fp32(&probs.data).chunks(h * w).skip(1).step_by(2).flatten().copied().collect();
+                assert_eq!(bits(&channel_1), bits(fp32(&face_prob.data)), "{:?}", input.shape);
             }
         }
         let err = declared.infer_batch(&[&small, &wide]).expect_err("two shapes in one batch");
@@ -909,8 +1073,22 @@ mod tests {
         );
         check(
             &format!("{DECLARED_PNET}method = \"detect\"\n"),
-            &["warm-up call of method 'detect' with input 'image' of shape [1, 3, 32, 32] failed", "method 'detect': ", "detect"],
+            &["warm-up call of method 'detect' with input 'image' of datatype FP32 and shape [1, 3, 32, 32] failed", "method 'detect': ", "detect"],
         );
+        // P-Net's convolutions take floats: declared UINT8, its warm-up fails and says why.
+        check(
+            &DECLARED_PNET.replace("-1, -1] }\n", "-1, -1], datatype = \"UINT8\" }\n"),
+            &["warm-up call of method 'forward' with input 'image' of datatype UINT8 and shape [1, 3, 32, 32] failed", "method 'forward': "],
+        );
+        // Its outputs are FP32: declared narrower or integer, they are refused, not cast.
+        for datatype in ["FP16", "INT64", "BOOL"] {
+            check(
+                &DECLARED_PNET.replace("[-1, 2, -1, -1] }", &format!("[-1, 2, -1, -1], datatype = \"{datatype}\" }}")),
+                &[&format!("method 'forward' returned output 'probs' as Float, declared {datatype}: only a kind that converts exactly is converted")],
+            );
+        }
+        // A constant argument the method does not take.
+        check(&format!("{DECLARED_PNET}args = [16000]\n"), &["method 'forward': ", "argument"]);
         check(
             &DECLARED_PNET.replace("[-1, 3, -1, -1]", "[-1, 4, -1, -1]"),
             &["method 'forward'", "shape [1, 4, 32, 32]", "channels"],
@@ -974,7 +1152,7 @@ mod tests {
             // Only the slice that starts 3 bytes in holds the values; the others test alignment
             // of whatever is there (it must be copied bit for bit).
             let slice = bytes.slice(skip..skip + 24);
-            let input = InputTensor::from_le_bytes(vec![1, 2, 3], slice.clone()).expect("whole values");
+            let input = InputTensor::from_le_bytes(vec![1, 2, 3], DataType::Fp32, slice.clone()).expect("whole values");
             assert_eq!(input.elements(), 6);
             let tensor = input.to_tensor(&[1, 2, 3]).expect("a tensor");
             assert_eq!(tensor.size(), vec![1, 2, 3]);
@@ -982,11 +1160,150 @@ mod tests {
             let want: Vec<f32> = slice.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
             assert_eq!(back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         }
-        let aligned = InputTensor::from_le_bytes(vec![6], bytes.slice(3..)).expect("whole values");
+        let aligned = InputTensor::from_le_bytes(vec![6], DataType::Fp32, bytes.slice(3..)).expect("whole values");
         assert_eq!(Vec::<f32>::try_from(&aligned.to_tensor(&[6]).expect("a tensor")).expect("f32"), values);
-        let err = InputTensor::from_le_bytes(vec![6], bytes.slice(3..26)).expect_err("23 bytes");
-        assert!(err.to_string().contains("whole number of 4-byte values, got 23 bytes"), "{err}");
+        let err = InputTensor::from_le_bytes(vec![6], DataType::Fp32, bytes.slice(3..26)).expect_err("23 bytes");
+        assert_eq!(err.to_string(), "FP32 data must be a whole number of 4-byte values, got 23 bytes");
+        let err = InputTensor::from_le_bytes(vec![3], DataType::Int64, bytes.slice(3..26)).expect_err("23 bytes");
+        assert_eq!(err.to_string(), "INT64 data must be a whole number of 8-byte values, got 23 bytes");
         assert_eq!(InputTensor::from_f32(vec![6], &values).le_bytes(), &bytes[3..]);
+    }
+
+    #[test]
+    fn declared_silero_with_a_constant_argument_answers_what_voice_activity_answers_bit_for_bit() {
+        let path = super::testing::model_file("silero_vad.jit");
+        let built_in = load(super::testing::entry(&path, "vad", "voice_activity", "")).expect("Silero as voice_activity");
+        let keys = "method = \"audio_forward\"\nargs = [16000]\nprobe_sizes = [16000]\n\
+            input = { name = \"audio\", shape = [-1, -1] }\noutputs = [ { name = \"speech_prob\", shape = [-1, -1] } ]\n";
+        let declared = load(super::testing::entry(&path, "vad_declared", "declared", keys)).expect("Silero declared");
+        assert_eq!(declared.input_spec(), built_in.input_spec());
+        assert_eq!(declared.output_specs(), built_in.output_specs());
+        for (rows, seconds) in [(1, 1), (1, 3), (2, 3)] {
+            let samples = seconds * 16_000;
+            // A tone that swells and fades, with a little noise: some windows speech-like, some not.
+            let audio: Vec<f32> = (0..rows * samples)
+                .map(|i| {
+                    let t = (i % samples) as f32 / 16_000.0;
+                    0.3 * (t * 3.0).sin().abs() * (t * 2.0 * std::f32::consts::PI * 220.0).sin() + 0.01 * (i as f32 * 12.9898).sin()
+                })
+                .collect();
+            let input = InputTensor::from_f32(vec![rows, samples], &audio);
+            let want = built_in.infer(&input).expect("voice_activity");
+            let got = declared.infer(&input).expect("declared");
+            let ([want], [got]) = (&want[..], &got[..]) else { panic!("one output each") };
+            assert_eq!((&*got.name, &got.shape), (&*want.name, &want.shape), "{seconds} s × {rows}");
+            assert_eq!(got.shape, [rows, samples.div_ceil(512)]);
+            assert_eq!(bits(fp32(&got.data)), bits(fp32(&want.data)), "{seconds} s × {rows}");
+        }
+    }
+
+    #[test]
+    fn a_declared_model_takes_and_gives_other_datatypes() {
+        use super::testing::{bright_model, entry, row_sum_model, DECLARED_BRIGHT};
+        let bright = load(entry(bright_model(), "bright", "declared", DECLARED_BRIGHT)).expect("UINT8 in, BOOL out");
+        assert_eq!((bright.input_spec().datatype, bright.output_specs()[0].datatype), (DataType::Uint8, DataType::Bool));
+        let probe = bright.probe_input(2, 4);
+        assert_eq!((probe.datatype(), probe.shape.clone(), probe.le_bytes()), (DataType::Uint8, vec![2, 4], &[0, 1, 0, 1, 0, 1, 0, 1][..]));
+        let (a, b) = (
+            InputTensor::from_data(vec![1, 3], &TensorData::Uint8(vec![0, 128, 255])),
+            InputTensor::from_le_bytes(vec![2, 3], DataType::Uint8, Bytes::from_static(&[127, 1, 2, 200, 3, 4])).expect("6 bytes"),
+        );
+        let values = |answers: Vec<Vec<OutputTensor>>| -> Vec<(Vec<usize>, TensorData)> {
+            answers.into_iter().flatten().map(|o| (o.shape, o.data)).collect()
+        };
+        assert_eq!(values(bright.infer_batch(&[&a, &b]).expect("a batch of two")), [
+            (vec![1, 3], TensorData::Bool(vec![false, true, true])),
+            (vec![2, 3], TensorData::Bool(vec![false, false, false, true, false, false])),
+        ]);
+        let err = bright.validate(&InputTensor::from_f32(vec![1, 3], &[0.0; 3])).expect_err("FP32 sent");
+        assert_eq!(err.to_string(), "input 'pixels' must be UINT8, got FP32");
+
+        let sum_keys = DECLARED_BRIGHT.replace("\"bright\", shape = [-1, -1], datatype = \"BOOL\"", "\"total\", shape = [-1, 1], datatype = \"INT64\"");
+        let sum = load(entry(row_sum_model(), "sum", "declared", &sum_keys)).expect("UINT8 in, INT64 out");
+        assert_eq!(values(sum.infer_batch(&[&a, &b]).expect("a batch of two")), [
+            (vec![1, 1], TensorData::Int64(vec![383])),
+            (vec![2, 1], TensorData::Int64(vec![130, 207])),
+        ]);
+
+        // An output whose kind widens exactly into the declared datatype is converted (BOOL
+        // answered as UINT8, as FP32); a narrower declaration is refused at load.
+        for (datatype, want) in [("UINT8", TensorData::Uint8(vec![0, 1, 1])), ("FP32", TensorData::Fp32(vec![0.0, 1.0, 1.0]))] {
+            let keys = DECLARED_BRIGHT.replace("\"BOOL\"", &format!("\"{datatype}\""));
+            let widened = load(entry(bright_model(), "bright", "declared", &keys)).expect(datatype);
+            assert_eq!(widened.infer(&a).expect("an answer")[0].data, want);
+        }
+        let err = load(entry(row_sum_model(), "sum", "declared", &sum_keys.replace("INT64", "INT32"))).err().expect("INT64 as INT32");
+        assert!(err.to_string().contains("method 'forward' returned output 'total' as Int64, declared INT32"), "{err}");
+    }
+
+    /// The values of every datatype a model takes, with their extremes.
+    fn every_datatype() -> Vec<(TensorData, Kind)> {
+        vec![
+            (TensorData::Bool(vec![true, false, false, true, true, false]), Kind::Bool),
+            (TensorData::Uint8(vec![0, 1, 127, 128, 254, 255]), Kind::Uint8),
+            (TensorData::Int32(vec![i32::MIN, -1, 0, 1, 1 << 24 | 1, i32::MAX]), Kind::Int),
+            (TensorData::Int64(vec![i64::MIN, -1, 0, 1, (1 << 53) + 1, i64::MAX]), Kind::Int64),
+            // 1/3 (rounded), -0, the largest, the smallest subnormal, the smallest normal, -1.5.
+            (TensorData::Fp16([0x3555u16, 0x8000, 0x7bff, 0x0001, 0x0400, 0xbe00].map(F16::from_bits).to_vec()), Kind::Half),
+            (TensorData::Fp32(vec![0.1, -0.0, f32::MAX, f32::MIN_POSITIVE, 1e-45, -1.5]), Kind::Float),
+        ]
+    }
+
+    #[test]
+    fn every_datatype_goes_from_bytes_to_a_tensor_of_its_kind_and_back_unchanged() {
+        for (values, kind) in every_datatype() {
+            let datatype = values.datatype();
+            let decoded = InputTensor::from_data(vec![2, 3], &values);
+            let mut le = vec![0u8; 1];
+            values.write_le_bytes(&mut le);
+            // A binary input is a slice of the body at any alignment.
+            let binary = InputTensor::from_le_bytes(vec![2, 3], datatype, Bytes::from(le).slice(1..)).expect("whole values");
+            for input in [decoded, binary] {
+                assert_eq!((input.datatype(), input.elements()), (datatype, 6));
+                let tensor = input.to_tensor(&[2, 3]).expect("a tensor");
+                assert_eq!((tensor.kind(), tensor.size()), (kind, vec![2, 3]), "{datatype}");
+                let back = tensor_data(&tensor.reshape([-1]), datatype).expect("its values");
+                assert_eq!(back, values, "{datatype}");
+            }
+        }
+        // libtorch reads the FP16 bits as the values F16 says they are, and writes them back.
+        let halves = [0x3555u16, 0x8000, 0x7bff, 0x0001, 0x0400, 0xbe00].map(F16::from_bits);
+        let tensor = InputTensor::from_data(vec![6], &TensorData::Fp16(halves.to_vec())).to_tensor(&[6]).expect("FP16");
+        let floats = Vec::<f32>::try_from(&tensor.to_kind(Kind::Float)).expect("as f32");
+        assert_eq!(bits(&floats), bits(&halves.map(F16::to_f32)));
+        let from_floats = Tensor::from_slice(&floats).to_kind(Kind::Half);
+        assert_eq!(tensor_data(&from_floats, DataType::Fp16).expect("FP16 values"), TensorData::Fp16(halves.to_vec()));
+        // BOOL: libtorch's own logic sees the values.
+        let bools = InputTensor::from_data(vec![4], &TensorData::Bool(vec![true, false, true, true])).to_tensor(&[4]).expect("BOOL");
+        assert_eq!(Vec::<bool>::try_from(&bools.logical_not()).expect("bools"), [false, true, false, false]);
+        assert_eq!(i64::try_from(&bools.sum(Kind::Int64)).expect("a count"), 3);
+        // Bytes that do not fill the shape never reach libtorch.
+        let short = InputTensor::from_data(vec![2, 3], &TensorData::Int32(vec![1, 2, 3]));
+        assert!(short.to_tensor(&[2, 3]).is_err());
+    }
+
+    #[test]
+    fn only_exact_widenings_convert_an_output() {
+        use Kind::*;
+        let check = |to: Kind, widening: &[Kind]| {
+            for from in [Bool, Uint8, Int8, Int16, Int, Int64, Half, BFloat16, Float, Double] {
+                assert_eq!(widens_exactly(from, to), from == to || widening.contains(&from), "{from:?} → {to:?}");
+            }
+        };
+        check(Bool, &[]);
+        check(Uint8, &[Bool]);
+        check(Int, &[Bool, Uint8, Int8, Int16]);
+        check(Int64, &[Bool, Uint8, Int8, Int16, Int]);
+        check(Half, &[Bool, Uint8, Int8]);
+        check(Float, &[Bool, Uint8, Int8, Int16, Half, BFloat16]);
+        // What a widening gives is the same values.
+        for (values, kind) in every_datatype() {
+            for (_, to) in every_datatype().into_iter().filter(|(_, to)| widens_exactly(kind, *to) && *to != kind) {
+                let tensor = InputTensor::from_data(vec![6], &values).to_tensor(&[6]).expect("a tensor");
+                let there_and_back = tensor.to_kind(to).to_kind(kind);
+                assert_eq!(tensor_data(&there_and_back, values.datatype()).expect("values"), values, "{kind:?} → {to:?}");
+            }
+        }
     }
 
     #[test]

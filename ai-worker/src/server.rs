@@ -25,7 +25,7 @@ use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tracing::Instrument;
 use bytes::Bytes;
-use vramgate_shared::oip::{self, DataType, RawData, Tensor, TensorData};
+use vramgate_shared::oip::{self, DataType, RawData, Tensor, F16};
 use vramgate_shared::telemetry::context::Carried;
 use vramgate_shared::telemetry::{bounded, LOG_FIELD_MAX_BYTES};
 
@@ -453,11 +453,12 @@ async fn model_metadata(
     }))
 }
 
-/// The model's input and outputs as OIP metadata: all FP32, shapes as the model states them.
+/// The model's input and outputs as OIP metadata: datatypes and shapes as the model states
+/// them (FP32 for the built-in kinds, as declared for `declared`).
 fn tensor_metadata(model: &Model) -> (Vec<oip::TensorMetadata>, Vec<oip::TensorMetadata>) {
     let tensor = |spec: &TensorSpec| oip::TensorMetadata {
         name: spec.name.to_string(),
-        datatype: DataType::Fp32.as_str().into(),
+        datatype: spec.datatype.as_str().into(),
         shape: spec.shape.clone(),
     };
     (vec![tensor(model.input_spec())], model.output_specs().iter().map(tensor).collect())
@@ -545,10 +546,8 @@ async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
     let outputs = engine.infer(&served, input, timeout, &mut arrival).await?;
 
-    let tensors: Vec<Tensor> = outputs
-        .into_iter()
-        .map(|o| Tensor { name: o.name.to_string(), shape: o.shape, data: TensorData::Fp32(o.data) })
-        .collect();
+    let tensors: Vec<Tensor> =
+        outputs.into_iter().map(|o| Tensor { name: o.name.to_string(), shape: o.shape, data: o.data }).collect();
     let tensors: Vec<Tensor> = match &request.outputs {
         Some(asked) if !asked.is_empty() => tensors.into_iter().filter(|t| asked.iter().any(|a| a.name == t.name)).collect(),
         _ => tensors,
@@ -613,23 +612,38 @@ fn take_input(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Resu
             format!("model '{}' takes one input named '{wanted}', request had {count}", model.name()),
         ));
     };
-    let bad = |message: String| ApiError::new(StatusCode::BAD_REQUEST, message);
-    if tensor.datatype != DataType::Fp32 {
-        return Err(bad(format!("input '{}' must be FP32, got {}", tensor.name, tensor.datatype.as_str())));
-    }
+    // Named by what was sent: a lone input is taken whatever its name.
+    let spec = TensorSpec { name: tensor.name.as_str().into(), ..model.input_spec().clone() };
+    spec.check_datatype(tensor.datatype)?;
     let input = match tensor.data {
-        RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, body.slice(range))?,
-        RawData::Json(TensorData::Fp32(values)) => InputTensor::from_f32(tensor.shape, &values),
-        RawData::Json(other) => {
-            return Err(bad(format!("input '{}' must be FP32, got {}", tensor.name, other.datatype().as_str())))
-        }
+        RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, tensor.datatype, body.slice(range))?,
+        RawData::Json(values) => InputTensor::from_data(tensor.shape, &values),
     };
-    match first_non_finite(input.le_bytes()) {
+    match first_invalid(input.datatype(), input.le_bytes()) {
         None => Ok(input),
-        Some((at, value)) => Err(bad(format!(
-            "input '{}' holds a non-finite value ({value}) at element {at}: NaN and ±infinity are refused",
-            tensor.name
-        ))),
+        Some((at, what, rule)) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("input '{}' holds {what} at element {at}: {rule}", tensor.name),
+        )),
+    }
+}
+
+/// The first value among `le` (little-endian values of `datatype` at any alignment) that a
+/// model must not see: its index, what it is and the rule it breaks. NaN and ±infinity
+/// (FP32, FP16); a BOOL byte other than 0 and 1 (libtorch would take it for a bool that
+/// cannot be).
+fn first_invalid(datatype: DataType, le: &[u8]) -> Option<(usize, String, &'static str)> {
+    const FINITE: &str = "NaN and ±infinity are refused";
+    match datatype {
+        DataType::Fp32 => first_non_finite(le).map(|(at, x)| (at, format!("a non-finite value ({x})"), FINITE)),
+        DataType::Fp16 => le
+            .chunks_exact(2)
+            .map(|b| F16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+            .enumerate()
+            .find(|(_, x)| !x.is_finite())
+            .map(|(at, x)| (at, format!("a non-finite value ({})", x.to_f32()), FINITE)),
+        DataType::Bool => le.iter().position(|&b| b > 1).map(|at| (at, format!("the byte {}", le[at]), "BOOL is one byte, 0 or 1")),
+        _ => None,
     }
 }
 
@@ -654,6 +668,7 @@ fn first_non_finite(le: &[u8]) -> Option<(usize, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vramgate_shared::oip::TensorData;
 
     fn le(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -702,6 +717,62 @@ mod tests {
         let err = ApiError::from(model.validate(&wrong).expect_err("a rank short"));
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
         assert_eq!(err.message, "input 'picture' must have shape [-1, 3, -1, -1] (-1: any size), got [1, 3, 16]");
+    }
+
+    #[test]
+    fn a_declared_model_takes_only_its_declared_datatype_and_answers_in_its_declared_ones() {
+        let entry = model::testing::entry(model::testing::bright_model(), "bright", "declared", model::testing::DECLARED_BRIGHT);
+        let model = model::testing::load(entry).expect("UINT8 in, BOOL out");
+        let meta = |name: &str, datatype: &str, shape: &[i64]| oip::TensorMetadata {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape: shape.to_vec(),
+        };
+        assert_eq!(
+            tensor_metadata(&model),
+            (
+                vec![meta("pixels", "UINT8", &[-1, -1])],
+                vec![meta("bright", "BOOL", &[-1, -1])]
+            )
+        );
+        let raw = |datatype: DataType, data: RawData| oip::RawTensor { name: "pixels".into(), shape: vec![1, 4], datatype, data };
+        let body = Bytes::from_static(&[0, 0, 10, 200, 30, 255, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        for (sent, data) in [
+            (DataType::Fp32, RawData::Json(TensorData::Fp32(vec![10.0, 200.0, 30.0, 255.0]))),
+            (DataType::Int32, RawData::Binary(2..18)),
+            (DataType::Int64, RawData::Json(TensorData::Int64(vec![10, 200, 30, 255]))),
+        ] {
+            let err = take_input(&model, vec![raw(sent, data)], &body).expect_err("another datatype");
+            assert_eq!((err.status, err.message), (StatusCode::BAD_REQUEST, format!("input 'pixels' must be UINT8, got {sent}")));
+        }
+        // The declared datatype, binary or JSON: the same input.
+        let binary = take_input(&model, vec![raw(DataType::Uint8, RawData::Binary(2..6))], &body).expect("binary UINT8");
+        let json = take_input(&model, vec![raw(DataType::Uint8, RawData::Json(TensorData::Uint8(vec![10, 200, 30, 255])))], &body)
+            .expect("JSON UINT8");
+        assert_eq!((binary.datatype(), binary.le_bytes()), (json.datatype(), json.le_bytes()));
+        let outputs = model.infer(&binary).expect("an answer");
+        let tensors: Vec<Tensor> = outputs.into_iter().map(|o| Tensor { name: o.name.to_string(), shape: o.shape, data: o.data }).collect();
+        let (body, _) = oip::encode_response("bright", None, None, &tensors, |_| false);
+        assert_eq!(
+            std::str::from_utf8(&body).expect("JSON"),
+            r#"{"model_name":"bright","outputs":[{"name":"bright","datatype":"BOOL","shape":[1,4],"data":[false,true,false,true]}]}"#
+        );
+    }
+
+    #[test]
+    fn values_a_model_must_not_see_are_found_by_datatype() {
+        let check = |datatype: DataType, le: &[u8], want: Option<(usize, &str, &str)>| {
+            let got = first_invalid(datatype, le);
+            assert_eq!(got.as_ref().map(|(at, what, rule)| (*at, what.as_str(), *rule)), want, "{datatype}");
+        };
+        check(DataType::Bool, &[0, 1, 1, 0], None);
+        check(DataType::Bool, &[0, 1, 2, 255], Some((2, "the byte 2", "BOOL is one byte, 0 or 1")));
+        check(DataType::Fp16, &[0xff, 0x7b, 0x00, 0x80], None);
+        check(DataType::Fp16, &[0x00, 0x3c, 0x00, 0xfc], Some((1, "a non-finite value (-inf)", "NaN and ±infinity are refused")));
+        check(DataType::Fp16, &[0x01, 0x7c], Some((0, "a non-finite value (NaN)", "NaN and ±infinity are refused")));
+        check(DataType::Fp32, &le(&[1.0, f32::INFINITY]), Some((1, "a non-finite value (inf)", "NaN and ±infinity are refused")));
+        check(DataType::Uint8, &[255, 0], None);
+        check(DataType::Int64, &[0xff; 16], None);
     }
 
     fn request(parameters: serde_json::Value) -> oip::InferRequest {

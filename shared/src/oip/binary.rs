@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::wire::to_json_vec;
-use super::{InferRequest, OipError, Parameters, Tensor};
+use super::{InferRequest, OipError, Parameters, Tensor, F16};
 
 /// HTTP header giving the length of the JSON part of a body that carries binary tensor data.
 pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
@@ -123,6 +123,16 @@ impl LeElement for bool {
     }
 }
 
+impl LeElement for F16 {
+    const SIZE: usize = 2;
+    fn put(self, out: &mut [u8]) {
+        self.to_bits().put(out);
+    }
+    fn get(b: &[u8]) -> Self {
+        F16::from_bits(u16::get(b))
+    }
+}
+
 pub(super) fn elem_size_of<T: LeElement>(_: &[T]) -> usize {
     T::SIZE
 }
@@ -212,10 +222,11 @@ mod tests {
         TensorData::Fp32(vec![1.0, -2.5]).write_le_bytes(&mut out);
         TensorData::Uint16(vec![0x0102]).write_le_bytes(&mut out);
         TensorData::Bool(vec![true, false]).write_le_bytes(&mut out);
+        TensorData::Fp16(vec![crate::oip::F16::from_bits(0x3c00)]).write_le_bytes(&mut out);
         let mut want = vec![9u8];
         want.extend(1.0f32.to_le_bytes());
         want.extend((-2.5f32).to_le_bytes());
-        want.extend([0x02, 0x01, 1, 0]);
+        want.extend([0x02, 0x01, 1, 0, 0x00, 0x3c]);
         assert_eq!(out, want);
     }
 }

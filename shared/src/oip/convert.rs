@@ -5,7 +5,7 @@
 use serde_json::Value;
 
 use super::binary::get_all;
-use super::{DataType, TensorData};
+use super::{DataType, TensorData, F16};
 
 /// `raw` has a whole number of elements of a supported `datatype`.
 pub(super) fn decode_binary(datatype: DataType, raw: &[u8]) -> TensorData {
@@ -19,8 +19,9 @@ pub(super) fn decode_binary(datatype: DataType, raw: &[u8]) -> TensorData {
         DataType::Int16 => TensorData::Int16(get_all(raw)),
         DataType::Int32 => TensorData::Int32(get_all(raw)),
         DataType::Int64 => TensorData::Int64(get_all(raw)),
-        // Callers reject FP16 and BYTES first; an empty FP32 tensor is a harmless fallback.
-        DataType::Fp32 | DataType::Fp16 | DataType::Bytes => TensorData::Fp32(get_all(raw)),
+        DataType::Fp16 => TensorData::Fp16(get_all(raw)),
+        // Callers reject BYTES first; an empty FP32 tensor is a harmless fallback.
+        DataType::Fp32 | DataType::Bytes => TensorData::Fp32(get_all(raw)),
         DataType::Fp64 => TensorData::Fp64(get_all(raw)),
     }
 }
@@ -59,7 +60,9 @@ pub(super) fn decode_json(
         DataType::Int16 => TensorData::Int16(conv(values, count, signed)?),
         DataType::Int32 => TensorData::Int32(conv(values, count, signed)?),
         DataType::Int64 => TensorData::Int64(conv(values, count, Value::as_i64)?),
-        DataType::Fp32 | DataType::Fp16 | DataType::Bytes => {
+        // JSON numbers are finite; one that rounds past 65504 is out of range.
+        DataType::Fp16 => TensorData::Fp16(conv(values, count, |v| v.as_f64().and_then(F16::from_f64))?),
+        DataType::Fp32 | DataType::Bytes => {
             TensorData::Fp32(conv(values, count, |v| {
                 // JSON numbers are finite; one that only overflows f32 is out of range.
                 v.as_f64().map(|x| x as f32).filter(|x| x.is_finite())
@@ -149,6 +152,8 @@ mod tests {
             ("INT64", "[9223372036854775808]"),
             ("BOOL", "[1]"),
             ("FP32", "[1e39]"),
+            ("FP16", "[65520]"),
+            ("FP16", "[true]"),
             ("FP64", "[\"1.0\"]"),
             ("FP32", "[null]"),
             ("INT16", "[{}]"),

@@ -72,11 +72,11 @@ impl DataType {
         }
     }
 
-    /// Whether [`TensorData`] can hold this type (everything but `FP16` and `BYTES`).
+    /// Whether [`TensorData`] can hold this type (everything but `BYTES`).
     ///
     /// [`TensorData`]: super::TensorData
     pub const fn is_supported(self) -> bool {
-        !matches!(self, DataType::Fp16 | DataType::Bytes)
+        !matches!(self, DataType::Bytes)
     }
 }
 

@@ -39,8 +39,9 @@
 //! allocated in proportion to a claimed size before that size has been checked against the
 //! body, and no input makes these functions panic.
 //!
-//! `FP16` and `BYTES` are understood on the wire but not decoded: they yield
-//! [`OipError::Unsupported`].
+//! `BYTES` is understood on the wire but not decoded: it yields [`OipError::Unsupported`].
+//! `FP16` values are [`F16`]s (the bits of each half-precision value); in JSON `data` they are
+//! numbers, rounded to the nearest half-precision value.
 //!
 //! JSON cannot carry NaN or ±infinity: encoded as JSON `data` they become `null`, which the
 //! decoder rejects. Send float tensors that may hold them as binary.
@@ -51,6 +52,7 @@
 // * `wire`: the JSON documents as they are on the wire (requests, responses, metadata,
 //   errors);
 // * `datatype`: the tensor element types and their wire spelling;
+// * `fp16`: the half-precision element and its conversions;
 // * `tensor`: decoded tensors and their values;
 // * `binary`: the binary tensor data extension (header and parameter names, body layout,
 //   element byte layout, which outputs a client wants as binary);
@@ -68,6 +70,7 @@ mod datatype;
 mod decode;
 mod encode;
 mod error;
+mod fp16;
 mod tensor;
 #[cfg(test)]
 mod test_support;
@@ -85,6 +88,7 @@ pub use decode::{
 };
 pub use encode::{encode_error, encode_request, encode_response, RequestOutputSpec};
 pub use error::{OipError, TensorKind};
+pub use fp16::F16;
 pub use tensor::{RawData, RawTensor, Tensor, TensorData};
 pub use wire::{
     ErrorBody, InferRequest, InferResponse, ModelMetadata, Parameters, RequestInput,

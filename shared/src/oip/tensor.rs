@@ -5,7 +5,7 @@
 use serde::{Serialize, Serializer};
 
 use super::binary::{elem_size_of, put_all};
-use super::DataType;
+use super::{DataType, F16};
 
 /// A tensor with its values decoded, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,6 +75,7 @@ pub enum TensorData {
     Int16(Vec<i16>),
     Int32(Vec<i32>),
     Int64(Vec<i64>),
+    Fp16(Vec<F16>),
     Fp32(Vec<f32>),
     Fp64(Vec<f64>),
 }
@@ -92,6 +93,7 @@ macro_rules! each_variant {
             TensorData::Int16($v) => $body,
             TensorData::Int32($v) => $body,
             TensorData::Int64($v) => $body,
+            TensorData::Fp16($v) => $body,
             TensorData::Fp32($v) => $body,
             TensorData::Fp64($v) => $body,
         }
@@ -110,6 +112,7 @@ impl TensorData {
             TensorData::Int16(_) => DataType::Int16,
             TensorData::Int32(_) => DataType::Int32,
             TensorData::Int64(_) => DataType::Int64,
+            TensorData::Fp16(_) => DataType::Fp16,
             TensorData::Fp32(_) => DataType::Fp32,
             TensorData::Fp64(_) => DataType::Fp64,
         }
@@ -157,5 +160,5 @@ macro_rules! from_vec {
 
 from_vec!(
     bool => Bool, u8 => Uint8, u16 => Uint16, u32 => Uint32, u64 => Uint64, i8 => Int8,
-    i16 => Int16, i32 => Int32, i64 => Int64, f32 => Fp32, f64 => Fp64,
+    i16 => Int16, i32 => Int32, i64 => Int64, F16 => Fp16, f32 => Fp32, f64 => Fp64,
 );

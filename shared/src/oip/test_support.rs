@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use super::{decode_request, OipError, RequestOutputSpec, Tensor};
+use super::{decode_request, OipError, RequestOutputSpec, Tensor, F16};
 
 /// One tensor of every supported type, with extreme values.
 pub(super) fn samples() -> Vec<Tensor> {
@@ -21,6 +21,13 @@ pub(super) fn samples() -> Vec<Tensor> {
             "f32",
             vec![2, 3],
             vec![0.1f32, -1.5, f32::MAX, f32::MIN_POSITIVE, 1e-45, 0.0],
+        ),
+        Tensor::new(
+            "f16",
+            vec![5],
+            [0x3555u16, 0x8000, 0x7bff, 0x0001, 0xfbff]
+                .map(F16::from_bits)
+                .to_vec(),
         ),
         Tensor::new(
             "f64",
