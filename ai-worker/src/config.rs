@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 pub use vramgate_shared::config::Secret;
+pub use repository::{MAX_MODEL_CONFIG_BYTES, MAX_MODEL_FOLDERS};
 use vramgate_shared::oip::DataType;
+
+mod repository;
 
 /// Prefix of the environment variables that override the config (`__` between levels).
 pub const ENV_PREFIX: &str = "VRAMGATE_WORKER_";
@@ -24,6 +27,10 @@ pub enum ConfigError {
     /// The file or an environment variable could not be read into the config tree.
     #[error(transparent)]
     Invalid(#[from] vramgate_shared::config::ConfigError),
+    /// `model_repository` or one of its model folders could not be read or is invalid; the
+    /// message names the folder or file.
+    #[error("{0}")]
+    Repository(String),
     /// Each value is valid on its own, but together they cannot work.
     #[error("inconsistent configuration: {0}")]
     Inconsistent(String),
@@ -122,8 +129,21 @@ pub struct WorkerConfig {
     /// Return cached memory when the allocator holds more than this many bytes it is not
     /// using (reserved − allocated). CUDA only. Unset: never.
     pub cleanup_slack_bytes: Option<u64>,
-    /// The models to load at start-up.
+    /// The models to load at start-up. After [`WorkerConfig::load`], the models of
+    /// `model_repository` follow these.
     pub models: Vec<ModelConfig>,
+    /// A folder of models read at start-up (Triton's model repository), one sub-folder per
+    /// model: `<folder>/<name>/config.toml` holds the keys of a `models` entry but `name` (the
+    /// folder's name) and with `path` optional (default: the folder's one `*.pt` or `*.jit`
+    /// file; a relative path is resolved from the model's folder). Merged with `models`; a
+    /// name defined twice is an error. Hidden folders are ignored and folders without
+    /// `config.toml` skipped (with a warning). Relative to the working directory. Unset: none.
+    pub model_repository: Option<PathBuf>,
+    /// The folders of `model_repository` skipped for having no `config.toml`: found by
+    /// [`WorkerConfig::load`], logged when the server starts (the log is not set up while the
+    /// config is read).
+    #[serde(skip)]
+    pub skipped_model_folders: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -208,6 +228,8 @@ impl Default for WorkerConfig {
             cleanup_every_batches: 0,
             cleanup_slack_bytes: None,
             models: Vec::new(),
+            model_repository: None,
+            skipped_model_folders: Vec::new(),
         }
     }
 }
@@ -220,10 +242,25 @@ impl WorkerConfig {
         Self::extract(vramgate_shared::config::layered::<WorkerConfig>(file, ENV_PREFIX)?)
     }
 
-    /// The config a layered figment holds, redacted on error and validated.
+    /// The config a layered figment holds, redacted on error and validated, with the models
+    /// of its `model_repository` appended to `models`.
     fn extract(figment: Figment) -> Result<Self, ConfigError> {
-        let config: WorkerConfig = figment.extract().map_err(|e| ConfigError::from(vramgate_shared::config::ConfigError::from(Box::new(e))))?;
+        let mut config: WorkerConfig = figment.extract().map_err(|e| ConfigError::from(vramgate_shared::config::ConfigError::from(Box::new(e))))?;
         config.validate()?;
+        if let Some(folder) = &config.model_repository {
+            let scanned = repository::scan(folder).map_err(ConfigError::Repository)?;
+            for (model, file) in scanned.models {
+                if let Some(i) = config.models.iter().position(|m| m.name == model.name) {
+                    return Err(ConfigError::Repository(format!(
+                        "model '{}' is defined twice: models[{i}] in the config file and {file} in model repository {}",
+                        model.name,
+                        repository::shown(folder)
+                    )));
+                }
+                config.models.push(model);
+            }
+            config.skipped_model_folders = scanned.skipped;
+        }
         Ok(config)
     }
 
@@ -247,7 +284,10 @@ impl WorkerConfig {
             }
         }
         for (i, model) in self.models.iter().enumerate() {
-            model.validate(&format!("models[{i}]")).map_err(ConfigError::Inconsistent)?;
+            model.validate(&format!("models[{i}].")).map_err(ConfigError::Inconsistent)?;
+            if let Some(j) = self.models[..i].iter().position(|m| m.name == model.name) {
+                return fail(format!("models[{j}] and models[{i}] are both named '{}'", model.name));
+            }
         }
         if let Some(token) = &self.auth_token {
             if token.expose().is_empty() {
@@ -262,8 +302,6 @@ impl WorkerConfig {
     }
 }
 
-/// A config error of the reading kind, from a message (a missing file, an unreadable variable).
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceChoice {
@@ -277,9 +315,10 @@ pub enum DeviceChoice {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    /// The name clients use in `/v2/models/{name}`.
+    /// The name clients use in `/v2/models/{name}`: see [`check_model_name`].
     pub name: String,
-    /// Path of the TorchScript file; relative paths are resolved from the working directory.
+    /// Path of the TorchScript file; relative paths are resolved from the working directory
+    /// (in a model repository, from the model's folder).
     pub path: PathBuf,
     /// How the model is called and what its tensors mean.
     pub kind: ModelKind,
@@ -397,6 +436,8 @@ pub const MAX_DECLARED_DIM: i64 = 1 << 31;
 pub const MAX_PROBE_SIZE: usize = 65_536;
 /// Most constant arguments a `declared` model may take after its input.
 pub const MAX_ARGS: usize = 8;
+/// Longest model name, in bytes.
+pub const MAX_MODEL_NAME_BYTES: usize = 64;
 /// The datatypes a declared tensor may have (each has a libtorch kind of its own).
 pub const DECLARED_DATATYPES: [DataType; 6] =
     [DataType::Bool, DataType::Uint8, DataType::Int32, DataType::Int64, DataType::Fp16, DataType::Fp32];
@@ -417,8 +458,9 @@ impl ModelConfig {
         self.probe_sizes.as_deref().unwrap_or(&DEFAULT_PROBE_SIZES)
     }
 
-    /// Checks the keys that belong to one kind only; `at` names the entry (`models[2]`).
+    /// Checks the name and the keys that belong to one kind only; `at` names the entry, ending in its separator (`models[2].`).
     fn validate(&self, at: &str) -> Result<(), String> {
+        check_model_name(&self.name).map_err(|e| format!("{at}name {e}"))?;
         let declared_only = [
             ("method", self.method.is_some()),
             ("args", self.args.is_some()),
@@ -428,70 +470,83 @@ impl ModelConfig {
         ];
         if self.kind != ModelKind::Declared {
             return match declared_only.iter().find(|(_, set)| *set) {
-                Some((key, _)) => Err(format!("{at}.{key} is only for kind \"declared\", not \"{}\"", self.kind.as_str())),
+                Some((key, _)) => Err(format!("{at}{key} is only for kind \"declared\", not \"{}\"", self.kind.as_str())),
                 None => Ok(()),
             };
         }
         if self.method().is_empty() {
-            return Err(format!("{at}.method must not be empty"));
+            return Err(format!("{at}method must not be empty"));
         }
         if self.args().len() > MAX_ARGS {
-            return Err(format!("{at}.args must have at most {MAX_ARGS} values, got {}", self.args().len()));
+            return Err(format!("{at}args must have at most {MAX_ARGS} values, got {}", self.args().len()));
         }
         if let Some((k, x)) = self.args().iter().enumerate().find_map(|(k, a)| match a {
             ConstArg::Float(x) if !x.is_finite() => Some((k, x)),
             _ => None,
         }) {
-            return Err(format!("{at}.args[{k}] must be a finite float, got {x}"));
+            return Err(format!("{at}args[{k}] must be a finite float, got {x}"));
         }
         let Some(input) = &self.input else {
-            return Err(format!("{at}.input is required for kind \"declared\": {{ name = \"…\", shape = [-1, …] }}"));
+            return Err(format!("{at}input is required for kind \"declared\": {{ name = \"…\", shape = [-1, …] }}"));
         };
-        input.validate(&format!("{at}.input"))?;
+        input.validate(&format!("{at}input."))?;
         let outputs = self.outputs.as_deref().unwrap_or_default();
         if outputs.is_empty() {
-            return Err(format!("{at}.outputs needs at least one entry for kind \"declared\""));
+            return Err(format!("{at}outputs needs at least one entry for kind \"declared\""));
         }
         for (j, output) in outputs.iter().enumerate() {
-            output.validate(&format!("{at}.outputs[{j}]"))?;
+            output.validate(&format!("{at}outputs[{j}]."))?;
             if outputs[..j].iter().any(|o| o.name == output.name) {
-                return Err(format!("{at}.outputs[{j}].name '{}' names an earlier output too", output.name));
+                return Err(format!("{at}outputs[{j}].name '{}' names an earlier output too", output.name));
             }
         }
         if let Some(sizes) = &self.probe_sizes {
             if sizes.is_empty() {
-                return Err(format!("{at}.probe_sizes must not be empty (unset it for {DEFAULT_PROBE_SIZES:?})"));
+                return Err(format!("{at}probe_sizes must not be empty (unset it for {DEFAULT_PROBE_SIZES:?})"));
             }
             if let Some((k, size)) = sizes.iter().enumerate().find(|(_, &s)| !(1..=MAX_PROBE_SIZE).contains(&s)) {
-                return Err(format!("{at}.probe_sizes[{k}] must be 1..={MAX_PROBE_SIZE}, got {size}"));
+                return Err(format!("{at}probe_sizes[{k}] must be 1..={MAX_PROBE_SIZE}, got {size}"));
             }
         }
         Ok(())
     }
 }
 
+/// Checks a model's name, which is a segment of its URLs (`/v2/models/{name}/infer`) and, in
+/// a model repository, a folder's name: 1 to [`MAX_MODEL_NAME_BYTES`] ASCII letters, digits,
+/// `_`, `-` and `.`, not starting with `.`. The error says what a name must be.
+pub fn check_model_name(name: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    if name.is_empty() || name.len() > MAX_MODEL_NAME_BYTES || name.starts_with('.') || !name.chars().all(allowed) {
+        return Err(format!(
+            "must be 1 to {MAX_MODEL_NAME_BYTES} ASCII letters, digits, '_', '-' or '.', not starting with '.', got {name:?}"
+        ));
+    }
+    Ok(())
+}
+
 impl DeclaredTensor {
-    /// Checks the name and the shape; `at` names the entry (`models[2].outputs[1]`).
+    /// Checks the name and the shape; `at` names the entry, ending in its separator (`models[2].outputs[1].`).
     fn validate(&self, at: &str) -> Result<(), String> {
         if self.name.is_empty() {
-            return Err(format!("{at}.name must not be empty"));
+            return Err(format!("{at}name must not be empty"));
         }
         if self.name.len() > MAX_TENSOR_NAME_BYTES {
-            return Err(format!("{at}.name must be at most {MAX_TENSOR_NAME_BYTES} bytes, got {}", self.name.len()));
+            return Err(format!("{at}name must be at most {MAX_TENSOR_NAME_BYTES} bytes, got {}", self.name.len()));
         }
         let shape = &self.shape;
         if !(1..=MAX_DECLARED_RANK).contains(&shape.len()) {
-            return Err(format!("{at}.shape must have 1 to {MAX_DECLARED_RANK} dimensions, got {shape:?}"));
+            return Err(format!("{at}shape must have 1 to {MAX_DECLARED_RANK} dimensions, got {shape:?}"));
         }
         if shape[0] != -1 {
-            return Err(format!("{at}.shape[0] must be -1 (the batch: any number of rows), got {}", shape[0]));
+            return Err(format!("{at}shape[0] must be -1 (the batch: any number of rows), got {}", shape[0]));
         }
         if let Some((d, n)) = shape.iter().enumerate().skip(1).find(|(_, &n)| n != -1 && !(1..=MAX_DECLARED_DIM).contains(&n)) {
-            return Err(format!("{at}.shape[{d}] must be -1 (any size) or 1..={MAX_DECLARED_DIM}, got {n}"));
+            return Err(format!("{at}shape[{d}] must be -1 (any size) or 1..={MAX_DECLARED_DIM}, got {n}"));
         }
         if !DECLARED_DATATYPES.contains(&self.datatype) {
             let allowed = DECLARED_DATATYPES.map(DataType::as_str).join(", ");
-            return Err(format!("{at}.datatype must be one of {allowed}, got {}", self.datatype));
+            return Err(format!("{at}datatype must be one of {allowed}, got {}", self.datatype));
         }
         Ok(())
     }
@@ -551,8 +606,45 @@ fn default_window() -> u32 {
 }
 
 #[cfg(test)]
+pub(crate) mod testing {
+    use std::path::{Path, PathBuf};
+
+    /// A folder under the temp folder, unique to this process and `tag`, removed when dropped.
+    pub struct TempFolder(PathBuf);
+
+    impl TempFolder {
+        pub fn new(tag: &str) -> TempFolder {
+            let path = std::env::temp_dir().join(format!("vramgate-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).expect("a temp folder");
+            TempFolder(path)
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+
+        /// Writes `contents` to `file`, a path under the folder, creating its parent folders.
+        pub fn write(&self, file: &str, contents: impl AsRef<[u8]>) -> PathBuf {
+            let path = self.0.join(file);
+            std::fs::create_dir_all(path.parent().expect("a file in a folder")).expect("the file's folder");
+            std::fs::write(&path, contents).expect("a temp file");
+            path
+        }
+    }
+
+    impl Drop for TempFolder {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
+    use super::testing::TempFolder;
     use super::*;
+    use crate::model::testing::model_file;
     use figment::providers::{Format, Serialized, Toml};
 
     fn from_toml(text: &str) -> Result<WorkerConfig, ConfigError> {
@@ -701,5 +793,168 @@ mod tests {
                 assert!(err.contains(&format!("models[0].{key} is only for kind \"declared\", not \"{kind}\"")), "{err}");
             }
         }
+    }
+
+    /// The config of `more` with `model_repository` set to `repo`.
+    fn with_repository(repo: &TempFolder, more: &str) -> Result<WorkerConfig, ConfigError> {
+        from_toml(&format!("model_repository = \"{}\"\n{more}", repo.path().display()))
+    }
+
+    /// What loading a config of `repo` answers: asserts it fails saying `want`.
+    fn repository_error(repo: &TempFolder, want: &str) {
+        let err = with_repository(repo, "").expect_err(want).to_string();
+        assert!(err.contains(want), "want: {want}\ngot:  {err}");
+    }
+
+    const DECLARED: &str = "kind = \"declared\"\npath = \"r.jit\"\n\
+        input = { name = \"image\", shape = [-1, 3, 24, 24], datatype = \"FP16\" }\n\
+        outputs = [ { name = \"box_offsets\", shape = [-1, 4] }, { name = \"face_prob\", shape = [-1, 2], datatype = \"FP16\" } ]\n";
+
+    #[test]
+    fn a_model_repository_is_merged_with_the_models_entries() {
+        let repo = TempFolder::new("repo-merge");
+        repo.write("rnet/config.toml", DECLARED);
+        repo.write("rnet/r.jit", "");
+        let vad = model_file("silero_vad.jit");
+        repo.write("vad/config.toml", format!("kind = \"voice_activity\"\npath = \"{}\"\nwindow_samples = 256\n", vad.display()));
+        let config = with_repository(&repo, "[[models]]\nname = \"pnet\"\npath = \"p.jit\"\nkind = \"face_detection\"\n").expect("merged");
+        let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["pnet", "rnet", "vad"], "the config file's entries, then the folders by name");
+        let (rnet, vad_model) = (&config.models[1], &config.models[2]);
+        assert_eq!(rnet.path, repo.path().join("rnet/r.jit"), "relative to the model's folder");
+        assert_eq!(rnet.input.as_ref().map(|t| t.datatype), Some(DataType::Fp16));
+        let datatypes: Vec<DataType> = rnet.outputs.iter().flatten().map(|o| o.datatype).collect();
+        assert_eq!(datatypes, [DataType::Fp32, DataType::Fp16]);
+        assert_eq!((vad_model.kind, vad_model.window_samples, &vad_model.path), (ModelKind::VoiceActivity, 256, &vad));
+        assert!(config.skipped_model_folders.is_empty());
+        // Like any key, the repository is layered: a later provider (the environment) wins.
+        let other = TempFolder::new("repo-merge-other");
+        let figment = Figment::from(Serialized::defaults(WorkerConfig::default()))
+            .merge(Toml::string(&format!("model_repository = \"{}\"\n", other.path().display())))
+            .merge(Serialized::default("model_repository", repo.path()));
+        assert_eq!(WorkerConfig::extract(figment).expect("overridden").models.len(), 2);
+    }
+
+    #[test]
+    fn the_model_repository_is_read_from_the_environment() {
+        let repo = TempFolder::new("repo-env");
+        repo.write("vad/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("vad/silero.jit", "");
+        // A prefix of this test's own, so no other test's config sees the variable.
+        let prefix = format!("VRAMGATE_REPO_TEST_{}_", std::process::id());
+        std::env::set_var(format!("{prefix}MODEL_REPOSITORY"), repo.path());
+        let figment = vramgate_shared::config::layered::<WorkerConfig>(None, &prefix);
+        std::env::remove_var(format!("{prefix}MODEL_REPOSITORY"));
+        let config = WorkerConfig::extract(figment.expect("layered")).expect("the repository from the environment");
+        assert_eq!(config.model_repository.as_deref(), Some(repo.path()));
+        assert_eq!(config.models.iter().map(|m| &m.path).collect::<Vec<_>>(), [&repo.path().join("vad/silero.jit")]);
+    }
+
+    #[test]
+    fn a_name_defined_twice_names_both_places() {
+        let repo = TempFolder::new("repo-twice");
+        repo.write("vad/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("vad/silero.jit", "");
+        let err = with_repository(&repo, "[[models]]\nname = \"x\"\npath = \"x.jit\"\nkind = \"voice_activity\"\n\n\
+            [[models]]\nname = \"vad\"\npath = \"v.jit\"\nkind = \"voice_activity\"\n")
+        .expect_err("vad twice")
+        .to_string();
+        let repo_shown = format!("{}/", repo.path().display());
+        assert_eq!(err, format!("model 'vad' is defined twice: models[1] in the config file and vad/config.toml in model repository {repo_shown}"));
+        let twice = "[[models]]\nname = \"x\"\npath = \"x.jit\"\nkind = \"voice_activity\"\n";
+        let err = from_toml(&format!("{twice}\n{twice}")).expect_err("x twice").to_string();
+        assert!(err.contains("models[0] and models[1] are both named 'x'"), "{err}");
+    }
+
+    #[test]
+    fn the_model_file_is_the_folders_one_model_file_unless_path_names_it() {
+        let repo = TempFolder::new("repo-default-file");
+        repo.write("onet/config.toml", "kind = \"voice_activity\"\n");
+        for other in ["README.md", "weights.bin", "jit", "model.jit.bak"] {
+            repo.write(&format!("onet/{other}"), "");
+        }
+        repo.write("onet/onet.pt", "");
+        let config = with_repository(&repo, "").expect("the one .pt file");
+        assert_eq!(config.models[0].path, repo.path().join("onet/onet.pt"));
+        repo.write("onet/second.jit", "");
+        repository_error(&repo, "onet/config.toml: no path set and 2 model files in the folder (onet.pt, second.jit): set path to the one to load");
+        repo.write("onet/config.toml", "kind = \"voice_activity\"\npath = \"second.jit\"\n");
+        assert_eq!(with_repository(&repo, "").expect("path chooses").models[0].path, repo.path().join("onet/second.jit"));
+        repo.write("onet/config.toml", "kind = \"voice_activity\"\npath = \"gone.jit\"\n");
+        repository_error(&repo, &format!("onet/config.toml: model file {} not found", repo.path().join("onet/gone.jit").display()));
+        for file in ["onet.pt", "second.jit"] {
+            std::fs::remove_file(repo.path().join("onet").join(file)).expect("removed");
+        }
+        repo.write("onet/config.toml", "kind = \"voice_activity\"\n");
+        repository_error(&repo, "onet/config.toml: no path set and no *.pt or *.jit file in the folder");
+    }
+
+    #[test]
+    fn mistakes_in_a_model_folder_are_named_by_file_and_key() {
+        let repo = TempFolder::new("repo-mistakes");
+        repo.write("rnet/r.jit", "");
+        let at = format!("model repository {}/: rnet/config.toml: ", repo.path().display());
+        let check = |config: String, want: &str| {
+            repo.write("rnet/config.toml", &config);
+            repository_error(&repo, &format!("{at}{want}"));
+        };
+        check(DECLARED.replace("[-1, 2]", "[4, 2]"), "outputs[1].shape[0] must be -1 (the batch: any number of rows), got 4");
+        check(DECLARED.replace("kind = \"declared\"", "kind = \"face_detection\""), "input is only for kind \"declared\"");
+        check(format!("{DECLARED}name = \"rnet\"\n"), "name must not be set: a model's name is its folder's");
+        check(format!("{DECLARED}dtype = \"FP32\"\n"), "dtype: unknown field: found `dtype`");
+        for (config, want) in [
+            (format!("{DECLARED}instances = \"two\"\n"), "instances"),
+            ("kind = \n".into(), "TOML"),
+            (DECLARED.replace("path = \"r.jit\"", "path = 3"), "path"),
+        ] {
+            repo.write("rnet/config.toml", &config);
+            let err = with_repository(&repo, "").expect_err(want).to_string();
+            assert!(err.starts_with(&at) && err.contains(want), "{err}");
+        }
+        std::fs::remove_dir_all(repo.path().join("rnet")).expect("removed");
+        repo.write("has space/config.toml", DECLARED);
+        repository_error(&repo, "folder 'has space' is not a valid model name: it must be 1 to 64 ASCII letters, digits");
+        let err = from_toml("[[models]]\nname = \"a/b\"\npath = \"x.jit\"\nkind = \"voice_activity\"\n").expect_err("a slash").to_string();
+        assert!(err.contains("models[0].name must be 1 to 64 ASCII letters, digits, '_', '-' or '.', not starting with '.', got \"a/b\""), "{err}");
+    }
+
+    #[test]
+    fn hidden_folders_are_ignored_and_folders_without_a_config_skipped() {
+        let repo = TempFolder::new("repo-hidden");
+        repo.write(".git/config.toml", "not = [toml");
+        repo.write(".cache/model/x.jit", "");
+        repo.write("notes/README.md", "");
+        repo.write("vad/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("vad/silero.jit", "");
+        repo.write("loose.toml", "not = [toml");
+        let config = with_repository(&repo, "").expect("the one model");
+        assert_eq!(config.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["vad"]);
+        assert_eq!(config.skipped_model_folders, ["notes"]);
+        let empty = TempFolder::new("repo-empty");
+        assert!(with_repository(&empty, "").expect("an empty repository").models.is_empty());
+        let gone = empty.path().join("gone");
+        let err = from_toml(&format!("model_repository = \"{}\"\n", gone.display())).expect_err("no folder").to_string();
+        assert!(err.starts_with(&format!("model repository {}/: cannot read the folder", gone.display())), "{err}");
+    }
+
+    #[test]
+    fn a_repository_is_refused_past_its_limits() {
+        let repo = TempFolder::new("repo-limits");
+        repo.write("vad/silero.jit", "");
+        let config = "kind = \"voice_activity\"\n";
+        let padded = |bytes: u64| format!("{config}#{}\n", "x".repeat(bytes as usize - config.len() - 2));
+        repo.write("vad/config.toml", padded(MAX_MODEL_CONFIG_BYTES));
+        with_repository(&repo, "").expect("a config of the largest size");
+        repo.write("vad/config.toml", padded(MAX_MODEL_CONFIG_BYTES + 1));
+        repository_error(&repo, "vad/config.toml: larger than 65536 bytes");
+        repo.write("vad/config.toml", config);
+        for i in 1..MAX_MODEL_FOLDERS {
+            std::fs::create_dir(repo.path().join(format!("m{i:03}"))).expect("a folder");
+        }
+        std::fs::create_dir(repo.path().join(".hidden")).expect("a hidden folder");
+        let config = with_repository(&repo, "").expect("256 folders, the hidden one not counted");
+        assert_eq!((config.models.len(), config.skipped_model_folders.len()), (1, MAX_MODEL_FOLDERS - 1));
+        std::fs::create_dir(repo.path().join("m256")).expect("one folder more");
+        repository_error(&repo, "more than 256 model folders");
     }
 }

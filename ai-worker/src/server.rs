@@ -52,6 +52,9 @@ struct AppState {
     auth_token: Option<Secret>,
 }
 
+/// Model folders without a config the start-up warning names; the rest are counted.
+const SKIPPED_FOLDERS_NAMED: usize = 16;
+
 /// Binds nothing itself: takes a bound listener (port 0 in tests), serves until `shutdown`
 /// resolves, and fails if a configured model cannot be loaded.
 pub async fn run(
@@ -81,6 +84,14 @@ pub async fn run(
         %addr, authentication = config.auth_token.is_some(), max_request_bytes = config.max_request_bytes,
         max_body_bytes_in_flight = config.max_body_bytes_in_flight, "ai-worker listening; loading models"
     );
+    if !config.skipped_model_folders.is_empty() {
+        // Bounded: a repository holds at most `MAX_MODEL_FOLDERS` folders; a few are named.
+        let named: Vec<&str> = config.skipped_model_folders.iter().take(SKIPPED_FOLDERS_NAMED).map(String::as_str).collect();
+        tracing::warn!(
+            repository = ?config.model_repository, count = config.skipped_model_folders.len(), folders = ?named,
+            "model folders without config.toml skipped"
+        );
+    }
     if config.memory_limit_bytes.is_some() && config.memory_host_allowance_bytes < 2 * config.max_body_bytes_in_flight {
         tracing::warn!(
             memory_host_allowance_bytes = config.memory_host_allowance_bytes,
@@ -757,6 +768,34 @@ mod tests {
             std::str::from_utf8(&body).expect("JSON"),
             r#"{"model_name":"bright","outputs":[{"name":"bright","datatype":"BOOL","shape":[1,4],"data":[false,true,false,true]}]}"#
         );
+    }
+
+    #[test]
+    fn a_model_folder_of_the_repository_is_loaded_and_answers() {
+        let repo = crate::config::testing::TempFolder::new("repo-start");
+        // O-Net's folder: its config (no path: the folder's one model file) and a copy of it.
+        let onet = std::fs::read(model::testing::model_file("mtcnn_onet.jit")).expect("O-Net");
+        repo.write("repository/mtcnn_onet/onet.jit", onet);
+        repo.write(
+            "repository/mtcnn_onet/config.toml",
+            "kind = \"declared\"\ninput = { name = \"image\", shape = [-1, 3, 48, 48] }\n\
+             outputs = [ { name = \"box_offsets\", shape = [-1, 4] }, { name = \"landmarks\", shape = [-1, 10] }, \
+             { name = \"face_prob\", shape = [-1, 2] } ]\n\
+             estimate = { base_bytes = 1e6, bytes_per_element = 100.0 }\n",
+        );
+        let file = repo.write(
+            "worker.toml",
+            format!("device = \"cpu\"\nmodel_repository = \"{}\"\n[batching]\ncalibrate = false\n", repo.path().join("repository").display()),
+        );
+        // What `main` and `run` do: the config file read, then every model loaded and started.
+        let config = WorkerConfig::load(Some(&file)).expect("the worker config");
+        assert_eq!(config.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["mtcnn_onet"]);
+        let (engine, _) = start_engine(&config, Arc::new(Metrics::new())).expect("the engine started");
+        let served = engine.served("mtcnn_onet").expect("O-Net served");
+        let face: Vec<f32> = (0..3 * 48 * 48).map(|i| (i as f32 * 0.01).sin()).collect();
+        let outputs = served.model.infer(&InputTensor::from_f32(vec![1, 3, 48, 48], &face)).expect("an answer");
+        let shapes: Vec<(&str, &[usize])> = outputs.iter().map(|o| (&*o.name, o.shape.as_slice())).collect();
+        assert_eq!(shapes, [("box_offsets", &[1, 4][..]), ("landmarks", &[1, 10][..]), ("face_prob", &[1, 2][..])]);
     }
 
     #[test]
