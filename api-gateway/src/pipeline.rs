@@ -150,8 +150,7 @@ pub async fn run(
     };
     let discovery: Vec<_> = tasks
         .iter()
-        .flat_map(|t| t.stages.iter().map(|set| (set.clone(), t.worker_source.clone())))
-        .map(|(set, source)| tokio::spawn(crate::call::discovery::maintain(set, source)))
+        .map(|t| tokio::spawn(crate::call::discovery::maintain(t.stages.clone(), t.worker_source.clone())))
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let stop_commits = Arc::new(AtomicBool::new(false));
@@ -199,7 +198,7 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
         m.outbox.set(outbox.waiting() as i64);
     }
     for task in tasks {
-        m.permit_limit.with_label_values(&[&task.name]).set(task.workers.permit_limit() as i64);
+        m.permit_limit.with_label_values(&[&task.name]).set(task.workers().permit_limit() as i64);
         task.stages.iter().for_each(|set| set.publish());
     }
     for (tp, n) in shared.offsets.lock().pending() {

@@ -26,10 +26,9 @@ pub struct Task {
     /// Set when a record waited past `permit_wait_ms` for a permit: the fetch loop pauses this
     /// task's partitions until the waiters are served.
     congested: AtomicBool,
-    /// The task's workers, and where they come from (kept current by `call::discovery`).
-    pub workers: Arc<WorkerSet>,
-    /// The workers of each further model the task calls (its converter's `stage_models`), from
-    /// the same source, each with its own GPU permits: `stages[0]` is `workers` itself.
+    /// The task's workers, one set per model it calls (`stages[0]`: the task's `model`; then its
+    /// converter's `stage_models`), all from `worker_source` (kept current by
+    /// `call::discovery`), each with its own GPU permits. Never empty.
     pub stages: Vec<Arc<WorkerSet>>,
     pub worker_source: WorkerSource,
     /// What this task does to a request before and after the worker call.
@@ -108,11 +107,16 @@ impl Task {
             pool,
             congested: AtomicBool::new(false),
             converter,
-            workers: stages[0].clone(),
             stages,
             worker_source,
             hot,
         })
+    }
+
+    /// The workers of the task's own `model` (stage 0): the set its permits and congestion
+    /// are read from.
+    pub fn workers(&self) -> &WorkerSet {
+        &self.stages[0]
     }
 
     pub fn mark_congested(&self) {
@@ -126,8 +130,8 @@ impl Task {
         if !self.congested.load(Ordering::Relaxed) {
             return false;
         }
-        let resume_at = (self.workers.permit_limit() as f64 * resume_fraction).floor() as usize;
-        if self.workers.waiting() <= resume_at {
+        let resume_at = (self.workers().permit_limit() as f64 * resume_fraction).floor() as usize;
+        if self.workers().waiting() <= resume_at {
             self.congested.store(false, Ordering::Relaxed);
             return false;
         }

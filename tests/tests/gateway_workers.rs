@@ -13,6 +13,7 @@
 //!   drains, the gateway's estimate of its room is refreshed without a call of its own.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
@@ -254,13 +255,13 @@ async fn workers_found_in_dns_are_added_and_removed_without_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_answers_of_both_families_and_srv_targets_become_workers() {
     let dns = DnsServer::start().await.expect("dns server");
-    let set = WorkerSet::new("voice", "m", Routing::Memory, 1.0, None, PermitConfig::default(), Metrics::new());
+    let set = Arc::new(WorkerSet::new("voice", "m", Routing::Memory, 1.0, None, PermitConfig::default(), Metrics::new()));
     let finder = |name: &str, srv: bool, max_endpoints: usize| {
         let nameserver = Some(dns.addr.to_string());
         Finder::new(DnsConfig { name: name.into(), srv, port: 8081, nameserver, max_endpoints, ..DnsConfig::default() })
     };
-    async fn urls_after(set: &WorkerSet, finder: &mut Finder) -> Vec<String> {
-        refresh(set, finder).await;
+    async fn urls_after(set: &Arc<WorkerSet>, finder: &mut Finder) -> Vec<String> {
+        refresh(std::slice::from_ref(set), finder).await;
         set.urls()
     }
     let v6 = |last: u16| IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, last));

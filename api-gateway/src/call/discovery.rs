@@ -1,4 +1,4 @@
-//! Keeps a task's worker set current: probes workers that are out of service or not heard from
+//! Keeps a task's worker sets current (one per model it calls, all from the same source): probes workers that are out of service or not heard from
 //! yet every [`PROBE_INTERVAL`] (and refreshes stale reports of load, `workers::STALE_REPORT`),
 //! and, for workers found in DNS, resolves the name again every
 //! `refresh_seconds` and adds and removes endpoints as the answer changes, without a restart.
@@ -51,12 +51,15 @@ const TARGETS_AT_ONCE: usize = 8;
 
 static DNS_LOG: LogLimit = LogLimit::new(2);
 
-/// Runs for as long as the gateway: probes, and follows DNS when the source is DNS.
-pub async fn maintain(set: Arc<WorkerSet>, source: WorkerSource) {
+/// Runs for as long as the gateway: probes, and follows DNS when the source is DNS. `sets` are
+/// one task's worker sets (one per model it calls): the name is looked up once per refresh for
+/// all of them; each set probes its own endpoints, whose health it keeps apart.
+pub async fn maintain(sets: Vec<Arc<WorkerSet>>, source: WorkerSource) {
+    let Some(first) = sets.first() else { return };
     let http = match reqwest::Client::builder().timeout(PROBE_TIMEOUT).connect_timeout(PROBE_TIMEOUT).build() {
         Ok(http) => http,
         Err(e) => {
-            tracing::error!(error = %e, task = %set.task, "worker probes cannot start");
+            tracing::error!(error = %e, task = %first.task, "worker probes cannot start");
             return;
         }
     };
@@ -68,23 +71,27 @@ pub async fn maintain(set: Arc<WorkerSet>, source: WorkerSource) {
     loop {
         if let Some(finder) = &mut finder {
             if Instant::now() >= next_lookup {
-                refresh(&set, finder).await;
+                refresh(&sets, finder).await;
                 next_lookup = Instant::now() + finder.dns.refresh();
             }
         }
-        set.probe(&http).await;
+        for set in &sets {
+            set.probe(&http).await;
+        }
         tokio::time::sleep(PROBE_INTERVAL).await;
     }
 }
 
-/// Resolves the finder's name once and makes the set match the answer.
-pub async fn refresh(set: &WorkerSet, finder: &mut Finder) {
+/// Resolves the finder's name once and makes every one of `sets` match the answer.
+pub async fn refresh(sets: &[Arc<WorkerSet>], finder: &mut Finder) {
+    let Some(first) = sets.first() else { return };
+    let task = &first.task;
     let found = match finder.find().await {
         Ok(found) => found,
         Err(e) => {
             if DNS_LOG.allow() {
                 let error = bounded(&e, LOG_FIELD_MAX_BYTES);
-                tracing::warn!(task = %set.task, name = %finder.dns.name, error, "worker lookup failed; keeping the workers known");
+                tracing::warn!(task = %task, name = %finder.dns.name, error, "worker lookup failed; keeping the workers known");
             }
             return;
         }
@@ -93,17 +100,19 @@ pub async fn refresh(set: &WorkerSet, finder: &mut Finder) {
     let mut urls = found.urls;
     if found.in_dns > dns.max_endpoints {
         tracing::warn!(
-            task = %set.task, name = %dns.name, found = found.in_dns, max_endpoints = dns.max_endpoints,
+            task = %task, name = %dns.name, found = found.in_dns, max_endpoints = dns.max_endpoints,
             "more workers in DNS than max_endpoints; the rest are ignored"
         );
         urls.truncate(dns.max_endpoints);
     }
-    match set.replace(&urls) {
-        Ok((added, removed)) if !added.is_empty() || !removed.is_empty() => {
-            tracing::info!(task = %set.task, name = %dns.name, ?added, ?removed, workers = urls.len(), "workers changed in DNS");
+    for set in sets {
+        match set.replace(&urls) {
+            Ok((added, removed)) if !added.is_empty() || !removed.is_empty() => {
+                tracing::info!(task = %set.task, name = %dns.name, ?added, ?removed, workers = urls.len(), "workers changed in DNS");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(task = %set.task, error = %e, "workers from DNS could not be set up"),
         }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(task = %set.task, error = %e, "workers from DNS could not be set up"),
     }
 }
 
