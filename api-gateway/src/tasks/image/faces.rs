@@ -6,6 +6,7 @@
 
 use vramgate_shared::events::{ErrorKind, FaceBox, ImageOutput, Stage};
 
+use super::nms::{self, Overlap, Scored};
 use super::{ImageOptions, Placement, BOX_OUTPUT, PROB_OUTPUT};
 use crate::failure::Failure;
 
@@ -43,7 +44,7 @@ pub fn faces(
     let cells = prob.len();
     let offset = |channel: usize, cell: usize| box_offsets.get(channel * cells + cell).copied().unwrap_or(f32::NAN);
 
-    let mut candidates: Vec<FaceBox> = prob
+    let candidates: Vec<FaceBox> = prob
         .iter()
         .enumerate()
         .filter(|&(_, &p)| p >= options.threshold)
@@ -62,9 +63,8 @@ pub fn faces(
             to_image(&model, placement)
         })
         .collect();
-    // Stable, so equal scores keep the map's row-major order and results are reproducible.
-    candidates.sort_by(|a, b| b.score.total_cmp(&a.score));
-    Ok(suppress(candidates, options.nms_iou, options.max_faces))
+    // Equal scores keep the map's row-major order, so results are reproducible.
+    Ok(nms::suppress(&candidates, options.nms_iou, Overlap::Union, options.max_faces))
 }
 
 /// The task's output record: the faces, and the oriented image's size and format.
@@ -108,28 +108,13 @@ fn to_image(model: &FaceBox, placement: &Placement) -> Option<FaceBox> {
     (image.x2 > image.x1 && image.y2 > image.y1).then_some(image)
 }
 
-/// Greedy non-maximum suppression over boxes sorted by score, descending. Each box is compared
-/// only with those already kept, and it stops at `max_faces`, so a map full of candidates costs
-/// `candidates × max_faces`, not `candidates²`.
-fn suppress(sorted: Vec<FaceBox>, max_iou: f32, max_faces: usize) -> Vec<FaceBox> {
-    let mut kept: Vec<FaceBox> = Vec::with_capacity(max_faces.min(sorted.len()));
-    for candidate in sorted {
-        if kept.len() >= max_faces {
-            break;
-        }
-        if kept.iter().all(|k| iou(k, &candidate) <= max_iou) {
-            kept.push(candidate);
-        }
+impl Scored for FaceBox {
+    fn corners(&self) -> [f32; 4] {
+        [self.x1, self.y1, self.x2, self.y2]
     }
-    kept
-}
-
-fn iou(a: &FaceBox, b: &FaceBox) -> f32 {
-    let width = (a.x2.min(b.x2) - a.x1.max(b.x1)).max(0.0);
-    let height = (a.y2.min(b.y2) - a.y1.max(b.y1)).max(0.0);
-    let intersection = width * height;
-    let area = |f: &FaceBox| (f.x2 - f.x1) * (f.y2 - f.y1);
-    intersection / (area(a) + area(b) - intersection)
+    fn score(&self) -> f32 {
+        self.score
+    }
 }
 
 fn round_to(value: f32, per_unit: f32) -> f32 {
@@ -289,7 +274,7 @@ mod tests {
                 prop_assert!(0.0 <= f.x1 && f.x1 < f.x2 && f.x2 <= placement.width as f32, "{f:?}");
                 prop_assert!(0.0 <= f.y1 && f.y1 < f.y2 && f.y2 <= placement.height as f32, "{f:?}");
                 for other in &found[..k] {
-                    prop_assert!(iou(other, f) <= nms_iou, "{other:?} and {f:?}");
+                    prop_assert!(Overlap::Union.of(other.corners(), f.corners()) <= nms_iou, "{other:?} and {f:?}");
                 }
             }
         }

@@ -16,6 +16,7 @@
 //!   regression, suppression), as the reference computes it, in the reference's coordinates;
 //! - `cascade`: the cascade as a chain of worker calls (each stage's calls, and what the next
 //!   stage needs of the image), on the task traits;
+//! - `nms`: greedy non-maximum suppression by IoU or by the smaller box, which both use;
 //! - `faces`: proposals: P-Net's maps at one scale → boxes in 0-based pixel edges, with
 //!   non-maximum suppression ([`faces()`], [`output`]);
 //! - this file: the task's options ([`ImageOptions`], [`ImageMode`], [`ResizeMode`],
@@ -25,6 +26,7 @@ mod cascade;
 mod convert;
 mod faces;
 mod mtcnn;
+mod nms;
 #[cfg(test)]
 mod test_util;
 

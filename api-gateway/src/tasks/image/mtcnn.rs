@@ -25,6 +25,7 @@
 use ::image::RgbImage;
 use vramgate_shared::events::{ErrorKind, Stage};
 
+use super::nms::{self, Overlap, Scored};
 use crate::failure::Failure;
 
 /// P-Net's window and stride, in level pixels.
@@ -48,6 +49,15 @@ pub struct Candidate {
     pub y2: f32,
     pub score: f32,
     pub reg: [f32; 4],
+}
+
+impl Scored for Candidate {
+    fn corners(&self) -> [f32; 4] {
+        [self.x1, self.y1, self.x2, self.y2]
+    }
+    fn score(&self) -> f32 {
+        self.score
+    }
 }
 
 /// A face the cascade found: its box, probability and five landmarks `(x, y)` (eyes, nose,
@@ -185,14 +195,14 @@ pub fn proposals(prob: &[f32], prob_shape: &[usize], offsets: &[f32], scale: f64
             reg: [0, 1, 2, 3].map(|k| offsets[k * cells + cell]),
         });
     }
-    Ok(nms(found, LEVEL_NMS, Overlap::Union))
+    Ok(nms::suppress(&found, LEVEL_NMS, Overlap::Union, usize::MAX))
 }
 
 /// After every level's proposals: suppression across levels (IoU 0.7), each box moved by its
 /// P-Net regression (in units of its width `x2 - x1`, as stage 1 of the reference does) and
 /// squared.
 pub fn refine_proposals(levels: Vec<Candidate>) -> Vec<Candidate> {
-    nms(levels, STAGE_NMS, Overlap::Union)
+    nms::suppress(&levels, STAGE_NMS, Overlap::Union, usize::MAX)
         .into_iter()
         .map(|c| {
             let (w, h) = (c.x2 - c.x1, c.y2 - c.y1);
@@ -247,7 +257,7 @@ pub fn refine(candidates: &[Candidate], answer: &StageAnswer<'_>, threshold: f32
             ..*c
         })
         .collect();
-    Ok(nms(passed, STAGE_NMS, Overlap::Union).into_iter().map(|c| square(regress(c))).collect())
+    Ok(nms::suppress(&passed, STAGE_NMS, Overlap::Union, usize::MAX).into_iter().map(|c| square(regress(c))).collect())
 }
 
 /// O-Net's verdict: candidates whose probability exceeds `threshold` become faces, with their
@@ -272,7 +282,7 @@ pub fn finish(candidates: &[Candidate], answer: &StageAnswer<'_>, threshold: f32
         boxes.push(moved);
         faces.push(Face { x1: moved.x1, y1: moved.y1, x2: moved.x2, y2: moved.y2, score, landmarks });
     }
-    let kept = nms_indices(&boxes, FINAL_NMS_MIN, Overlap::Min);
+    let kept = nms::keep(&boxes, FINAL_NMS_MIN, Overlap::Min, usize::MAX);
     Ok(kept.into_iter().map(|i| faces[i]).collect())
 }
 
@@ -295,56 +305,6 @@ fn square(c: Candidate) -> Candidate {
     let x1 = c.x1 + w * 0.5 - l * 0.5;
     let y1 = c.y1 + h * 0.5 - l * 0.5;
     Candidate { x1, y1, x2: x1 + l, y2: y1 + l, ..c }
-}
-
-/// How two boxes' overlap is measured.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Overlap {
-    /// torchvision's `nms`: intersection over union, areas `(x2 - x1)·(y2 - y1)`.
-    Union,
-    /// The reference's own `nms_numpy(…, 'Min')`: intersection over the smaller area, both with
-    /// `+ 1` on each side.
-    Min,
-}
-
-/// Greedy suppression, highest score first: a box is dropped when its overlap with a kept one
-/// exceeds `threshold`. Returns the kept boxes, highest score first.
-fn nms(candidates: Vec<Candidate>, threshold: f32, overlap: Overlap) -> Vec<Candidate> {
-    nms_indices(&candidates, threshold, overlap).into_iter().map(|i| candidates[i]).collect()
-}
-
-fn nms_indices(boxes: &[Candidate], threshold: f32, overlap: Overlap) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..boxes.len()).collect();
-    // Stable: equal scores keep their order, so results are reproducible.
-    order.sort_by(|&a, &b| boxes[b].score.total_cmp(&boxes[a].score));
-    let one = if overlap == Overlap::Min { 1.0 } else { 0.0 };
-    let area = |c: &Candidate| (c.x2 - c.x1 + one) * (c.y2 - c.y1 + one);
-    let mut suppressed = vec![false; boxes.len()];
-    let mut kept = Vec::new();
-    for (n, &i) in order.iter().enumerate() {
-        if suppressed[i] {
-            continue;
-        }
-        kept.push(i);
-        let a = &boxes[i];
-        for &j in &order[n + 1..] {
-            if suppressed[j] {
-                continue;
-            }
-            let b = &boxes[j];
-            let w = (a.x2.min(b.x2) - a.x1.max(b.x1) + one).max(0.0);
-            let h = (a.y2.min(b.y2) - a.y1.max(b.y1) + one).max(0.0);
-            let inter = w * h;
-            let o = match overlap {
-                Overlap::Union => inter / (area(a) + area(b) - inter),
-                Overlap::Min => inter / area(a).min(area(b)),
-            };
-            if o > threshold {
-                suppressed[j] = true;
-            }
-        }
-    }
-    kept
 }
 
 fn internal(message: String) -> Failure {
@@ -412,16 +372,6 @@ mod tests {
         assert_eq!((found[1].x1, found[1].x2, found[1].reg[0]), (6.0, 28.0, 0.25));
         let err = proposals(&prob, &[1, 3, 3], &offsets, 0.5, 0.6).expect_err("shape mismatch");
         assert_eq!(err.kind, ErrorKind::Internal);
-    }
-
-    #[test]
-    fn nms_by_union_and_by_the_smaller_box() {
-        let a = candidate(0.0, 0.0, 10.0, 10.0, 0.9);
-        let inner = candidate(2.0, 2.0, 7.0, 7.0, 0.8);
-        let apart = candidate(20.0, 20.0, 30.0, 30.0, 0.7);
-        // IoU of `inner` with `a` is 0.25: kept by union; by the smaller box it is 1: dropped.
-        assert_eq!(nms(vec![inner, a, apart], 0.7, Overlap::Union), vec![a, inner, apart]);
-        assert_eq!(nms(vec![inner, a, apart], 0.7, Overlap::Min), vec![a, apart]);
     }
 
     #[test]
