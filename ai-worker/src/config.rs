@@ -651,6 +651,22 @@ mod tests {
         WorkerConfig::extract(Figment::from(Serialized::defaults(WorkerConfig::default())).merge(Toml::string(text)))
     }
 
+    /// The shipped config/worker.toml (which the k8s copy must equal) loads as the worker loads
+    /// it, and its declared models are the cascade's R-Net and O-Net, as the tests' copies of
+    /// their entries (`tests/src/lib.rs`) assume.
+    #[test]
+    fn the_shipped_config_loads_with_its_declared_models() {
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/worker.toml"));
+        let config = WorkerConfig::load(Some(path)).expect("config/worker.toml loads");
+        let declared: Vec<(&str, usize)> = config
+            .models
+            .iter()
+            .filter(|m| m.kind == ModelKind::Declared)
+            .map(|m| (m.name.as_str(), m.outputs.as_ref().map_or(0, Vec::len)))
+            .collect();
+        assert_eq!(declared, vec![("mtcnn_rnet", 2), ("mtcnn_onet", 3)]);
+    }
+
     #[test]
     fn a_secret_is_never_printed_whatever_its_type() {
         let config = from_toml("auth_token = \"s3cr3t-value\"\n").expect("a string token");

@@ -231,11 +231,12 @@ impl TensorSpec {
     }
 
     /// Refuses an input sent in another datatype than this one, naming both.
-    pub fn check_datatype(&self, sent: DataType) -> Result<(), ModelError> {
+    /// Whether a tensor sent as `name` (the request's own name for it) has this datatype.
+    pub fn check_datatype(&self, name: &str, sent: DataType) -> Result<(), ModelError> {
         if sent == self.datatype {
             return Ok(());
         }
-        Err(ModelError::BadInput(format!("input '{}' must be {}, got {sent}", self.name, self.datatype)))
+        Err(ModelError::BadInput(format!("input '{name}' must be {}, got {sent}", self.datatype)))
     }
 
     fn kind(&self) -> Kind {
@@ -497,7 +498,7 @@ impl Model {
     /// Checks an input's datatype and shape against what the model takes, before any libtorch
     /// call.
     pub fn validate(&self, input: &InputTensor) -> Result<(), ModelError> {
-        self.input.check_datatype(input.datatype)?;
+        self.input.check_datatype(&self.input.name, input.datatype)?;
         let elements: usize = input.shape.iter().product();
         if elements as u64 != input.elements() {
             return Err(ModelError::BadInput(format!(

@@ -624,8 +624,7 @@ fn take_input(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Resu
         ));
     };
     // Named by what was sent: a lone input is taken whatever its name.
-    let spec = TensorSpec { name: tensor.name.as_str().into(), ..model.input_spec().clone() };
-    spec.check_datatype(tensor.datatype)?;
+    model.input_spec().check_datatype(&tensor.name, tensor.datatype)?;
     let input = match tensor.data {
         RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, tensor.datatype, body.slice(range))?,
         RawData::Json(values) => InputTensor::from_data(tensor.shape, &values),
