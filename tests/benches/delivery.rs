@@ -57,6 +57,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use vramgate_tests::bench::median;
 use vramgate_tests::bench::throughput::{p2_cases, p2_gateway_env, p2_input, PARTITIONS};
 use vramgate_tests::ceiling::{self, CeilingCase};
 use vramgate_tests::metrics::Scrape;
@@ -248,15 +249,6 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
-}
 
 /// The producer of the steady-rate events, one for the whole bench: no idempotence (so no
 /// producer id to fetch) and no linger, so that a send leaves at once.

@@ -20,6 +20,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use vramgate_tests::bench::median;
 use vramgate_tests::{
     env_or, faces_task_env, gateway_base_env, photo, producer, request_file, scratch_dir, send, send_all, start_gateway,
     start_worker, unique, worker_config, Collector, Gateway, TaskTopics, FACE_MODELS,
@@ -63,13 +64,9 @@ async fn run(lane: &Lane, files: &[PathBuf], copies: usize) -> anyhow::Result<(f
     }
     let dead = lane.collector.with(|seen| seen.values().flatten().filter(|r| r.topic == lane.topics.dlq).count());
     anyhow::ensure!(dead == 0, "{}: {dead} dead letters", lane.mode);
-    Ok((per_second, median(&mut lone)))
+    Ok((per_second, median(&lone)))
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
@@ -107,7 +104,7 @@ async fn main() -> anyhow::Result<()> {
             figures[i].push((per_second, lone_ms));
         }
     }
-    let med = |i: usize, pick: fn(&(f64, f64)) -> f64| median(&mut figures[i].iter().map(pick).collect::<Vec<_>>());
+    let med = |i: usize, pick: fn(&(f64, f64)) -> f64| median(&figures[i].iter().map(pick).collect::<Vec<_>>());
     let (p_rate, f_rate) = (med(0, |f| f.0), med(1, |f| f.0));
     let (p_lone, f_lone) = (med(0, |f| f.1), med(1, |f| f.1));
     println!("image task, {} photographs × {copies} a burst, medians of {rounds} rounds (one worker, CPU)", files.len());

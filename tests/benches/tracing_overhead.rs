@@ -17,6 +17,7 @@ use std::time::Duration;
 use vramgate_tests::bench::throughput::rate_until_produced;
 use vramgate_tests::jaeger::JaegerProcess;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
+use vramgate_tests::bench::median;
 use vramgate_tests::{
     env_or, gateway_base_env, producer, request_file, scratch_dir, send_all, start_gateway, start_worker, unique,
     voice_task_env, worker_config, TaskTopics, VAD_MODEL,
@@ -24,10 +25,6 @@ use vramgate_tests::{
 
 const JAEGER_PORT: u16 = 26_731;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// One gateway process over `events` already in `topics`; records per second from its first
 /// consumed record to its last produced output.
@@ -58,7 +55,7 @@ async fn compare(name: &str, topics_for: impl Fn(usize) -> TaskTopics, root: &Pa
         on.push(run(&topics, root, worker, events, Some(otlp)).await?);
         eprintln!("{name} round {round}: off {:.0}/s, on {:.0}/s", off[round], on[round]);
     }
-    let (off_m, on_m) = (median(off.clone()), median(on.clone()));
+    let (off_m, on_m) = (median(&off), median(&on));
     println!(
         "    {name:<9} {events:>7} events   off {off_m:>9.1}/s   traced {on_m:>9.1}/s   ratio {:.3}   (runs off {off:.0?}, on {on:.0?})",
         on_m / off_m
