@@ -7,16 +7,17 @@
 //!
 //! ```text
 //! cargo run --release -p vramgate-worker --example raw_loop -- \
-//!     --kind face_detection --model models/mtcnn_pnet.jit --shape 1,3,320,320
+//!     --model models/mtcnn_pnet.jit --shape 1,3,320,320
 //! cargo run --release -p vramgate-worker --example raw_loop -- \
-//!     --kind voice_activity --model models/silero_vad.jit --shape 1,80000
+//!     --method audio_forward --args 16000 --model models/silero_vad.jit --shape 1,80000
 //! ```
 //!
-//! Arguments: `--kind face_detection|voice_activity`, `--model PATH`, `--shape D,D,…` (the
-//! batch dimension first), `--input PATH` (raw little-endian f32 of one item, repeated over
-//! the batch; without it a deterministic gradient or tone is used), `--threads N` (default 1),
-//! `--seconds S` (how long to time, default 5), `--warmup N` (calls before timing, default 5),
-//! `--sample-rate HZ` (Silero's, default 16000), `--json` (one JSON object instead of text),
+//! Arguments: `--model PATH`, `--shape D,D,…` (the batch dimension first), `--method NAME`
+//! (the TorchScript method, default `forward`), `--args N,N,…` (integer constant arguments
+//! after the input, as a declared model's `args`), `--input PATH` (raw little-endian f32 of
+//! one item, repeated over the batch; without it a deterministic tone for a `[batch, samples]`
+//! input, else a gradient), `--threads N` (default 1), `--seconds S` (how long to time,
+//! default 5), `--warmup N` (calls before timing, default 5), `--json` (one JSON object instead of text),
 //! `--no-profiling` (turn TorchScript's profiling executor off, as the worker does),
 //! `--busy-cpus N` (default 0: N more threads spin on one counter each, nothing beyond L1,
 //! from before the warm-up to the end, standing for a server's request path on the other
@@ -27,9 +28,9 @@
 //! `/proc/thread-self/schedstat`) per item: on a shared machine the second says how much of a
 //! figure is other load.
 //!
-//! The input is fed as the worker feeds it (`model.rs`): P-Net `forward(image)` with a
-//! `[batch, 3, H, W]` float tensor; Silero `audio_forward(audio, sample_rate)` with a
-//! `[batch, samples]` float tensor.
+//! The input is fed as the worker feeds a declared FP32 model (`model.rs`): the method called
+//! with the float tensor and then the constant arguments (P-Net `forward(image)`, Silero
+//! `audio_forward(audio, 16000)`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -39,14 +40,14 @@ use anyhow::{bail, Context};
 use tch::{CModule, Device, IValue, Kind, Tensor};
 
 struct Args {
-    kind: String,
+    method: String,
+    call_args: Vec<i64>,
     model: String,
     shape: Vec<i64>,
     input: Option<String>,
     threads: i32,
     seconds: f64,
     warmup: usize,
-    sample_rate: i64,
     json: bool,
     profiling: bool,
     busy_cpus: usize,
@@ -54,14 +55,14 @@ struct Args {
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
-        kind: String::new(),
+        method: "forward".into(),
+        call_args: Vec::new(),
         model: String::new(),
         shape: Vec::new(),
         input: None,
         threads: 1,
         seconds: 5.0,
         warmup: 5,
-        sample_rate: 16_000,
         json: false,
         profiling: true,
         busy_cpus: 0,
@@ -70,7 +71,10 @@ fn parse_args() -> anyhow::Result<Args> {
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--kind" => args.kind = value()?,
+            "--method" => args.method = value()?,
+            "--args" => {
+                args.call_args = value()?.split(',').map(|d| d.trim().parse::<i64>()).collect::<Result<_, _>>()?;
+            }
             "--model" => args.model = value()?,
             "--shape" => {
                 args.shape = value()?.split(',').map(|d| d.trim().parse::<i64>()).collect::<Result<_, _>>()?;
@@ -79,7 +83,6 @@ fn parse_args() -> anyhow::Result<Args> {
             "--threads" => args.threads = value()?.parse()?,
             "--seconds" => args.seconds = value()?.parse()?,
             "--warmup" => args.warmup = value()?.parse()?,
-            "--sample-rate" => args.sample_rate = value()?.parse()?,
             "--json" => args.json = true,
             "--no-profiling" => args.profiling = false,
             "--busy-cpus" => args.busy_cpus = value()?.parse()?,
@@ -87,12 +90,12 @@ fn parse_args() -> anyhow::Result<Args> {
         }
     }
     if args.model.is_empty() || args.shape.len() < 2 {
-        bail!("usage: raw_loop --kind face_detection|voice_activity --model PATH --shape B,… [--input F32FILE] [--threads N] [--seconds S] [--json]");
+        bail!("usage: raw_loop --model PATH [--method NAME] [--args N,…] --shape B,… [--input F32FILE] [--threads N] [--seconds S] [--json]");
     }
     Ok(args)
 }
 
-/// One item's data: from `--input`, else a deterministic gradient (images) or tone (audio).
+/// One item's data: from `--input`, else a deterministic tone (`[batch, samples]`) or gradient.
 fn item_data(args: &Args) -> anyhow::Result<Vec<f32>> {
     let per_item: usize = args.shape[1..].iter().map(|&d| d as usize).product();
     let data: Vec<f32> = match &args.input {
@@ -100,7 +103,7 @@ fn item_data(args: &Args) -> anyhow::Result<Vec<f32>> {
             let bytes = std::fs::read(path).with_context(|| format!("reading {path}"))?;
             bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
         }
-        None if args.kind == "voice_activity" => (0..per_item).map(|i| 0.3 * (i as f32 * 0.013).sin()).collect(),
+        None if args.shape.len() == 2 => (0..per_item).map(|i| 0.3 * (i as f32 * 0.013).sin()).collect(),
         None => (0..per_item).map(|i| ((i % 997) as f32 / 997.0) - 0.5).collect(),
     };
     if data.len() != per_item {
@@ -109,12 +112,9 @@ fn item_data(args: &Args) -> anyhow::Result<Vec<f32>> {
     Ok(data)
 }
 
-fn call(module: &CModule, kind: &str, x: &Tensor, sample_rate: i64) -> anyhow::Result<()> {
-    let out = match kind {
-        "voice_activity" => module.method_is("audio_forward", &[IValue::Tensor(x.shallow_clone()), IValue::Int(sample_rate)])?,
-        "face_detection" => module.forward_is(&[IValue::Tensor(x.shallow_clone())])?,
-        other => bail!("unknown kind {other}"),
-    };
+fn call(module: &CModule, args: &Args, x: &Tensor) -> anyhow::Result<()> {
+    let inputs: Vec<IValue> = std::iter::once(IValue::Tensor(x.shallow_clone())).chain(args.call_args.iter().map(|&n| IValue::Int(n))).collect();
+    let out = module.method_is(&args.method, &inputs)?;
     std::hint::black_box(out);
     Ok(())
 }
@@ -158,14 +158,14 @@ fn main() -> anyhow::Result<()> {
 
     let timed = tch::no_grad(|| -> anyhow::Result<(usize, Duration)> {
         for _ in 0..args.warmup {
-            call(&module, &args.kind, &x, args.sample_rate)?;
+            call(&module, &args, &x)?;
         }
         let limit = Duration::from_secs_f64(args.seconds);
         sched_before = schedstat();
         let started = Instant::now();
         let mut calls = 0;
         while started.elapsed() < limit || calls < 3 {
-            call(&module, &args.kind, &x, args.sample_rate)?;
+            call(&module, &args, &x)?;
             calls += 1;
         }
         Ok((calls, started.elapsed()))
@@ -183,8 +183,8 @@ fn main() -> anyhow::Result<()> {
     let shape = args.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
     if args.json {
         println!(
-            "{{\"kind\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"busy_cpus\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
-            args.kind,
+            "{{\"method\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"busy_cpus\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
+            args.method,
             args.threads,
             args.busy_cpus,
             elapsed.as_secs_f64()
@@ -193,7 +193,7 @@ fn main() -> anyhow::Result<()> {
         println!(
             "{} {shape}: {items_per_s:.1} items/s ({ms_per_call:.2} ms per call of {batch}, {calls} calls, {} thread(s); \
              per item {on_cpu_ms:.2} ms on a CPU, {waiting_ms:.2} ms waiting for one; {} other CPU(s) kept busy)",
-            args.kind, args.threads, args.busy_cpus
+            args.method, args.threads, args.busy_cpus
         );
     }
     Ok(())

@@ -320,14 +320,10 @@ pub struct ModelConfig {
     /// Path of the TorchScript file; relative paths are resolved from the working directory
     /// (in a model repository, from the model's folder).
     pub path: PathBuf,
-    /// How the model is called and what its tensors mean.
+    /// How the model is called: `declared` (the default and the only kind), its tensors and
+    /// calls stated by the keys below.
+    #[serde(default)]
     pub kind: ModelKind,
-    /// For `voice_activity`: the sample rate the model expects (the gateway converts to it).
-    #[serde(default = "default_sample_rate")]
-    pub sample_rate_hz: u32,
-    /// For `voice_activity`: samples per output window.
-    #[serde(default = "default_window")]
-    pub window_samples: u32,
     /// Largest number of input elements (e.g. audio samples × batch) one request may carry.
     #[serde(default = "default_max_input_elements")]
     pub max_input_elements: usize,
@@ -343,30 +339,34 @@ pub struct ModelConfig {
     /// from what batches are seen to use).
     #[serde(default)]
     pub estimate: Option<EstimateConfig>,
-    /// For `declared` only: the TorchScript method called with the one input tensor (then
+    /// The TorchScript method called with the one input tensor (then
     /// `args`). Unset: `forward`.
     #[serde(default)]
     pub method: Option<String>,
-    /// For `declared` only: constant arguments passed after the input tensor, in order, on
+    /// Constant arguments passed after the input tensor, in order, on
     /// every call: integers as `int`, floats as `float`, booleans as `bool` (Silero VAD's
     /// `audio_forward(x, 16000)` takes `[16000]`). At most [`MAX_ARGS`]. Unset: none.
     #[serde(default)]
     pub args: Option<Vec<ConstArg>>,
-    /// For `declared` only (required there): the model's one input.
+    /// Required: the model's one input.
     #[serde(default)]
     pub input: Option<DeclaredTensor>,
-    /// For `declared` only (at least one required there): what the method returns, in order:
+    /// At least one required: what the method returns, in order:
     /// one tensor when one output is declared, else a tuple or list of tensors, one per output.
     #[serde(default)]
     pub outputs: Option<Vec<DeclaredTensor>>,
-    /// For `declared` only: the sizes the start-up calibration gives each variable (`-1`)
-    /// non-batch input dimension. Unset: [`DEFAULT_PROBE_SIZES`].
+    /// The sizes the start-up memory calibration gives each variable
+    /// (`-1`) non-batch input dimension. Unset: [`DEFAULT_PROBE_SIZES`].
     #[serde(default)]
     pub probe_sizes: Option<Vec<usize>>,
+    /// The sizes the start-up throughput calibration (batch sizes) times
+    /// the variable dimensions at, each one size class. Unset: `probe_sizes`.
+    #[serde(default)]
+    pub batch_probe_sizes: Option<Vec<usize>>,
 }
 
 /// A tensor of a `declared` model, as its config entry states it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeclaredTensor {
     /// The tensor's name in OIP requests, responses and metadata.
@@ -378,6 +378,83 @@ pub struct DeclaredTensor {
     /// only in it; an output is answered in it. Unset: `FP32`.
     #[serde(default = "default_datatype")]
     pub datatype: DataType,
+    /// Input only: how requests that differ in a variable dimension share a batch. Unset:
+    /// [`Batching::Equal`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batching: Option<Batching>,
+    /// Input only, with `batching = "pad"`: the value padding is filled with. Unset: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_value: Option<f64>,
+    /// Input only: the smallest size of each dimension a request may have (rank of `shape`;
+    /// the first, the rows, 1); a smaller request gets 400. Unset: 1 everywhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_shape: Option<Vec<i64>>,
+    /// Output only, with a padded input: how the size of each variable dimension follows from
+    /// the request's own input, so that a padded batch's outputs are cut back per request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub follows: Option<Vec<Follows>>,
+}
+
+/// How requests of different sizes in an input's variable dimensions batch together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Batching {
+    /// Only requests of one shape but rows share a batch (always right, whatever the model).
+    #[default]
+    Equal,
+    /// Requests of different sizes share a batch, each padded at the end of every variable
+    /// dimension with `pad_value` to the largest member's size; each output is cut back to
+    /// the request's own size (`follows`). Right only for a model whose outputs for the
+    /// unpadded region do not see the padding.
+    Pad,
+}
+
+/// A variable output dimension's size for one request: `ceil(input's size in input_dim /
+/// divisor)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Follows {
+    /// The output's dimension (1 or more, declared `-1`).
+    pub dim: usize,
+    /// The input's dimension it follows (1 or more, declared `-1`).
+    pub input_dim: usize,
+    /// Input elements per output element along it. Unset: 1.
+    #[serde(default = "default_divisor")]
+    pub divisor: u64,
+}
+
+fn default_divisor() -> u64 {
+    1
+}
+
+impl DeclaredTensor {
+    /// A tensor of `name`, `shape` and `datatype`, with none of the input's or outputs' own keys.
+    pub fn new(name: &str, shape: &[i64], datatype: DataType) -> DeclaredTensor {
+        DeclaredTensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            datatype,
+            batching: None,
+            pad_value: None,
+            min_shape: None,
+            follows: None,
+        }
+    }
+
+    /// How an input batches requests of different sizes.
+    pub fn batching(&self) -> Batching {
+        self.batching.unwrap_or_default()
+    }
+
+    /// The value a padded input is filled with.
+    pub fn pad_value(&self) -> f64 {
+        self.pad_value.unwrap_or(0.0)
+    }
+
+    /// The rules of an output's variable dimensions.
+    pub fn follows(&self) -> &[Follows] {
+        self.follows.as_deref().unwrap_or_default()
+    }
 }
 
 fn default_datatype() -> DataType {
@@ -432,8 +509,8 @@ pub const MAX_TENSOR_NAME_BYTES: usize = 64;
 pub const MAX_DECLARED_RANK: usize = 8;
 /// Largest fixed dimension a declared tensor may have.
 pub const MAX_DECLARED_DIM: i64 = 1 << 31;
-/// Largest probe size a `declared` model may name.
-pub const MAX_PROBE_SIZE: usize = 65_536;
+/// Largest probe size a `declared` model may name (16 s of 16 kHz audio is 256 000).
+pub const MAX_PROBE_SIZE: usize = 1 << 20;
 /// Most constant arguments a `declared` model may take after its input.
 pub const MAX_ARGS: usize = 8;
 /// Longest model name, in bytes.
@@ -453,27 +530,21 @@ impl ModelConfig {
         self.args.as_deref().unwrap_or_default()
     }
 
-    /// The probe sizes of a `declared` model's variable dimensions.
+    /// The memory-calibration probe sizes of a `declared` model's variable dimensions.
     pub fn probe_sizes(&self) -> &[usize] {
         self.probe_sizes.as_deref().unwrap_or(&DEFAULT_PROBE_SIZES)
     }
 
-    /// Checks the name and the keys that belong to one kind only; `at` names the entry, ending in its separator (`models[2].`).
-    fn validate(&self, at: &str) -> Result<(), String> {
+    /// The throughput-calibration probe sizes of a `declared` model's variable dimensions.
+    pub fn batch_probe_sizes(&self) -> &[usize] {
+        self.batch_probe_sizes.as_deref().unwrap_or(self.probe_sizes())
+    }
+
+    /// Checks the name and the declared tensors, calls and probe sizes; `at` names the entry,
+    /// ending in its separator (`models[2].`). The model loader checks a config built in code
+    /// with it too.
+    pub(crate) fn validate(&self, at: &str) -> Result<(), String> {
         check_model_name(&self.name).map_err(|e| format!("{at}name {e}"))?;
-        let declared_only = [
-            ("method", self.method.is_some()),
-            ("args", self.args.is_some()),
-            ("input", self.input.is_some()),
-            ("outputs", self.outputs.is_some()),
-            ("probe_sizes", self.probe_sizes.is_some()),
-        ];
-        if self.kind != ModelKind::Declared {
-            return match declared_only.iter().find(|(_, set)| *set) {
-                Some((key, _)) => Err(format!("{at}{key} is only for kind \"declared\", not \"{}\"", self.kind.as_str())),
-                None => Ok(()),
-            };
-        }
         if self.method().is_empty() {
             return Err(format!("{at}method must not be empty"));
         }
@@ -487,25 +558,50 @@ impl ModelConfig {
             return Err(format!("{at}args[{k}] must be a finite float, got {x}"));
         }
         let Some(input) = &self.input else {
-            return Err(format!("{at}input is required for kind \"declared\": {{ name = \"…\", shape = [-1, …] }}"));
+            return Err(format!("{at}input is required: {{ name = \"…\", shape = [-1, …] }}"));
         };
         input.validate(&format!("{at}input."))?;
+        input.validate_input(&format!("{at}input."))?;
         let outputs = self.outputs.as_deref().unwrap_or_default();
         if outputs.is_empty() {
-            return Err(format!("{at}outputs needs at least one entry for kind \"declared\""));
+            return Err(format!("{at}outputs needs at least one entry"));
         }
         for (j, output) in outputs.iter().enumerate() {
-            output.validate(&format!("{at}outputs[{j}]."))?;
+            let at = format!("{at}outputs[{j}].");
+            output.validate(&at)?;
+            output.validate_output(&at, input)?;
             if outputs[..j].iter().any(|o| o.name == output.name) {
-                return Err(format!("{at}outputs[{j}].name '{}' names an earlier output too", output.name));
+                return Err(format!("{at}name '{}' names an earlier output too", output.name));
             }
         }
-        if let Some(sizes) = &self.probe_sizes {
+        for (key, sizes) in [("probe_sizes", &self.probe_sizes), ("batch_probe_sizes", &self.batch_probe_sizes)] {
+            let Some(sizes) = sizes else { continue };
             if sizes.is_empty() {
-                return Err(format!("{at}probe_sizes must not be empty (unset it for {DEFAULT_PROBE_SIZES:?})"));
+                return Err(format!("{at}{key} must not be empty (unset it for the default)"));
             }
             if let Some((k, size)) = sizes.iter().enumerate().find(|(_, &s)| !(1..=MAX_PROBE_SIZE).contains(&s)) {
-                return Err(format!("{at}probe_sizes[{k}] must be 1..={MAX_PROBE_SIZE}, got {size}"));
+                return Err(format!("{at}{key}[{k}] must be 1..={MAX_PROBE_SIZE}, got {size}"));
+            }
+        }
+        // A probe gives every variable dimension its size, so each size must be a request the
+        // model takes (when some dimension is variable: else a size multiplies rows).
+        let min_variable = input
+            .min_shape
+            .iter()
+            .flatten()
+            .zip(&input.shape)
+            .enumerate()
+            .skip(1)
+            .filter(|(_, (_, &d))| d == -1)
+            .map(|(d, (&min, _))| (d, min))
+            .max_by_key(|&(_, min)| min);
+        if let Some((d, min)) = min_variable {
+            for (key, sizes) in [("probe_sizes", self.probe_sizes()), ("batch_probe_sizes", self.batch_probe_sizes())] {
+                if let Some((k, size)) = sizes.iter().enumerate().find(|(_, &s)| (s as i64) < min) {
+                    return Err(format!(
+                        "{at}{key}[{k}] is {size}, below input.min_shape[{d}] = {min}: every probe size must be a size the model takes"
+                    ));
+                }
             }
         }
         Ok(())
@@ -552,6 +648,101 @@ impl DeclaredTensor {
     }
 }
 
+impl DeclaredTensor {
+    /// Checks what only the input may say: its batching, pad value and minimum shape.
+    fn validate_input(&self, at: &str) -> Result<(), String> {
+        if self.follows.is_some() {
+            return Err(format!("{at}follows is only for outputs"));
+        }
+        if let Some(value) = self.pad_value {
+            if self.batching() != Batching::Pad {
+                return Err(format!("{at}pad_value is only for batching = \"pad\""));
+            }
+            check_pad_value(value, self.datatype).map_err(|e| format!("{at}pad_value {e}"))?;
+        }
+        if let Some(min) = &self.min_shape {
+            if min.len() != self.shape.len() {
+                return Err(format!(
+                    "{at}min_shape must have as many dimensions as shape {:?}, got {min:?}",
+                    self.shape
+                ));
+            }
+            if min[0] != 1 {
+                return Err(format!("{at}min_shape[0] must be 1 (a request of one row is always taken), got {}", min[0]));
+            }
+            for (d, (&n, &declared)) in min.iter().zip(&self.shape).enumerate().skip(1) {
+                if !(1..=MAX_DECLARED_DIM).contains(&n) {
+                    return Err(format!("{at}min_shape[{d}] must be 1..={MAX_DECLARED_DIM}, got {n}"));
+                }
+                if declared > 0 && n > declared {
+                    return Err(format!("{at}min_shape[{d}] is {n}, more than the fixed shape[{d}] = {declared}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks what only an output may say: how its variable dimensions follow from `input`,
+    /// which a padded input needs for every one of them.
+    fn validate_output(&self, at: &str, input: &DeclaredTensor) -> Result<(), String> {
+        for (key, set) in [("batching", self.batching.is_some()), ("pad_value", self.pad_value.is_some()), ("min_shape", self.min_shape.is_some())] {
+            if set {
+                return Err(format!("{at}{key} is only for the input"));
+            }
+        }
+        let padded = input.batching() == Batching::Pad;
+        if self.follows.is_some() && !padded {
+            return Err(format!("{at}follows is only for a padded input (input.batching = \"pad\")"));
+        }
+        for (k, rule) in self.follows().iter().enumerate() {
+            let here = format!("{at}follows[{k}]");
+            if rule.dim == 0 || self.shape.get(rule.dim) != Some(&-1) {
+                return Err(format!("{here}.dim must name a variable (-1) dimension of shape {:?} after the batch, got {}", self.shape, rule.dim));
+            }
+            if self.follows()[..k].iter().any(|r| r.dim == rule.dim) {
+                return Err(format!("{here}.dim {} has an earlier rule too", rule.dim));
+            }
+            if rule.input_dim == 0 || input.shape.get(rule.input_dim) != Some(&-1) {
+                return Err(format!(
+                    "{here}.input_dim must name a variable (-1) dimension of the input's shape {:?} after the batch, got {}",
+                    input.shape, rule.input_dim
+                ));
+            }
+            if !(1..=MAX_DECLARED_DIM as u64).contains(&rule.divisor) {
+                return Err(format!("{here}.divisor must be 1..={MAX_DECLARED_DIM}, got {}", rule.divisor));
+            }
+        }
+        if padded {
+            if let Some(d) = (1..self.shape.len()).find(|&d| self.shape[d] == -1 && !self.follows().iter().any(|r| r.dim == d)) {
+                return Err(format!(
+                    "{at}follows has no rule for dimension {d} (shape[{d}] = -1): with input.batching = \"pad\" each variable \
+                     dimension of an output must say how its size follows from the request's input, \
+                     e.g. follows = [{{ dim = {d}, input_dim = 1, divisor = 1 }}] (size = ceil(input size / divisor))"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks that padding an input of `datatype` with `value` pads with exactly `value`.
+fn check_pad_value(value: f64, datatype: DataType) -> Result<(), String> {
+    let integer = value.fract() == 0.0;
+    let fits = match datatype {
+        DataType::Bool => value == 0.0 || value == 1.0,
+        DataType::Uint8 => integer && (0.0..=255.0).contains(&value),
+        DataType::Int32 => integer && (f64::from(i32::MIN)..=f64::from(i32::MAX)).contains(&value),
+        // Every integer up to 2^53 is a float exactly.
+        DataType::Int64 => integer && value.abs() <= (1u64 << 53) as f64,
+        DataType::Fp16 => value.is_finite() && value.abs() <= 65_504.0,
+        _ => value.is_finite() && (value as f32).is_finite(),
+    };
+    if fits {
+        return Ok(());
+    }
+    Err(format!("must be a value of the input's datatype {datatype}, got {value:?}"))
+}
+
 /// A request's memory ≈ `base_bytes + bytes_per_element × input elements`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -569,40 +760,48 @@ fn default_max_input_elements() -> usize {
     16_000 * 600
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How a model is called. One kind: every model is declared by its entry, so that the worker
+/// has no code of any model's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelKind {
-    /// A Silero-style voice-activity model: `audio_forward(audio[batch, samples], sample_rate)`
-    /// returns one speech probability per window of `window_samples`.
-    VoiceActivity,
-    /// An MTCNN P-Net-style face detector: `forward(image[batch, 3, H, W])` returns box
-    /// offsets `[batch, 4, h, w]` and probabilities `[batch, 2, h, w]`, one cell per 12×12
-    /// window at stride 2. The worker answers `face_prob` `[batch, h, w]` and `box_offsets`.
-    FaceDetection,
     /// Any TorchScript model of one input whose tensors the entry declares (`input`,
-    /// `outputs`, each with its datatype, `method`, `args`, `probe_sizes`): the method is
-    /// called with the input and the constant `args`, and its tensors are answered in their
-    /// declared datatypes, split per request along the batch dimension.
+    /// `outputs`, each with its datatype, `method`, `args`, probe sizes): the method is called
+    /// with the input and the constant `args`, and its tensors are answered in their declared
+    /// datatypes, split per request along the batch dimension (and cut back to the request's
+    /// own size when its input was padded).
+    #[default]
     Declared,
 }
 
-impl ModelKind {
-    /// The name the config spells it with.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ModelKind::VoiceActivity => "voice_activity",
-            ModelKind::FaceDetection => "face_detection",
-            ModelKind::Declared => "declared",
+/// The declared keys that serve Silero VAD as the former `voice_activity` kind did.
+pub const VOICE_ACTIVITY_MIGRATION: &str = "method = \"audio_forward\", args = [16000], \
+    input = { name = \"audio\", shape = [-1, -1], batching = \"pad\", pad_value = 0, min_shape = [1, 512] }, \
+    outputs = [{ name = \"speech_prob\", shape = [-1, -1], follows = [{ dim = 1, input_dim = 1, divisor = 512 }] }], \
+    probe_sizes = [16000, 64000, 256000], batch_probe_sizes = [16000, 64000]";
+/// The declared keys that serve MTCNN's P-Net as the former `face_detection` kind did (its
+/// `face_prob` is now both channels, `[n, 2, h, w]`: no-face, face).
+pub const FACE_DETECTION_MIGRATION: &str = "input = { name = \"image\", shape = [-1, 3, -1, -1], min_shape = [1, 3, 12, 12] }, \
+    outputs = [{ name = \"box_offsets\", shape = [-1, 4, -1, -1] }, { name = \"face_prob\", shape = [-1, 2, -1, -1] }], \
+    probe_sizes = [128, 256, 512], batch_probe_sizes = [64, 128, 256, 512]";
+
+impl<'de> Deserialize<'de> for ModelKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let name = String::deserialize(deserializer)?;
+        let removed = |kind: &str, keys: &str| {
+            D::Error::custom(format!(
+                "kind \"{kind}\" is not built in any more: every model is declared; drop kind and write {keys} \
+                 (see config/worker.toml)"
+            ))
+        };
+        match name.as_str() {
+            "declared" => Ok(ModelKind::Declared),
+            "voice_activity" => Err(removed("voice_activity", VOICE_ACTIVITY_MIGRATION)),
+            "face_detection" => Err(removed("face_detection", FACE_DETECTION_MIGRATION)),
+            other => Err(D::Error::custom(format!("unknown kind \"{other}\": the one kind is \"declared\" (the default)"))),
         }
     }
-}
-
-fn default_sample_rate() -> u32 {
-    16_000
-}
-
-fn default_window() -> u32 {
-    512
 }
 
 #[cfg(test)]
@@ -651,20 +850,30 @@ mod tests {
         WorkerConfig::extract(Figment::from(Serialized::defaults(WorkerConfig::default())).merge(Toml::string(text)))
     }
 
+    /// An entry's smallest declaration: one input, one output.
+    const MINIMAL: &str = "input = { name = \"x\", shape = [-1] }\noutputs = [ { name = \"y\", shape = [-1] } ]\n";
+
     /// The shipped config/worker.toml (which the k8s copy must equal) loads as the worker loads
-    /// it, and its declared models are the cascade's R-Net and O-Net, as the tests' copies of
-    /// their entries (`tests/src/lib.rs`) assume.
+    /// it, and its models are Silero VAD (padded), P-Net, R-Net and O-Net, as the tests' copies
+    /// of their entries (`tests/src/lib.rs`) assume.
     #[test]
     fn the_shipped_config_loads_with_its_declared_models() {
-        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/worker.toml"));
-        let config = WorkerConfig::load(Some(path)).expect("config/worker.toml loads");
-        let declared: Vec<(&str, usize)> = config
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        let text = std::fs::read(format!("{root}/config/worker.toml")).expect("config/worker.toml");
+        assert_eq!(std::fs::read(format!("{root}/k8s/base/config/worker.toml")).expect("the k8s copy"), text);
+        let config = WorkerConfig::load(Some(Path::new(&format!("{root}/config/worker.toml")))).expect("config/worker.toml loads");
+        let models: Vec<(&str, usize, Batching)> = config
             .models
             .iter()
-            .filter(|m| m.kind == ModelKind::Declared)
-            .map(|m| (m.name.as_str(), m.outputs.as_ref().map_or(0, Vec::len)))
+            .map(|m| (m.name.as_str(), m.outputs.as_ref().map_or(0, Vec::len), m.input.as_ref().map(|i| i.batching()).unwrap_or_default()))
             .collect();
-        assert_eq!(declared, vec![("mtcnn_rnet", 2), ("mtcnn_onet", 3)]);
+        assert_eq!(models, vec![
+            ("silero_vad", 1, Batching::Pad),
+            ("mtcnn_pnet", 2, Batching::Equal),
+            ("mtcnn_rnet", 2, Batching::Equal),
+            ("mtcnn_onet", 3, Batching::Equal)
+        ]);
+        assert!(config.models.iter().all(|m| m.kind == ModelKind::Declared));
     }
 
     #[test]
@@ -699,11 +908,11 @@ mod tests {
         assert!(config.memory_host_allowance_bytes >= 2 * config.max_body_bytes_in_flight);
     }
 
-    /// A config of a `face_detection` entry (`models[0]`) and a `declared` one (`models[1]`)
-    /// whose keys are `keys`.
+    /// A config of a minimal entry (`models[0]`) and a `declared` one (`models[1]`) whose
+    /// keys are `keys`.
     fn with_declared(keys: &str) -> String {
         format!(
-            "[[models]]\nname = \"pnet\"\npath = \"p.jit\"\nkind = \"face_detection\"\n\n\
+            "[[models]]\nname = \"pnet\"\npath = \"p.jit\"\n{MINIMAL}\n\
              [[models]]\nname = \"rnet\"\npath = \"r.jit\"\nkind = \"declared\"\n{keys}\n"
         )
     }
@@ -717,7 +926,7 @@ mod tests {
         let rnet = &config.models[1];
         assert_eq!(rnet.kind, ModelKind::Declared);
         assert_eq!((rnet.method(), rnet.probe_sizes()), ("forward", &DEFAULT_PROBE_SIZES[..]));
-        assert_eq!(rnet.input, Some(DeclaredTensor { name: "image".into(), shape: vec![-1, 3, 24, 24], datatype: DataType::Fp32 }));
+        assert_eq!(rnet.input, Some(DeclaredTensor::new("image", &[-1, 3, 24, 24], DataType::Fp32)));
         assert!(rnet.args().is_empty());
         let outputs = rnet.outputs.as_deref().expect("outputs");
         assert_eq!(outputs.iter().map(|o| (o.name.as_str(), o.shape.as_slice())).collect::<Vec<_>>(), [
@@ -727,7 +936,7 @@ mod tests {
         let config = from_toml(&with_declared(&format!("{RNET}method = \"detect\"\nprobe_sizes = [16]\n"))).expect("method and sizes");
         assert_eq!((config.models[1].method(), config.models[1].probe_sizes()), ("detect", &[16usize][..]));
         let widest = "input = { name = \"x\", shape = [-1, 2147483648, -1, 1, 1, 1, 1, 1] }\noutputs = [ { name = \"y\", shape = [-1] } ]\n";
-        from_toml(&with_declared(&format!("{widest}probe_sizes = [1, 65536]\n"))).expect("the limits themselves");
+        from_toml(&with_declared(&format!("{widest}probe_sizes = [1, 1048576]\n"))).expect("the limits themselves");
     }
 
     #[test]
@@ -757,7 +966,7 @@ mod tests {
             let err = from_toml(&with_declared(&keys)).expect_err(want).to_string();
             assert!(err.contains(want), "{keys}\nwant: {want}\ngot:  {err}");
         };
-        check(output.into(), "models[1].input is required for kind \"declared\"");
+        check(output.into(), "models[1].input is required");
         check(input.into(), "models[1].outputs needs at least one entry");
         check(format!("{input}outputs = []\n"), "models[1].outputs needs at least one entry");
         check(format!("{input}{output}method = \"\"\n"), "models[1].method must not be empty");
@@ -776,8 +985,10 @@ mod tests {
         check(format!("input = {{ name = \"x\", shape = [-1, -2] }}\n{output}"), "models[1].input.shape[1] must be -1 (any size) or 1..=2147483648, got -2");
         check(format!("input = {{ name = \"x\", shape = [-1, 2147483649] }}\n{output}"), "models[1].input.shape[1] must be -1");
         check(format!("{input}{output}probe_sizes = []\n"), "models[1].probe_sizes must not be empty");
-        check(format!("{input}{output}probe_sizes = [8, 0]\n"), "models[1].probe_sizes[1] must be 1..=65536, got 0");
-        check(format!("{input}{output}probe_sizes = [65537]\n"), "models[1].probe_sizes[0] must be 1..=65536, got 65537");
+        check(format!("{input}{output}probe_sizes = [8, 0]\n"), "models[1].probe_sizes[1] must be 1..=1048576, got 0");
+        check(format!("{input}{output}probe_sizes = [1048577]\n"), "models[1].probe_sizes[0] must be 1..=1048576, got 1048577");
+        check(format!("{input}{output}batch_probe_sizes = []\n"), "models[1].batch_probe_sizes must not be empty");
+        check(format!("{input}{output}batch_probe_sizes = [4, 0]\n"), "models[1].batch_probe_sizes[1] must be 1..=1048576, got 0");
         check(format!("input = {{ name = \"x\", shape = [-1], datatype = \"FP64\" }}\n{output}"),
             "models[1].input.datatype must be one of BOOL, UINT8, INT32, INT64, FP16, FP32, got FP64");
         check(format!("{input}outputs = [ {{ name = \"y\", shape = [-1] }}, {{ name = \"z\", shape = [-1], datatype = \"BYTES\" }} ]\n"),
@@ -795,20 +1006,101 @@ mod tests {
     }
 
     #[test]
-    fn the_declared_keys_are_refused_on_the_other_kinds() {
-        for (key, value) in [
-            ("method", "\"forward\""),
-            ("args", "[16000]"),
-            ("input", "{ name = \"image\", shape = [-1, 3, -1, -1] }"),
-            ("outputs", "[ { name = \"p\", shape = [-1] } ]"),
-            ("probe_sizes", "[64]"),
-        ] {
-            for kind in ["face_detection", "voice_activity"] {
-                let text = format!("[[models]]\nname = \"m\"\npath = \"m.jit\"\nkind = \"{kind}\"\n{key} = {value}\n");
-                let err = from_toml(&text).expect_err(key).to_string();
-                assert!(err.contains(&format!("models[0].{key} is only for kind \"declared\", not \"{kind}\"")), "{err}");
-            }
+    fn the_removed_kinds_are_refused_with_their_migration() {
+        for (kind, migration) in [("voice_activity", VOICE_ACTIVITY_MIGRATION), ("face_detection", FACE_DETECTION_MIGRATION)] {
+            let err = from_toml(&format!("[[models]]\nname = \"m\"\npath = \"m.jit\"\nkind = \"{kind}\"\n")).expect_err(kind).to_string();
+            assert!(err.contains(&format!("kind \"{kind}\" is not built in any more")) && err.contains(migration), "{err}");
+            assert!(err.contains("models.0.kind"), "{err}");
+            // The migration is a working entry.
+            let migrated = migration
+                .replace(", method", "\nmethod")
+                .replace(", args", "\nargs")
+                .replace("], input", "]\ninput")
+                .replace(" }, outputs", " }\noutputs")
+                .replace("], probe_sizes", "]\nprobe_sizes")
+                .replace("], batch_probe_sizes", "]\nbatch_probe_sizes");
+            from_toml(&format!("[[models]]\nname = \"m\"\npath = \"m.jit\"\n{migrated}\n")).unwrap_or_else(|e| panic!("{migrated}: {e}"));
         }
+        let err = from_toml("[[models]]\nname = \"m\"\npath = \"m.jit\"\nkind = \"audio\"\n").expect_err("no such kind").to_string();
+        assert!(err.contains("unknown kind \"audio\": the one kind is \"declared\" (the default)"), "{err}");
+        for key in ["sample_rate_hz", "window_samples"] {
+            let err = from_toml(&with_declared(&format!("{RNET}{key} = 512\n"))).expect_err(key).to_string();
+            assert!(err.contains("unknown field") && err.contains(key), "{err}");
+        }
+    }
+
+    /// A padded input `[-1, -1]` and an output following it, with `input_more` and
+    /// `output_more` in their tables.
+    fn padded(input_more: &str, output_more: &str) -> String {
+        format!(
+            "input = {{ name = \"audio\", shape = [-1, -1], batching = \"pad\"{input_more} }}\n\
+             outputs = [ {{ name = \"p\", shape = [-1, -1], follows = [{{ dim = 1, input_dim = 1, divisor = 512 }}]{output_more} }} ]\n"
+        )
+    }
+
+    #[test]
+    fn batching_minimum_shapes_and_rules_read_and_every_mistake_names_its_key() {
+        let keys = format!("{}probe_sizes = [512]\n", padded(", pad_value = -1.5, min_shape = [1, 512]", ""));
+        let config = from_toml(&with_declared(&keys)).expect("padded");
+        let input = config.models[1].input.as_ref().expect("an input");
+        assert_eq!((input.batching(), input.pad_value(), input.min_shape.clone()), (Batching::Pad, -1.5, Some(vec![1, 512])));
+        let output = &config.models[1].outputs.as_ref().expect("outputs")[0];
+        assert_eq!(output.follows(), [Follows { dim: 1, input_dim: 1, divisor: 512 }]);
+        let config = from_toml(&with_declared(RNET)).expect("R-Net");
+        let rnet = &config.models[1];
+        assert_eq!((rnet.input.as_ref().map(|i| i.batching()), rnet.batch_probe_sizes()), (Some(Batching::Equal), &DEFAULT_PROBE_SIZES[..]));
+        let config = from_toml(&with_declared(&format!("{RNET}probe_sizes = [8]\n"))).expect("probe sizes");
+        assert_eq!(config.models[1].batch_probe_sizes(), [8], "batch_probe_sizes defaults to probe_sizes");
+        let follows_one = "follows = [{ dim = 1, input_dim = 1 }]";
+        let config = from_toml(&with_declared(&padded("", "").replace("follows = [{ dim = 1, input_dim = 1, divisor = 512 }]", follows_one)))
+            .expect("divisor 1 by default");
+        assert_eq!(config.models[1].outputs.as_ref().expect("outputs")[0].follows()[0].divisor, 1);
+
+        let check = |keys: String, want: &str| {
+            let err = from_toml(&with_declared(&keys)).expect_err(want).to_string();
+            assert!(err.contains(want), "{keys}\nwant: {want}\ngot:  {err}");
+        };
+        check(
+            padded("", "").replace(", follows = [{ dim = 1, input_dim = 1, divisor = 512 }]", ""),
+            "models[1].outputs[0].follows has no rule for dimension 1 (shape[1] = -1): with input.batching = \"pad\"",
+        );
+        check(RNET.replace("24] }", "24], pad_value = 1 }"), "models[1].input.pad_value is only for batching = \"pad\"");
+        check(RNET.replace("[-1, 2] }", &format!("[-1, 2], {follows_one} }}")), "models[1].outputs[1].follows is only for a padded input");
+        check(padded(", bucket = 64", ""), "bucket");
+        check(padded("", "").replace("\"pad\"", "\"bucket\""), "unknown variant: found `bucket`, expected ``equal` or `pad``");
+        check(padded(", pad_value = 1e39", ""), "models[1].input.pad_value must be a value of the input's datatype FP32, got 1e39");
+        check(padded(", datatype = \"UINT8\", pad_value = 256", ""), "models[1].input.pad_value must be a value of the input's datatype UINT8, got 256.0");
+        check(padded(", datatype = \"INT32\", pad_value = 0.5", ""), "models[1].input.pad_value must be a value of the input's datatype INT32, got 0.5");
+        check(padded(", datatype = \"BOOL\", pad_value = 2", ""), "models[1].input.pad_value must be a value of the input's datatype BOOL, got 2.0");
+        check(padded(&format!(", {follows_one}"), ""), "models[1].input.follows is only for outputs");
+        check(padded("", ", batching = \"pad\""), "models[1].outputs[0].batching is only for the input");
+        check(padded("", ", min_shape = [1, 1]"), "models[1].outputs[0].min_shape is only for the input");
+        check(
+            padded("", "").replace("divisor = 512 }]", "divisor = 512 }, { dim = 1, input_dim = 1 }]"),
+            "models[1].outputs[0].follows[1].dim 1 has an earlier rule too",
+        );
+        check(
+            padded("", "").replace("dim = 1, input_dim", "dim = 2, input_dim"),
+            "models[1].outputs[0].follows[0].dim must name a variable (-1) dimension of shape [-1, -1] after the batch, got 2",
+        );
+        check(
+            padded("", "").replace("input_dim = 1", "input_dim = 0"),
+            "models[1].outputs[0].follows[0].input_dim must name a variable (-1) dimension of the input's shape [-1, -1] after the batch, got 0",
+        );
+        check(padded("", "").replace("divisor = 512", "divisor = 0"), "models[1].outputs[0].follows[0].divisor must be 1..=2147483648, got 0");
+        check(padded("", "").replace("follows = [{", "follows = [{ stride = 2, "), "stride");
+        check(padded(", min_shape = [1]", ""), "models[1].input.min_shape must have as many dimensions as shape [-1, -1], got [1]");
+        check(padded(", min_shape = [2, 512]", ""), "models[1].input.min_shape[0] must be 1 (a request of one row is always taken), got 2");
+        check(padded(", min_shape = [1, 0]", ""), "models[1].input.min_shape[1] must be 1..=2147483648, got 0");
+        check(RNET.replace("24] }", "24], min_shape = [1, 3, 25, 24] }"), "models[1].input.min_shape[2] is 25, more than the fixed shape[2] = 24");
+        check(
+            padded(", min_shape = [1, 512]", ""),
+            "models[1].probe_sizes[0] is 32, below input.min_shape[1] = 512: every probe size must be a size the model takes",
+        );
+        check(
+            format!("{}probe_sizes = [512]\nbatch_probe_sizes = [1024, 256]\n", padded(", min_shape = [1, 512]", "")),
+            "models[1].batch_probe_sizes[1] is 256, below input.min_shape[1] = 512",
+        );
     }
 
     /// The config of `more` with `model_repository` set to `repo`.
@@ -832,8 +1124,8 @@ mod tests {
         repo.write("rnet/config.toml", DECLARED);
         repo.write("rnet/r.jit", "");
         let vad = model_file("silero_vad.jit");
-        repo.write("vad/config.toml", format!("kind = \"voice_activity\"\npath = \"{}\"\nwindow_samples = 256\n", vad.display()));
-        let config = with_repository(&repo, "[[models]]\nname = \"pnet\"\npath = \"p.jit\"\nkind = \"face_detection\"\n").expect("merged");
+        repo.write("vad/config.toml", format!("path = \"{}\"\n{}", vad.display(), padded("", "")));
+        let config = with_repository(&repo, &format!("[[models]]\nname = \"pnet\"\npath = \"p.jit\"\n{MINIMAL}")).expect("merged");
         let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["pnet", "rnet", "vad"], "the config file's entries, then the folders by name");
         let (rnet, vad_model) = (&config.models[1], &config.models[2]);
@@ -841,7 +1133,7 @@ mod tests {
         assert_eq!(rnet.input.as_ref().map(|t| t.datatype), Some(DataType::Fp16));
         let datatypes: Vec<DataType> = rnet.outputs.iter().flatten().map(|o| o.datatype).collect();
         assert_eq!(datatypes, [DataType::Fp32, DataType::Fp16]);
-        assert_eq!((vad_model.kind, vad_model.window_samples, &vad_model.path), (ModelKind::VoiceActivity, 256, &vad));
+        assert_eq!((vad_model.input.as_ref().map(|i| i.batching()), &vad_model.path), (Some(Batching::Pad), &vad));
         assert!(config.skipped_model_folders.is_empty());
         // Like any key, the repository is layered: a later provider (the environment) wins.
         let other = TempFolder::new("repo-merge-other");
@@ -854,7 +1146,7 @@ mod tests {
     #[test]
     fn the_model_repository_is_read_from_the_environment() {
         let repo = TempFolder::new("repo-env");
-        repo.write("vad/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("vad/config.toml", MINIMAL);
         repo.write("vad/silero.jit", "");
         // A prefix of this test's own, so no other test's config sees the variable.
         let prefix = format!("VRAMGATE_REPO_TEST_{}_", std::process::id());
@@ -869,15 +1161,15 @@ mod tests {
     #[test]
     fn a_name_defined_twice_names_both_places() {
         let repo = TempFolder::new("repo-twice");
-        repo.write("vad/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("vad/config.toml", MINIMAL);
         repo.write("vad/silero.jit", "");
-        let err = with_repository(&repo, "[[models]]\nname = \"x\"\npath = \"x.jit\"\nkind = \"voice_activity\"\n\n\
-            [[models]]\nname = \"vad\"\npath = \"v.jit\"\nkind = \"voice_activity\"\n")
+        let err = with_repository(&repo, &format!("[[models]]\nname = \"x\"\npath = \"x.jit\"\n{MINIMAL}\n\
+            [[models]]\nname = \"vad\"\npath = \"v.jit\"\n{MINIMAL}"))
         .expect_err("vad twice")
         .to_string();
         let repo_shown = format!("{}/", repo.path().display());
         assert_eq!(err, format!("model 'vad' is defined twice: models[1] in the config file and vad/config.toml in model repository {repo_shown}"));
-        let twice = "[[models]]\nname = \"x\"\npath = \"x.jit\"\nkind = \"voice_activity\"\n";
+        let twice = format!("[[models]]\nname = \"x\"\npath = \"x.jit\"\n{MINIMAL}");
         let err = from_toml(&format!("{twice}\n{twice}")).expect_err("x twice").to_string();
         assert!(err.contains("models[0] and models[1] are both named 'x'"), "{err}");
     }
@@ -885,7 +1177,7 @@ mod tests {
     #[test]
     fn the_model_file_is_the_folders_one_model_file_unless_path_names_it() {
         let repo = TempFolder::new("repo-default-file");
-        repo.write("onet/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("onet/config.toml", MINIMAL);
         for other in ["README.md", "weights.bin", "jit", "model.jit.bak"] {
             repo.write(&format!("onet/{other}"), "");
         }
@@ -894,14 +1186,14 @@ mod tests {
         assert_eq!(config.models[0].path, repo.path().join("onet/onet.pt"));
         repo.write("onet/second.jit", "");
         repository_error(&repo, "onet/config.toml: no path set and 2 model files in the folder (onet.pt, second.jit): set path to the one to load");
-        repo.write("onet/config.toml", "kind = \"voice_activity\"\npath = \"second.jit\"\n");
+        repo.write("onet/config.toml", format!("{MINIMAL}path = \"second.jit\"\n"));
         assert_eq!(with_repository(&repo, "").expect("path chooses").models[0].path, repo.path().join("onet/second.jit"));
-        repo.write("onet/config.toml", "kind = \"voice_activity\"\npath = \"gone.jit\"\n");
+        repo.write("onet/config.toml", format!("{MINIMAL}path = \"gone.jit\"\n"));
         repository_error(&repo, &format!("onet/config.toml: model file {} not found", repo.path().join("onet/gone.jit").display()));
         for file in ["onet.pt", "second.jit"] {
             std::fs::remove_file(repo.path().join("onet").join(file)).expect("removed");
         }
-        repo.write("onet/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("onet/config.toml", MINIMAL);
         repository_error(&repo, "onet/config.toml: no path set and no *.pt or *.jit file in the folder");
     }
 
@@ -915,7 +1207,7 @@ mod tests {
             repository_error(&repo, &format!("{at}{want}"));
         };
         check(DECLARED.replace("[-1, 2]", "[4, 2]"), "outputs[1].shape[0] must be -1 (the batch: any number of rows), got 4");
-        check(DECLARED.replace("kind = \"declared\"", "kind = \"face_detection\""), "input is only for kind \"declared\"");
+        check(DECLARED.replace("kind = \"declared\"", "kind = \"face_detection\""), "kind: kind \"face_detection\" is not built in any more");
         check(format!("{DECLARED}name = \"rnet\"\n"), "name must not be set: a model's name is its folder's");
         check(format!("{DECLARED}dtype = \"FP32\"\n"), "dtype: unknown field: found `dtype`");
         for (config, want) in [
@@ -930,7 +1222,7 @@ mod tests {
         std::fs::remove_dir_all(repo.path().join("rnet")).expect("removed");
         repo.write("has space/config.toml", DECLARED);
         repository_error(&repo, "folder 'has space' is not a valid model name: it must be 1 to 64 ASCII letters, digits");
-        let err = from_toml("[[models]]\nname = \"a/b\"\npath = \"x.jit\"\nkind = \"voice_activity\"\n").expect_err("a slash").to_string();
+        let err = from_toml(&format!("[[models]]\nname = \"a/b\"\npath = \"x.jit\"\n{MINIMAL}")).expect_err("a slash").to_string();
         assert!(err.contains("models[0].name must be 1 to 64 ASCII letters, digits, '_', '-' or '.', not starting with '.', got \"a/b\""), "{err}");
     }
 
@@ -940,7 +1232,7 @@ mod tests {
         repo.write(".git/config.toml", "not = [toml");
         repo.write(".cache/model/x.jit", "");
         repo.write("notes/README.md", "");
-        repo.write("vad/config.toml", "kind = \"voice_activity\"\n");
+        repo.write("vad/config.toml", MINIMAL);
         repo.write("vad/silero.jit", "");
         repo.write("loose.toml", "not = [toml");
         let config = with_repository(&repo, "").expect("the one model");
@@ -957,7 +1249,7 @@ mod tests {
     fn a_repository_is_refused_past_its_limits() {
         let repo = TempFolder::new("repo-limits");
         repo.write("vad/silero.jit", "");
-        let config = "kind = \"voice_activity\"\n";
+        let config = MINIMAL;
         let padded = |bytes: u64| format!("{config}#{}\n", "x".repeat(bytes as usize - config.len() - 2));
         repo.write("vad/config.toml", padded(MAX_MODEL_CONFIG_BYTES));
         with_repository(&repo, "").expect("a config of the largest size");

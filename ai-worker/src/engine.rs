@@ -18,15 +18,16 @@
 //!   waits up to `window_ms` for more only while other requests for the model are on their
 //!   way (in the HTTP handler or waiting for admission), requests have overlapped within the
 //!   last [`OVERLAP_MEMORY`], or its first request came after a pause that long (it may lead a
-//!   burst); a lone client's requests never overlap, so only its first pays the window. Audio of
-//!   different lengths is padded with silence to the longest member, which costs
-//!   `(longest − own) × bytes_per_element` per member; a member that would make the padded
-//!   batch cost more than the members' grants, or make padding more than half of the batch's
-//!   work ([`MAX_PADDING_WORK`]), waits for the next batch instead, so padding never spends
-//!   memory nobody was granted nor most of a batch's time. Images are bucketed instead: only
-//!   images of the same size share a batch, because P-Net's ceil-mode pooling lets padding
-//!   change the last row and column of a smaller image's map (the gateway resizes images to
-//!   the model's input size, so equal sizes are the common case).
+//!   burst); a lone client's requests never overlap, so only its first pays the window. A
+//!   model whose input declares `batching = "pad"` (Silero VAD) takes members of different
+//!   sizes padded to the largest, which costs `(largest − own) × bytes_per_element` per
+//!   member; a member that would make the padded batch cost more than the members' grants, or
+//!   make padding more than half of the batch's work ([`MAX_PADDING_WORK`]), waits for the
+//!   next batch instead, so padding never spends memory nobody was granted nor most of a
+//!   batch's time. Any other model (`batching = "equal"`, the default) batches only members
+//!   of one shape but rows: P-Net's ceil-mode pooling, for one, lets padding change the last
+//!   row and column of a smaller image's map (the gateway resizes images to the model's input
+//!   size, so equal sizes are the common case).
 //! * **Measuring.** Each batch's duration feeds its model's [`BatchSizer`]. Its memory peak is
 //!   measured only when the estimate asks for it (`estimate.rs`: new size classes, a batch
 //!   larger than any measured, after an OOM, one batch in `memory_measure_every_batches`),

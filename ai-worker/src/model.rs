@@ -3,15 +3,15 @@
 //!
 //! A model is loaded once, warmed up with a probe input (so the first request doesn't pay
 //! TorchScript's compilation), and called from blocking threads. Calls into one loaded copy
-//! are serialised by a mutex: Silero VAD keeps recurrent state inside the module, so two
-//! concurrent calls into one copy would corrupt each other's results. `instances` loads
-//! several copies, so that several batches of one model can run at once.
+//! are serialised by a mutex: a module may keep state inside it (Silero VAD's recurrent
+//! state), so two concurrent calls into one copy could corrupt each other's results.
+//! `instances` loads several copies, so that several batches of one model can run at once.
 //!
-//! Two kinds have their tensors written here (Silero VAD, MTCNN P-Net; all FP32); a
-//! `declared` model's come from its config entry ([`TensorSpec`]s built at load, each with its
-//! datatype), so that a model of one input is served with no code of its own. An input's
-//! bytes become a libtorch tensor of its datatype's kind directly; an output is answered in
-//! its declared datatype, converted only where that is exact (see [`widens_exactly`]).
+//! No model has code of its own here: every model's tensors, method, constant arguments,
+//! batching rule, minimum shape and probe sizes come from its config entry ([`TensorSpec`]s
+//! built at load, each with its datatype). An input's bytes become a libtorch tensor of its
+//! datatype's kind directly; an output is answered in its declared datatype, converted only
+//! where that is exact (see [`widens_exactly`]).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -21,7 +21,7 @@ use bytes::Bytes;
 use tch::{CModule, Device, IValue, Kind, Tensor};
 use vramgate_shared::oip::{DataType, TensorData, F16};
 
-use crate::config::{ConstArg, DeclaredTensor, DeviceChoice, ModelConfig, ModelKind, DEFAULT_PROBE_SIZES};
+use crate::config::{Batching, ConstArg, DeclaredTensor, DeviceChoice, Follows, ModelConfig};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
@@ -225,12 +225,6 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// An FP32 tensor (every tensor of the built-in kinds).
-    fn new(name: &str, shape: &[i64]) -> TensorSpec {
-        TensorSpec { name: name.into(), shape: shape.to_vec(), datatype: DataType::Fp32 }
-    }
-
-    /// Refuses an input sent in another datatype than this one, naming both.
     /// Whether a tensor sent as `name` (the request's own name for it) has this datatype.
     pub fn check_datatype(&self, name: &str, sent: DataType) -> Result<(), ModelError> {
         if sent == self.datatype {
@@ -258,36 +252,27 @@ pub struct Model {
     /// The one input and the outputs, in the order [`Model::infer_batch`] returns them.
     input: TensorSpec,
     outputs: Vec<TensorSpec>,
+    /// How requests of different sizes batch, and what a padded input is filled with.
+    batching: Batching,
+    pad_value: f64,
+    /// The smallest request shape taken (rank of the input; 1 where unset).
+    min_shape: Vec<usize>,
+    /// Per output, the rules of its variable dimensions (for a padded input).
+    follows: Vec<Vec<Follows>>,
     /// One loaded copy per configured instance; a batch runs on whichever is free.
     modules: Vec<Mutex<CModule>>,
 }
 
-/// A model's input and outputs: written here for the two built-in kinds, the config entry's
-/// for `declared` (which `config.rs` validated; a config built in code is checked here too).
-fn tensor_specs(config: &ModelConfig) -> Result<(TensorSpec, Vec<TensorSpec>), String> {
-    Ok(match config.kind {
-        ModelKind::VoiceActivity => (TensorSpec::new("audio", &[-1, -1]), vec![TensorSpec::new("speech_prob", &[-1, -1])]),
-        ModelKind::FaceDetection => (
-            TensorSpec::new("image", &[-1, 3, -1, -1]),
-            vec![TensorSpec::new("face_prob", &[-1, -1, -1]), TensorSpec::new("box_offsets", &[-1, 4, -1, -1])],
-        ),
-        ModelKind::Declared => {
-            let spec = |t: &DeclaredTensor| TensorSpec { name: t.name.as_str().into(), shape: t.shape.clone(), datatype: t.datatype };
-            let input = config.input.as_ref().map(spec).ok_or("kind 'declared' needs an input")?;
-            let outputs: Vec<TensorSpec> = config.outputs.iter().flatten().map(spec).collect();
-            if outputs.is_empty() {
-                return Err("kind 'declared' needs at least one output".into());
-            }
-            let mut all = std::iter::once(&input).chain(&outputs);
-            if all.clone().any(|t| t.shape.first() != Some(&-1)) {
-                return Err("a declared tensor's first dimension must be -1 (the batch)".into());
-            }
-            if let Some(t) = all.find(|t| tensor_kind(t.datatype).is_none()) {
-                return Err(format!("tensor '{}' is declared {}, which no model here takes or gives", t.name, t.datatype));
-            }
-            (input, outputs)
-        }
-    })
+/// The declared input and outputs of a config entry, checked as at config load (a config
+/// built in code is checked here too).
+fn declared(config: &ModelConfig) -> Result<(&DeclaredTensor, &[DeclaredTensor]), String> {
+    config.validate("")?;
+    let input = config.input.as_ref().ok_or("an input must be declared")?;
+    Ok((input, config.outputs.as_deref().unwrap_or_default()))
+}
+
+fn spec(t: &DeclaredTensor) -> TensorSpec {
+    TensorSpec { name: t.name.as_str().into(), shape: t.shape.clone(), datatype: t.datatype }
 }
 
 impl Model {
@@ -297,7 +282,15 @@ impl Model {
         let started = Instant::now();
         let (name, path) = (config.name.clone(), config.path.display().to_string());
         let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
-        let (input, outputs) = tensor_specs(&config).map_err(load_err)?;
+        let (declared_input, declared_outputs) = declared(&config).map_err(load_err)?;
+        let input = spec(declared_input);
+        let outputs: Vec<TensorSpec> = declared_outputs.iter().map(spec).collect();
+        let follows = declared_outputs.iter().map(|o| o.follows().to_vec()).collect();
+        let min_shape = match &declared_input.min_shape {
+            Some(min) => min.iter().map(|&n| n as usize).collect(),
+            None => vec![1; input.shape.len()],
+        };
+        let (batching, pad_value) = (declared_input.batching(), declared_input.pad_value());
         let mut modules = Vec::new();
         for _ in 0..config.instances.max(1) {
             let mut module = CModule::load_on_device(&config.path, device)
@@ -305,7 +298,7 @@ impl Model {
             module.set_eval();
             modules.push(Mutex::new(module));
         }
-        let model = Model { config, device, input, outputs, modules };
+        let model = Model { config, device, input, outputs, batching, pad_value, min_shape, follows, modules };
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| {
             load_err(format!(
@@ -353,60 +346,48 @@ impl Model {
 
     /// The TorchScript method a batch is run through.
     fn method(&self) -> &str {
-        match self.config.kind {
-            ModelKind::VoiceActivity => "audio_forward",
-            ModelKind::FaceDetection => "forward",
-            ModelKind::Declared => self.config.method(),
-        }
+        self.config.method()
     }
 
-    /// For `declared`: whether every non-batch input dimension is fixed, so that inputs differ
-    /// only in rows and a probe's size is a row multiplier.
+    /// Whether every non-batch input dimension is fixed, so that inputs differ only in rows
+    /// and a probe's size is a row multiplier.
     fn rows_only(&self) -> bool {
         self.input.shape[1..].iter().all(|&d| d > 0)
     }
 
-    /// For `declared`: the probe sizes of the variable dimensions, ascending.
-    fn declared_probe_sizes(&self) -> Vec<usize> {
-        let mut sizes = self.config.probe_sizes().to_vec();
+    /// `sizes` ascending, each once.
+    fn ascending(sizes: &[usize]) -> Vec<usize> {
+        let mut sizes = sizes.to_vec();
         sizes.sort_unstable();
         sizes.dedup();
         sizes
     }
 
+    /// The warm-up probe's size: the smallest of either calibration's.
     fn smallest_probe(&self) -> usize {
-        match self.config.kind {
-            ModelKind::VoiceActivity => self.config.sample_rate_hz as usize,
-            ModelKind::FaceDetection => 64,
-            ModelKind::Declared if self.rows_only() => 1,
-            ModelKind::Declared => self.declared_probe_sizes().first().copied().unwrap_or(DEFAULT_PROBE_SIZES[0]),
+        if self.rows_only() {
+            return 1;
         }
+        self.config.probe_sizes().iter().chain(self.config.batch_probe_sizes()).copied().min().unwrap_or(1)
     }
 
-    /// The probe inputs of the start-up memory calibration, small to large: three sizes, each
-    /// at batch 1 and 2 (sizes: 1, 4 and 16 s of audio; 128², 256² and 512² images; for a
-    /// `declared` model 1, 8 and 32 rows when its other dimensions are fixed, else its probe
-    /// sizes, with batch 4 too when it names only one, as the fit needs three probes).
+    /// The probe inputs of the start-up memory calibration, small to large: 1, 8 and 32 rows
+    /// when the input's other dimensions are fixed, else the `probe_sizes`, each at batch 1
+    /// and 2 (and 4 when only one size is named, as the fit needs three probes). Probes past
+    /// `max_input_elements` are left out.
     pub fn calibration_inputs(&self) -> Vec<InputTensor> {
-        let (sizes, batches): (Vec<usize>, &[usize]) = match self.config.kind {
-            ModelKind::VoiceActivity => {
-                let sr = self.config.sample_rate_hz as usize;
-                (vec![sr, 4 * sr, 16 * sr], &[1, 2])
-            }
-            ModelKind::FaceDetection => (vec![128, 256, 512], &[1, 2]),
-            ModelKind::Declared if self.rows_only() => (vec![1, 8, 32], &[1, 2]),
-            ModelKind::Declared => {
-                let sizes = self.declared_probe_sizes();
-                let batches: &[usize] = if sizes.len() == 1 { &[1, 2, 4] } else { &[1, 2] };
-                (sizes, batches)
-            }
+        let (sizes, batches): (Vec<usize>, &[usize]) = if self.rows_only() {
+            (vec![1, 8, 32], &[1, 2])
+        } else {
+            let sizes = Self::ascending(self.config.probe_sizes());
+            let batches: &[usize] = if sizes.len() == 1 { &[1, 2, 4] } else { &[1, 2] };
+            (sizes, batches)
         };
         let mut probes = Vec::new();
         for size in sizes {
             for &batch in batches {
-                let probe = self.probe_input(batch, size);
-                if probe.elements() <= self.config.max_input_elements as u64 {
-                    probes.push(probe);
+                if self.probe_input_elements(batch, size) <= self.config.max_input_elements {
+                    probes.push(self.probe_input(batch, size));
                 }
             }
         }
@@ -414,85 +395,57 @@ impl Model {
     }
 
     /// The input sizes the start-up throughput calibration times (see `batching.rs`), small to
-    /// large: 1 and 4 s of audio; 64², 128², 256² and 512² images; a `declared` model's probe
-    /// sizes. Each size is one size class; sizes between them take the nearest class's
-    /// figures until measured online. A `declared` model whose non-batch dimensions are all
-    /// fixed has one class (the sizer's classes are by elements per row, and all its rows are
-    /// alike), so it is timed at one row per item only: a larger row multiplier would file
-    /// `size` rows as one item of a class no request ever falls in.
+    /// large: the `batch_probe_sizes`. Each size is one size class; sizes between them take
+    /// the nearest class's figures until measured online. A model whose non-batch dimensions
+    /// are all fixed has one class (the sizer's classes are by elements per row, and all its
+    /// rows are alike), so it is timed at one row per item only: a larger row multiplier
+    /// would file `size` rows as one item of a class no request ever falls in.
     pub fn batching_probe_sizes(&self) -> Vec<usize> {
-        let sizes = match self.config.kind {
-            ModelKind::VoiceActivity => {
-                let sr = self.config.sample_rate_hz as usize;
-                vec![sr, 4 * sr]
-            }
-            ModelKind::FaceDetection => vec![64, 128, 256, 512],
-            ModelKind::Declared if self.rows_only() => vec![1],
-            ModelKind::Declared => self.declared_probe_sizes(),
-        };
+        let sizes = if self.rows_only() { vec![1] } else { Self::ascending(self.config.batch_probe_sizes()) };
         sizes.into_iter().filter(|&size| self.probe_input_elements(1, size) <= self.config.max_input_elements).collect()
     }
 
-    /// How many elements [`Model::probe_input`] holds for `batch` rows of `size`.
+    /// How many elements [`Model::probe_input`] holds for `batch` rows of `size` (saturating:
+    /// a probe that large is never built).
     pub fn probe_input_elements(&self, batch: usize, size: usize) -> usize {
-        match self.config.kind {
-            ModelKind::VoiceActivity => batch * size,
-            ModelKind::FaceDetection => batch * 3 * size * size,
-            ModelKind::Declared => self.declared_probe_shape(batch, size).iter().product(),
-        }
+        self.probe_shape(batch, size).iter().fold(1usize, |n, &d| n.saturating_mul(d))
     }
 
-    /// For `declared`: the shape of a probe of `batch` at `size`: `batch × size` rows of the
-    /// declared shape when it is fixed, else `batch` rows with every variable dimension `size`.
-    fn declared_probe_shape(&self, batch: usize, size: usize) -> Vec<usize> {
-        let rows = if self.rows_only() { batch * size } else { batch };
+    /// The shape of a probe of `batch` at `size`: `batch × size` rows of the declared shape
+    /// when it is fixed, else `batch` rows with every variable dimension `size`.
+    fn probe_shape(&self, batch: usize, size: usize) -> Vec<usize> {
+        let rows = if self.rows_only() { batch.saturating_mul(size) } else { batch };
         std::iter::once(rows).chain(self.input.shape[1..].iter().map(|&d| if d > 0 { d as usize } else { size })).collect()
     }
 
-    /// A deterministic, non-trivial input of `batch` rows: a quiet tone of `size` samples for
-    /// audio, a gradient of `size`² pixels for images; for a `declared` model of a float
-    /// datatype a gradient from 1 down to above -1 along each row, of an integer or BOOL one
-    /// 0 and 1 in turn along each row (never all zeros, whatever the shape; valid as an index
-    /// into anything of two entries or more).
+    /// A deterministic, non-trivial input of `batch` rows: for a float datatype a gradient
+    /// from 1 down to above -1 along each row, for an integer or BOOL one 0 and 1 in turn
+    /// along each row (never all zeros, whatever the shape; valid as an index into anything
+    /// of two entries or more).
     pub fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
-        match self.config.kind {
-            ModelKind::VoiceActivity => {
-                let data: Vec<f32> = (0..batch * size).map(|i| 0.01 * ((i % size) as f32 * 0.05).sin()).collect();
-                InputTensor::from_f32(vec![batch, size], &data)
-            }
-            ModelKind::FaceDetection => {
-                let plane = size * size;
-                let data: Vec<f32> = (0..batch * 3 * plane).map(|i| ((i % plane) as f32 / plane as f32) - 0.5).collect();
-                InputTensor::from_f32(vec![batch, 3, size, size], &data)
-            }
-            ModelKind::Declared => {
-                let shape = self.declared_probe_shape(batch, size);
-                let per_row = shape[1..].iter().product::<usize>().max(1);
-                let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
-                let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
-                let parity = at.map(|i| (i % 2) as u8);
-                let data = match self.input.datatype {
-                    DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
-                    DataType::Uint8 => TensorData::Uint8(parity.collect()),
-                    DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
-                    DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
-                    DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
-                    _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
-                };
-                InputTensor::from_data(shape, &data)
-            }
-        }
+        let shape = self.probe_shape(batch, size);
+        let per_row = shape[1..].iter().product::<usize>().max(1);
+        let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
+        let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
+        let parity = at.map(|i| (i % 2) as u8);
+        let data = match self.input.datatype {
+            DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
+            DataType::Uint8 => TensorData::Uint8(parity.collect()),
+            DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
+            DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
+            DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
+            _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
+        };
+        InputTensor::from_data(shape, &data)
     }
 
-    /// Whether inputs of different sizes may share a batch, padded (see `engine.rs`): audio
-    /// yes (Silero runs forward in time, so trailing silence leaves earlier windows as they
-    /// were), images no (ceil-mode pooling sees the padding at a smaller image's edge),
-    /// `declared` models no (nothing says what padding would do to them).
+    /// Whether inputs of different sizes may share a batch, padded (see `engine.rs`): only
+    /// when the input declares `batching = "pad"` (Silero VAD: it runs forward in time, so
+    /// trailing silence leaves earlier windows as they were). Otherwise only inputs of one
+    /// shape but rows share a batch (P-Net: its ceil-mode pooling sees padding at a smaller
+    /// image's edge).
     pub fn can_pad(&self) -> bool {
-        match self.config.kind {
-            ModelKind::VoiceActivity => true,
-            ModelKind::FaceDetection | ModelKind::Declared => false,
-        }
+        self.batching == Batching::Pad
     }
 
     /// Checks an input's datatype and shape against what the model takes, before any libtorch
@@ -507,47 +460,21 @@ impl Model {
                 input.elements()
             )));
         }
-        match self.config.kind {
-            ModelKind::VoiceActivity => {
-                let [batch, samples] = input.shape[..] else {
-                    return Err(ModelError::BadInput(format!(
-                        "input 'audio' must have shape [batch, samples], got {:?}",
-                        input.shape
-                    )));
-                };
-                if batch == 0 || samples < self.config.window_samples as usize {
-                    return Err(ModelError::BadInput(format!(
-                        "input 'audio' needs at least one batch row and {} samples, got shape {:?}",
-                        self.config.window_samples, input.shape
-                    )));
-                }
-            }
-            ModelKind::FaceDetection => {
-                let [batch, 3, height, width] = input.shape[..] else {
-                    return Err(ModelError::BadInput(format!(
-                        "input 'image' must have shape [batch, 3, height, width], got {:?}",
-                        input.shape
-                    )));
-                };
-                if batch == 0 || height < 12 || width < 12 {
-                    return Err(ModelError::BadInput(format!(
-                        "input 'image' needs at least one image of 12×12 pixels, got shape {:?}",
-                        input.shape
-                    )));
-                }
-            }
-            ModelKind::Declared => {
-                let declared = &self.input.shape;
-                let fits = input.shape.len() == declared.len()
-                    && input.shape.first().is_some_and(|&rows| rows >= 1)
-                    && input.shape.iter().zip(declared).skip(1).all(|(&n, &d)| if d > 0 { n as i64 == d } else { n >= 1 });
-                if !fits {
-                    return Err(ModelError::BadInput(format!(
-                        "input '{}' must have shape {declared:?} (-1: any size), got {:?}",
-                        self.input.name, input.shape
-                    )));
-                }
-            }
+        let declared = &self.input.shape;
+        let fits = input.shape.len() == declared.len()
+            && input.shape.first().is_some_and(|&rows| rows >= 1)
+            && input.shape.iter().zip(declared).skip(1).all(|(&n, &d)| if d > 0 { n as i64 == d } else { n >= 1 });
+        if !fits {
+            return Err(ModelError::BadInput(format!(
+                "input '{}' must have shape {declared:?} (-1: any size), got {:?}",
+                self.input.name, input.shape
+            )));
+        }
+        if input.shape.iter().zip(&self.min_shape).any(|(&n, &min)| n < min) {
+            return Err(ModelError::BadInput(format!(
+                "input '{}' must have at least shape {:?} (min_shape), got {:?}",
+                self.input.name, self.min_shape, input.shape
+            )));
         }
         if elements > self.config.max_input_elements {
             return Err(ModelError::BadInput(format!(
@@ -559,9 +486,8 @@ impl Model {
     }
 
     /// The shape a batch of `inputs` is padded to: their rows stacked, every other dimension
-    /// the largest among them. Audio is padded with silence at the end, images with zeros
-    /// (mid-grey after normalisation) at the right and bottom; neither changes the outputs
-    /// of the unpadded region, which is all that is returned.
+    /// the largest among them (padded at the end with `pad_value`; only a `batching = "pad"`
+    /// model's batches have inputs of different sizes).
     pub fn padded_shape(inputs: &[&InputTensor]) -> Vec<usize> {
         let mut shape = inputs[0].shape.clone();
         shape[0] = inputs.iter().map(|i| i.shape[0]).sum();
@@ -573,21 +499,31 @@ impl Model {
         shape
     }
 
-    /// What one request's outputs look like for its own (unpadded) input shape.
-    fn output_shapes(&self, input_shape: &[usize]) -> Vec<Vec<usize>> {
-        match self.config.kind {
-            ModelKind::VoiceActivity => {
-                let window = self.config.window_samples as usize;
-                vec![vec![input_shape[0], input_shape[1].div_ceil(window)]]
+    /// What one request's outputs look like for its own input shape, from the batch's
+    /// returned tensors: its rows, each fixed dimension as returned, each variable dimension
+    /// of a padded model as its rule says (`follows`), else as returned.
+    fn output_shapes(&self, input_shape: &[usize], returned: &[Tensor]) -> Result<Vec<Vec<usize>>, ModelError> {
+        let mut shapes = Vec::with_capacity(returned.len());
+        for ((spec, rules), t) in self.outputs.iter().zip(&self.follows).zip(returned) {
+            let size = t.size();
+            let mut shape = vec![input_shape[0]];
+            for (dim, &got) in size.iter().enumerate().skip(1) {
+                let want = match rules.iter().find(|r| r.dim == dim) {
+                    Some(rule) if self.can_pad() => (input_shape[rule.input_dim] as u64).div_ceil(rule.divisor) as usize,
+                    _ => got as usize,
+                };
+                if want as i64 > got {
+                    return Err(self.declared_error(&format!(
+                        "returned output '{}' of shape {size:?}, smaller than its follows rule makes dimension {dim} \
+                         ({want}) for a request of shape {input_shape:?}",
+                        spec.name
+                    )));
+                }
+                shape.push(want);
             }
-            ModelKind::FaceDetection => {
-                let cells = |n: usize| (n - 2).div_ceil(2) - 4;
-                let (h, w) = (cells(input_shape[2]), cells(input_shape[3]));
-                vec![vec![input_shape[0], h, w], vec![input_shape[0], 4, h, w]]
-            }
-            // Never padded: each output is the rows of the returned tensor (`infer_unchecked`).
-            ModelKind::Declared => Vec::new(),
+            shapes.push(shape);
         }
+        Ok(shapes)
     }
 
     /// Runs one input on its own. Blocking.
@@ -603,7 +539,7 @@ impl Model {
         for input in inputs {
             self.validate(input)?;
         }
-        if self.config.kind == ModelKind::Declared && inputs.windows(2).any(|w| w[0].shape[1..] != w[1].shape[1..]) {
+        if !self.can_pad() && inputs.windows(2).any(|w| w[0].shape[1..] != w[1].shape[1..]) {
             // The engine never forms such a batch (`can_pad`); outputs could not be split.
             return Err(ModelError::BadInput(format!(
                 "model '{}' batches only inputs of one shape but rows alone, got {:?}",
@@ -630,48 +566,25 @@ impl Model {
             }
         };
         let shape = Self::padded_shape(inputs);
-        let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape)).map_err(failed)?;
+        let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape, self.pad_value)).map_err(failed)?;
         let module = self.free_instance();
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
             let x = batch_input.f_to_device(self.device).map_err(failed)?;
-            match self.config.kind {
-                ModelKind::VoiceActivity => {
-                    let sr = IValue::Int(i64::from(self.config.sample_rate_hz));
-                    match module.method_is("audio_forward", &[IValue::Tensor(x), sr]).map_err(failed)? {
-                        IValue::Tensor(t) => Ok(vec![t]),
-                        other => Err(failed(tch::TchError::Kind(format!("audio_forward returned {other:?}, expected a tensor")))),
-                    }
-                }
-                ModelKind::FaceDetection => match module.forward_is(&[IValue::Tensor(x)]).map_err(failed)? {
-                    IValue::Tuple(mut parts) if parts.len() == 2 => {
-                        let (Some(IValue::Tensor(probs)), Some(IValue::Tensor(boxes))) = (parts.pop(), parts.pop()) else {
-                            return Err(failed(tch::TchError::Kind("forward must return (boxes, probs) tensors".into())));
-                        };
-                        Ok(vec![probs.f_select(1, 1).map_err(failed)?, boxes])
-                    }
-                    other => Err(failed(tch::TchError::Kind(format!("forward returned {other:?}, expected (boxes, probs)")))),
-                },
-                ModelKind::Declared => {
-                    let method = self.method();
-                    let in_method = |e: ModelError| match e {
-                        ModelError::Runtime { name, message } => {
-                            ModelError::Runtime { name, message: format!("method '{method}': {message}") }
-                        }
-                        other => other,
-                    };
-                    let args: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(self.config.args().iter().map(ivalue)).collect();
-                    let returned = module.method_is(method, &args).map_err(|e| in_method(failed(e)))?;
-                    let tensors = returned_tensors(returned).map_err(|message| self.declared_error(&message))?;
-                    self.check_declared_outputs(&tensors, shape[0])?;
-                    Ok(tensors)
-                }
-            }
+            let method = self.method();
+            let in_method = |e: ModelError| match e {
+                ModelError::Runtime { name, message } => ModelError::Runtime { name, message: format!("method '{method}': {message}") },
+                other => other,
+            };
+            let args: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(self.config.args().iter().map(ivalue)).collect();
+            let returned = module.method_is(method, &args).map_err(|e| in_method(failed(e)))?;
+            let tensors = returned_tensors(returned).map_err(|message| self.declared_error(&message))?;
+            self.check_declared_outputs(&tensors, shape[0])?;
+            Ok(tensors)
         })?;
         drop(module);
         drop(batch_input);
 
-        // Each in its declared kind (a declared model's outputs were checked to widen into it
-        // exactly; the built-in kinds' are FP32 whatever the module returns).
+        // Each in its declared kind (the outputs were checked to widen into it exactly).
         let specs = self.output_specs();
         let raw: Vec<Tensor> = raw
             .into_iter()
@@ -683,14 +596,7 @@ impl Model {
         let mut per_request = Vec::with_capacity(inputs.len());
         for input in inputs {
             let rows = input.shape[0] as i64;
-            let wants = match self.config.kind {
-                // Unpadded: the returned tensors' own dimensions, this request's rows.
-                ModelKind::Declared => raw
-                    .iter()
-                    .map(|t| std::iter::once(input.shape[0]).chain(t.size().into_iter().skip(1).map(|d| d as usize)).collect())
-                    .collect(),
-                _ => self.output_shapes(&input.shape),
-            };
+            let wants = self.output_shapes(&input.shape, &raw)?;
             let mut outputs = Vec::with_capacity(specs.len());
             for ((spec, tensor), want) in specs.iter().zip(&raw).zip(wants) {
                 let mut t = tensor.f_narrow(0, row, rows).map_err(failed)?;
@@ -707,12 +613,12 @@ impl Model {
         Ok(per_request)
     }
 
-    /// A `declared` model's method returned something its declaration does not allow.
+    /// The method returned something its declaration does not allow.
     fn declared_error(&self, message: &str) -> ModelError {
         ModelError::Runtime { name: self.config.name.clone(), message: format!("method '{}' {message}", self.method()) }
     }
 
-    /// Checks a `declared` model's returned tensors against its declared outputs: as many,
+    /// Checks the returned tensors against its declared outputs: as many,
     /// each of the declared rank, `rows` rows, the declared size in each fixed dimension, and
     /// of the declared datatype's kind or one that widens into it exactly.
     fn check_declared_outputs(&self, tensors: &[Tensor], rows: usize) -> Result<(), ModelError> {
@@ -818,14 +724,18 @@ impl Model {
 }
 
 /// Copies the inputs into one host tensor of `shape`: a lone unpadded input is one copy of
-/// its bytes; otherwise a zero-padded tensor and one copy per input into it.
-fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize]) -> Result<Tensor, tch::TchError> {
+/// its bytes; otherwise a tensor filled with `pad_value` and one copy per input into it.
+fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize], pad_value: f64) -> Result<Tensor, tch::TchError> {
     let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
     if inputs.len() == 1 && inputs[0].shape == shape {
         return inputs[0].to_tensor(&dims);
     }
     let kind = tensor_kind(inputs[0].datatype).unwrap_or(Kind::Float);
-    let batch = Tensor::f_zeros(&dims, (kind, Device::Cpu))?;
+    let batch = if pad_value == 0.0 {
+        Tensor::f_zeros(&dims, (kind, Device::Cpu))?
+    } else {
+        Tensor::f_full(&dims, pad_value, (kind, Device::Cpu))?
+    };
     let mut row = 0i64;
     for input in inputs {
         let own: Vec<i64> = input.shape.iter().map(|&d| d as i64).collect();
@@ -893,15 +803,25 @@ pub(crate) mod testing {
         path
     }
 
-    /// A `[[models]]` entry of the file at `path` named `name`, of `kind`, with more `keys`.
-    pub fn entry(path: &Path, name: &str, kind: &str, keys: &str) -> ModelConfig {
-        let text = format!("name = \"{name}\"\npath = \"{}\"\nkind = \"{kind}\"\n{keys}\n", path.display());
+    /// A `[[models]]` entry of the file at `path` named `name`, with more `keys`.
+    pub fn entry(path: &Path, name: &str, keys: &str) -> ModelConfig {
+        let text = format!("name = \"{name}\"\npath = \"{}\"\n{keys}\n", path.display());
         figment::Figment::from(Toml::string(&text)).extract().expect("a model entry")
     }
 
-    /// A `[[models]]` entry of `mtcnn_pnet.jit` named `name`, of `kind`, with more `keys`.
-    pub fn pnet_entry(name: &str, kind: &str, keys: &str) -> ModelConfig {
-        entry(&model_file("mtcnn_pnet.jit"), name, kind, keys)
+    /// A `[[models]]` entry of `mtcnn_pnet.jit` named `name`, with more `keys`.
+    pub fn pnet_entry(name: &str, keys: &str) -> ModelConfig {
+        entry(&model_file("mtcnn_pnet.jit"), name, keys)
+    }
+
+    /// The entry named `name` of the shipped `config/worker.toml`, its path resolved from the
+    /// repository's root (as the worker runs there).
+    pub fn shipped(name: &str) -> ModelConfig {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let config = crate::config::WorkerConfig::load(Some(&root.join("config/worker.toml"))).expect("config/worker.toml loads");
+        let mut model = config.models.into_iter().find(|m| m.name == name).expect("the shipped entry");
+        model.path = root.join(&model.path);
+        model
     }
 
     /// A TorchScript module of one UINT8 input `x` `[rows, n]` and one output, `f(x)`, traced
@@ -944,7 +864,9 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{load, pnet_entry, DECLARED_PNET};
+    use std::path::Path;
+
+    use super::testing::{load, model_file, pnet_entry, shipped, DECLARED_PNET};
     use super::*;
 
     /// An image of `rows` × 3 × `h` × `w`, a gradient shifted by `seed`.
@@ -966,35 +888,165 @@ mod tests {
         }
     }
 
+    /// What the module's method answers for `input` called directly, as tch gives it (each
+    /// returned tensor's shape and FP32 values).
+    fn direct(path: &Path, method: &str, args: &[i64], input: &InputTensor) -> Vec<(Vec<usize>, Vec<f32>)> {
+        let module = CModule::load(path).expect("the module");
+        let x = input.to_tensor(&input.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()).expect("a tensor");
+        let all: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(args.iter().map(|&n| IValue::Int(n))).collect();
+        let returned = tch::no_grad(|| module.method_is(method, &all)).expect("a direct call");
+        returned_tensors(returned)
+            .expect("tensors")
+            .iter()
+            .map(|t| (t.size().iter().map(|&d| d as usize).collect(), Vec::<f32>::try_from(&t.reshape([-1])).expect("f32 values")))
+            .collect()
+    }
+
+    /// The inputs stacked as one batch (all of one shape but rows).
+    fn stacked(inputs: &[&InputTensor]) -> InputTensor {
+        let mut shape = inputs[0].shape.clone();
+        shape[0] = inputs.iter().map(|i| i.shape[0]).sum();
+        let bytes: Vec<u8> = inputs.iter().flat_map(|i| i.le_bytes().iter().copied()).collect();
+        InputTensor::from_le_bytes(shape, DataType::Fp32, Bytes::from(bytes)).expect("whole values")
+    }
+
     #[test]
-    fn declared_pnet_answers_what_face_detection_answers_bit_for_bit() {
-        let built_in = load(pnet_entry("pnet", "face_detection", "")).expect("P-Net as face_detection");
-        let declared = load(pnet_entry("pnet_declared", "declared", DECLARED_PNET)).expect("P-Net declared");
-        assert_eq!(declared.input_spec(), &TensorSpec::new("image", &[-1, 3, -1, -1]));
-        assert_eq!(
-            declared.output_specs(),
-            [TensorSpec::new("box_offsets", &[-1, 4, -1, -1]), TensorSpec::new("probs", &[-1, 2, -1, -1])]
-        );
-        let small = declared.probe_input(1, 24);
+    fn the_shipped_pnet_answers_what_its_forward_answers_bit_for_bit() {
+        let pnet = load(shipped("mtcnn_pnet")).expect("the shipped P-Net");
+        let tensor = |name: &str, shape: &[i64]| TensorSpec { name: name.into(), shape: shape.to_vec(), datatype: DataType::Fp32 };
+        assert_eq!(pnet.input_spec(), &tensor("image", &[-1, 3, -1, -1]));
+        assert_eq!(pnet.output_specs(), [tensor("box_offsets", &[-1, 4, -1, -1]), tensor("face_prob", &[-1, 2, -1, -1])]);
+        assert!(!pnet.can_pad(), "ceil-mode pooling sees padding: equal shapes only");
+        let calibration: Vec<Vec<usize>> = pnet.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        assert_eq!(calibration, [[1, 3, 128, 128], [2, 3, 128, 128], [1, 3, 256, 256], [2, 3, 256, 256], [1, 3, 512, 512], [2, 3, 512, 512]]);
+        assert_eq!(pnet.batching_probe_sizes(), [64, 128, 256, 512]);
+        let small = pnet.probe_input(1, 24);
         assert_eq!(small.shape, [1, 3, 24, 24]);
         let (two, wide) = (image(2, 24, 24, 1.0), image(1, 30, 40, 2.0));
+        let path = model_file("mtcnn_pnet.jit");
         for batch in [vec![&small, &two], vec![&wide]] {
-            let want = built_in.infer_batch(&batch).expect("face_detection");
-            let got = declared.infer_batch(&batch).expect("declared");
-            for ((input, want), got) in batch.iter().zip(&want).zip(&got) {
-                let [face_prob, boxes] = &want[..] else { panic!("face_detection answers two tensors") };
-                let [box_offsets, probs] = &got[..] else { panic!("two declared outputs") };
-                assert_eq!((&*box_offsets.name, &*probs.name), ("box_offsets", "probs"));
-                assert_eq!(box_offsets.shape, boxes.shape, "{:?}", input.shape);
-                assert_eq!(bits(fp32(&box_offsets.data)), bits(fp32(&boxes.data)), "{:?}", input.shape);
-                let [rows, h, w] = face_prob.shape[..] else { panic!("face_prob is [rows, h, w]") };
-                assert_eq!(probs.shape, [rows, 2, h, w]);
-                let channel_1: Vec<f32> = fp32(&probs.data).chunks(h * w).skip(1).step_by(2).flatten().copied().collect();
-                assert_eq!(bits(&channel_1), bits(fp32(&face_prob.data)), "{:?}", input.shape);
+            // The module called on the same batch: the (boxes, probs) it returns, split by rows.
+            let want = direct(&path, "forward", &[], &stacked(&batch));
+            let got = pnet.infer_batch(&batch).expect("an answer");
+            let mut row = 0;
+            for (input, got) in batch.iter().zip(&got) {
+                let rows = input.shape[0];
+                let [box_offsets, face_prob] = &got[..] else { panic!("two outputs") };
+                assert_eq!((&*box_offsets.name, &*face_prob.name), ("box_offsets", "face_prob"));
+                for (out, (shape, values)) in [box_offsets, face_prob].into_iter().zip(&want) {
+                    let per_row = values.len() / shape[0];
+                    assert_eq!(out.shape, [&[rows][..], &shape[1..]].concat(), "{:?}", input.shape);
+                    assert_eq!(bits(fp32(&out.data)), bits(&values[row * per_row..(row + rows) * per_row]), "{:?}", input.shape);
+                }
+                row += rows;
             }
         }
-        let err = declared.infer_batch(&[&small, &wide]).expect_err("two shapes in one batch");
+        let err = pnet.infer_batch(&[&small, &wide]).expect_err("two shapes in one batch");
         assert!(err.to_string().contains("batches only inputs of one shape"), "{err}");
+        for shape in [[1, 3, 11, 40], [1, 3, 40, 11]] {
+            let err = pnet.validate(&image(1, shape[2], shape[3], 0.0)).expect_err("below min_shape");
+            let want = format!("input 'image' must have at least shape [1, 3, 12, 12] (min_shape), got {shape:?}");
+            assert!(matches!(&err, ModelError::BadInput(m) if *m == want), "{err}");
+        }
+        assert!(pnet.validate(&image(1, 12, 12, 0.0)).is_ok());
+    }
+
+    /// `seconds` of a tone that swells and fades, with a little noise: some windows speech-like,
+    /// some not; `seed` shifts it.
+    fn audio(rows: usize, samples: usize, seed: f32) -> InputTensor {
+        let data: Vec<f32> = (0..rows * samples)
+            .map(|i| {
+                let t = (i % samples) as f32 / 16_000.0 + seed;
+                0.3 * (t * 3.0).sin().abs() * (t * 2.0 * std::f32::consts::PI * 220.0).sin() + 0.01 * (i as f32 * 12.9898).sin()
+            })
+            .collect();
+        InputTensor::from_f32(vec![rows, samples], &data)
+    }
+
+    #[test]
+    fn the_shipped_silero_pads_a_batch_without_the_padding_changing_an_answer() {
+        let vad = load(shipped("silero_vad")).expect("the shipped Silero VAD");
+        assert!(vad.can_pad());
+        let calibration: Vec<Vec<usize>> = vad.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        assert_eq!(calibration, [[1, 16_000], [2, 16_000], [1, 64_000], [2, 64_000], [1, 256_000], [2, 256_000]]);
+        assert_eq!(vad.batching_probe_sizes(), [16_000, 64_000]);
+        let path = model_file("silero_vad.jit");
+        let (a, b, c) = (audio(1, 16_000, 0.0), audio(2, 20_000, 0.5), audio(1, 48_000, 1.0));
+        let alone: Vec<Vec<OutputTensor>> = [&a, &b, &c].iter().map(|i| vad.infer(i).expect("alone")).collect();
+        for (input, answer) in [&a, &b, &c].iter().zip(&alone) {
+            let [prob] = &answer[..] else { panic!("one output") };
+            assert_eq!((&*prob.name, prob.shape.clone()), ("speech_prob", vec![input.shape[0], input.shape[1].div_ceil(512)]));
+            // Alone, what `audio_forward(x, 16000)` answers, cut to one value per started window.
+            let [(shape, values)] = &direct(&path, "audio_forward", &[16_000], input)[..] else { panic!("one tensor") };
+            let per_row = shape[1];
+            let want: Vec<f32> = values.chunks(per_row).flat_map(|row| &row[..prob.shape[1]]).copied().collect();
+            assert_eq!(bits(fp32(&prob.data)), bits(&want), "{:?}", input.shape);
+        }
+        // Padded with silence to the batch's length, each answers alone what it answers
+        // unpadded: the padding is never seen.
+        let padded = |input: &InputTensor, samples: usize| {
+            let values: Vec<f32> = input.le_bytes().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let rows: Vec<f32> = values.chunks(input.shape[1]).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, samples - row.len()))).collect();
+            InputTensor::from_f32(vec![input.shape[0], samples], &rows)
+        };
+        for (input, want) in [&a, &b, &c].iter().zip(&alone) {
+            let [(shape, values)] = &direct(&path, "audio_forward", &[16_000], &padded(input, 48_000))[..] else { panic!("one tensor") };
+            let got: Vec<f32> = values.chunks(shape[1]).flat_map(|row| &row[..want[0].shape[1]]).copied().collect();
+            assert_eq!(bits(&got), bits(fp32(&want[0].data)), "{:?} padded to 48000 alone", input.shape);
+        }
+        // In one batch, each request gets its rows of what the module answers for the padded
+        // batch, cut to its own windows; batch rows change the float arithmetic's order in the
+        // last bits only.
+        let batch = [&a, &b, &c];
+        let batched = vad.infer_batch(&batch).expect("a padded batch");
+        let stacked_padded = stacked(&batch.map(|i| padded(i, 48_000)).iter().collect::<Vec<_>>());
+        let [(shape, values)] = &direct(&path, "audio_forward", &[16_000], &stacked_padded)[..] else { panic!("one tensor") };
+        let mut row = 0;
+        for ((input, got), alone) in batch.iter().zip(&batched).zip(&alone) {
+            assert_eq!(got[0].shape, alone[0].shape, "{:?}", input.shape);
+            let rows = &values[row * shape[1]..(row + input.shape[0]) * shape[1]];
+            let want: Vec<f32> = rows.chunks(shape[1]).flat_map(|r| &r[..got[0].shape[1]]).copied().collect();
+            assert_eq!(bits(fp32(&got[0].data)), bits(&want), "{:?} in a batch padded to 48000", input.shape);
+            for (x, y) in fp32(&got[0].data).iter().zip(fp32(&alone[0].data)) {
+                assert!((x - y).abs() < 1e-5, "{:?}: {x} batched, {y} alone", input.shape);
+            }
+            row += input.shape[0];
+        }
+        let err = vad.validate(&audio(1, 511, 0.0)).expect_err("below one window");
+        assert_eq!(err.to_string(), "input 'audio' must have at least shape [1, 512] (min_shape), got [1, 511]");
+    }
+
+    #[test]
+    fn padding_fills_with_the_pad_value_and_outputs_are_cut_to_their_rule() {
+        use super::testing::{bright_model, entry, row_sum_model};
+        // Each row's sum sees the padding: what it is filled with shows in the sums.
+        let sum_keys = |pad: &str| {
+            format!(
+                "input = {{ name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\", batching = \"pad\"{pad} }}\n\
+                 outputs = [ {{ name = \"total\", shape = [-1, 1], datatype = \"INT64\" }} ]\n"
+            )
+        };
+        let (short, long) = (
+            InputTensor::from_data(vec![1, 3], &TensorData::Uint8(vec![0, 128, 255])),
+            InputTensor::from_data(vec![1, 5], &TensorData::Uint8(vec![1, 2, 3, 4, 5])),
+        );
+        let sums = |model: &Model| -> Vec<TensorData> {
+            model.infer_batch(&[&short, &long]).expect("a padded batch").into_iter().flatten().map(|o| o.data).collect()
+        };
+        let zero = load(entry(row_sum_model(), "sum", &sum_keys(""))).expect("padded with 0");
+        assert_eq!(sums(&zero), [TensorData::Int64(vec![383]), TensorData::Int64(vec![15])]);
+        let seven = load(entry(row_sum_model(), "sum", &sum_keys(", pad_value = 7"))).expect("padded with 7");
+        assert_eq!(sums(&seven), [TensorData::Int64(vec![383 + 14]), TensorData::Int64(vec![15])]);
+        // An output of the input's length, cut back to each request's own by its rule.
+        let keys = "input = { name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\", batching = \"pad\", pad_value = 255 }\n\
+            outputs = [ { name = \"bright\", shape = [-1, -1], datatype = \"BOOL\", follows = [{ dim = 1, input_dim = 1 }] } ]\n";
+        let bright = load(entry(bright_model(), "bright", keys)).expect("padded with 255");
+        let answers: Vec<(Vec<usize>, TensorData)> =
+            bright.infer_batch(&[&short, &long]).expect("a padded batch").into_iter().flatten().map(|o| (o.shape, o.data)).collect();
+        assert_eq!(answers, [
+            (vec![1, 3], TensorData::Bool(vec![false, true, true])),
+            (vec![1, 5], TensorData::Bool(vec![false; 5])),
+        ]);
     }
 
     #[test]
@@ -1003,7 +1055,7 @@ mod tests {
         let keys = "input = { name = \"image\", shape = [-1, 3, 24, 24] }\n\
             outputs = [ { name = \"box_offsets\", shape = [-1, 4, 7, 7] }, { name = \"probs\", shape = [-1, 2, 7, 7] } ]\n\
             max_input_elements = 6912\n";
-        let model = load(pnet_entry("pnet24", "declared", keys)).expect("P-Net at 24²");
+        let model = load(pnet_entry("pnet24", keys)).expect("P-Net at 24²");
         let check = |shape: &[usize], want: Result<(), String>| {
             let elements = shape.iter().product::<usize>();
             let input = InputTensor::from_f32(shape.to_vec(), &vec![0.5; elements]);
@@ -1030,7 +1082,7 @@ mod tests {
         let rows = |probes: Vec<InputTensor>| probes.iter().map(|p| p.shape[0]).collect::<Vec<_>>();
         assert_eq!(rows(model.calibration_inputs()), [1, 2], "filtered by max_input_elements (4 rows)");
         assert_eq!(model.batching_probe_sizes(), [1]);
-        let unbounded = load(pnet_entry("pnet24", "declared", &keys.replace("6912", "100000000"))).expect("no limit");
+        let unbounded = load(pnet_entry("pnet24", &keys.replace("6912", "100000000"))).expect("no limit");
         let outputs = unbounded.infer(&probe).expect("16 rows");
         assert_eq!(outputs.iter().map(|o| o.shape.clone()).collect::<Vec<_>>(), [vec![16, 4, 7, 7], vec![16, 2, 7, 7]]);
         assert_eq!(rows(unbounded.calibration_inputs()), [1, 2, 8, 16, 32, 64]);
@@ -1043,13 +1095,13 @@ mod tests {
 
     #[test]
     fn variable_dimensions_take_the_probe_sizes() {
-        let model = load(pnet_entry("pnet", "declared", &format!("{DECLARED_PNET}probe_sizes = [48, 16]\n"))).expect("P-Net");
+        let model = load(pnet_entry("pnet", &format!("{DECLARED_PNET}probe_sizes = [48, 16]\n"))).expect("P-Net");
         assert_eq!(model.probe_input(2, 16).shape, [2, 3, 16, 16]);
         assert_eq!(model.probe_input_elements(2, 16), 2 * 3 * 256);
         assert_eq!(model.batching_probe_sizes(), [16, 48]);
         let shapes: Vec<Vec<usize>> = model.calibration_inputs().into_iter().map(|p| p.shape).collect();
         assert_eq!(shapes, [[1, 3, 16, 16], [2, 3, 16, 16], [1, 3, 48, 48], [2, 3, 48, 48]]);
-        let one = load(pnet_entry("pnet", "declared", &format!("{DECLARED_PNET}probe_sizes = [20]\n"))).expect("P-Net");
+        let one = load(pnet_entry("pnet", &format!("{DECLARED_PNET}probe_sizes = [20]\n"))).expect("P-Net");
         let rows: Vec<usize> = one.calibration_inputs().iter().map(|p| p.shape[0]).collect();
         assert_eq!(rows, [1, 2, 4], "three probes for the fit from one size");
         assert!(model.validate(&image(1, 12, 500, 0.0)).is_ok());
@@ -1060,7 +1112,7 @@ mod tests {
     #[test]
     fn a_declared_model_that_refuses_its_declaration_stops_at_load() {
         let check = |keys: &str, wants: &[&str]| {
-            let err = load(pnet_entry("wrong_pnet", "declared", keys)).err().expect("refused at load").to_string();
+            let err = load(pnet_entry("wrong_pnet", keys)).err().expect("refused at load").to_string();
             assert!(err.starts_with("loading model 'wrong_pnet' from "), "{err}");
             for want in wants {
                 assert!(err.contains(want), "want {want:?} in: {err}");
@@ -1171,37 +1223,9 @@ mod tests {
     }
 
     #[test]
-    fn declared_silero_with_a_constant_argument_answers_what_voice_activity_answers_bit_for_bit() {
-        let path = super::testing::model_file("silero_vad.jit");
-        let built_in = load(super::testing::entry(&path, "vad", "voice_activity", "")).expect("Silero as voice_activity");
-        let keys = "method = \"audio_forward\"\nargs = [16000]\nprobe_sizes = [16000]\n\
-            input = { name = \"audio\", shape = [-1, -1] }\noutputs = [ { name = \"speech_prob\", shape = [-1, -1] } ]\n";
-        let declared = load(super::testing::entry(&path, "vad_declared", "declared", keys)).expect("Silero declared");
-        assert_eq!(declared.input_spec(), built_in.input_spec());
-        assert_eq!(declared.output_specs(), built_in.output_specs());
-        for (rows, seconds) in [(1, 1), (1, 3), (2, 3)] {
-            let samples = seconds * 16_000;
-            // A tone that swells and fades, with a little noise: some windows speech-like, some not.
-            let audio: Vec<f32> = (0..rows * samples)
-                .map(|i| {
-                    let t = (i % samples) as f32 / 16_000.0;
-                    0.3 * (t * 3.0).sin().abs() * (t * 2.0 * std::f32::consts::PI * 220.0).sin() + 0.01 * (i as f32 * 12.9898).sin()
-                })
-                .collect();
-            let input = InputTensor::from_f32(vec![rows, samples], &audio);
-            let want = built_in.infer(&input).expect("voice_activity");
-            let got = declared.infer(&input).expect("declared");
-            let ([want], [got]) = (&want[..], &got[..]) else { panic!("one output each") };
-            assert_eq!((&*got.name, &got.shape), (&*want.name, &want.shape), "{seconds} s × {rows}");
-            assert_eq!(got.shape, [rows, samples.div_ceil(512)]);
-            assert_eq!(bits(fp32(&got.data)), bits(fp32(&want.data)), "{seconds} s × {rows}");
-        }
-    }
-
-    #[test]
     fn a_declared_model_takes_and_gives_other_datatypes() {
         use super::testing::{bright_model, entry, row_sum_model, DECLARED_BRIGHT};
-        let bright = load(entry(bright_model(), "bright", "declared", DECLARED_BRIGHT)).expect("UINT8 in, BOOL out");
+        let bright = load(entry(bright_model(), "bright", DECLARED_BRIGHT)).expect("UINT8 in, BOOL out");
         assert_eq!((bright.input_spec().datatype, bright.output_specs()[0].datatype), (DataType::Uint8, DataType::Bool));
         let probe = bright.probe_input(2, 4);
         assert_eq!((probe.datatype(), probe.shape.clone(), probe.le_bytes()), (DataType::Uint8, vec![2, 4], &[0, 1, 0, 1, 0, 1, 0, 1][..]));
@@ -1220,7 +1244,7 @@ mod tests {
         assert_eq!(err.to_string(), "input 'pixels' must be UINT8, got FP32");
 
         let sum_keys = DECLARED_BRIGHT.replace("\"bright\", shape = [-1, -1], datatype = \"BOOL\"", "\"total\", shape = [-1, 1], datatype = \"INT64\"");
-        let sum = load(entry(row_sum_model(), "sum", "declared", &sum_keys)).expect("UINT8 in, INT64 out");
+        let sum = load(entry(row_sum_model(), "sum", &sum_keys)).expect("UINT8 in, INT64 out");
         assert_eq!(values(sum.infer_batch(&[&a, &b]).expect("a batch of two")), [
             (vec![1, 1], TensorData::Int64(vec![383])),
             (vec![2, 1], TensorData::Int64(vec![130, 207])),
@@ -1230,10 +1254,10 @@ mod tests {
         // answered as UINT8, as FP32); a narrower declaration is refused at load.
         for (datatype, want) in [("UINT8", TensorData::Uint8(vec![0, 1, 1])), ("FP32", TensorData::Fp32(vec![0.0, 1.0, 1.0]))] {
             let keys = DECLARED_BRIGHT.replace("\"BOOL\"", &format!("\"{datatype}\""));
-            let widened = load(entry(bright_model(), "bright", "declared", &keys)).expect(datatype);
+            let widened = load(entry(bright_model(), "bright", &keys)).expect(datatype);
             assert_eq!(widened.infer(&a).expect("an answer")[0].data, want);
         }
-        let err = load(entry(row_sum_model(), "sum", "declared", &sum_keys.replace("INT64", "INT32"))).err().expect("INT64 as INT32");
+        let err = load(entry(row_sum_model(), "sum", &sum_keys.replace("INT64", "INT32"))).err().expect("INT64 as INT32");
         assert!(err.to_string().contains("method 'forward' returned output 'total' as Int64, declared INT32"), "{err}");
     }
 

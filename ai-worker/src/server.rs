@@ -707,7 +707,7 @@ mod tests {
     #[test]
     fn a_declared_model_is_asked_for_and_answers_its_declared_tensors() {
         let keys = model::testing::DECLARED_PNET.replace("\"image\"", "\"picture\"");
-        let model = model::testing::load(model::testing::pnet_entry("pnet", "declared", &keys)).expect("P-Net declared");
+        let model = model::testing::load(model::testing::pnet_entry("pnet", &keys)).expect("P-Net declared");
         let meta = |name: &str, shape: &[i64]| oip::TensorMetadata { name: name.into(), datatype: "FP32".into(), shape: shape.to_vec() };
         assert_eq!(
             tensor_metadata(&model),
@@ -731,7 +731,7 @@ mod tests {
 
     #[test]
     fn a_declared_model_takes_only_its_declared_datatype_and_answers_in_its_declared_ones() {
-        let entry = model::testing::entry(model::testing::bright_model(), "bright", "declared", model::testing::DECLARED_BRIGHT);
+        let entry = model::testing::entry(model::testing::bright_model(), "bright", model::testing::DECLARED_BRIGHT);
         let model = model::testing::load(entry).expect("UINT8 in, BOOL out");
         let meta = |name: &str, datatype: &str, shape: &[i64]| oip::TensorMetadata {
             name: name.into(),

@@ -25,7 +25,7 @@ use anyhow::{bail, Context};
 use vramgate_shared::oip::{self, RequestOutputSpec, Tensor};
 
 use crate::oip_client::{test_audio, test_image};
-use crate::{cpu_seconds, repo_root, start_worker, worker_config, Worker};
+use crate::{cpu_seconds, repo_root, start_worker, worker_config, Worker, PNET_KEYS, VAD_KEYS};
 
 /// Which of the worker's models a case runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,10 +52,19 @@ impl CeilingModel {
         }
     }
 
-    fn kind(self) -> &'static str {
+    /// The `raw_loop` arguments that call it as its declared keys say.
+    fn raw_loop_call(self) -> &'static [&'static str] {
         match self {
-            CeilingModel::Pnet => "face_detection",
-            CeilingModel::SileroVad => "voice_activity",
+            CeilingModel::Pnet => &["--method", "forward"],
+            CeilingModel::SileroVad => &["--method", "audio_forward", "--args", "16000"],
+        }
+    }
+
+    /// Its declared keys, as config/worker.toml declares it.
+    fn keys(self) -> &'static str {
+        match self {
+            CeilingModel::Pnet => PNET_KEYS,
+            CeilingModel::SileroVad => VAD_KEYS,
         }
     }
 
@@ -240,7 +249,8 @@ impl Drop for RawInput {
 pub fn raw_rate(case: &CeilingCase, input: &RawInput, seconds: f64, threads: usize, busy_cpus: usize) -> anyhow::Result<RawFigures> {
     let shape = case.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
     let output = std::process::Command::new(raw_loop_binary()?)
-        .args(["--kind", case.model.kind(), "--shape", &shape, "--json"])
+        .args(case.model.raw_loop_call())
+        .args(["--shape", &shape, "--json"])
         .arg("--model")
         .arg(repo_root().join("models").join(case.model.file()))
         .arg("--input")
@@ -286,7 +296,7 @@ pub async fn start_ceiling_worker(options: &CeilingOptions) -> anyhow::Result<Wo
     let models: Vec<(&str, &str, &str, &str)> = [CeilingModel::Pnet, CeilingModel::SileroVad]
         .into_iter()
         .filter(|m| options.cases.iter().any(|c| c.model == *m))
-        .map(|m| (m.name(), m.file(), m.kind(), "max_input_elements = 20000000"))
+        .map(|m| (m.name(), m.file(), m.keys(), "max_input_elements = 20000000"))
         .collect();
     let extra = format!("{}\n", options.worker_extra);
     let mut config = worker_config(&extra, &models);

@@ -11,7 +11,7 @@ use crate::images::{self, crowd, jpeg, picture, png};
 use crate::wav::{compose, write_wav, SampleFormat};
 use crate::{
     gateway_base_env, image_task_env, producer, request_file, request_inline, send_all, start_gateway, start_worker_on,
-    unique, voice_task_env, worker_config, Collector, Gateway, TaskTopics, Worker,
+    unique, voice_task_env, worker_config, Collector, Gateway, TaskTopics, Worker, PNET_KEYS, VAD_KEYS,
 };
 
 /// One budget unit: a 1× card. A 320×320 image costs P-Net about 17 MB and a clip Silero 1–2
@@ -28,8 +28,8 @@ pub fn card_config(scale: u64) -> String {
          memory_reserve_fraction = 0.0\n[admission]\nmax_queued_requests = 2\nmax_queue_wait_ms = 250\n"
     );
     let instances = format!("instances = {}", scale.min(4));
-    let vad = ("silero_vad", "silero_vad.jit", "voice_activity", instances.as_str());
-    let pnet = ("mtcnn_pnet", "mtcnn_pnet.jit", "face_detection", instances.as_str());
+    let vad = ("silero_vad", "silero_vad.jit", VAD_KEYS, instances.as_str());
+    let pnet = ("mtcnn_pnet", "mtcnn_pnet.jit", PNET_KEYS, instances.as_str());
     worker_config(&extra, &[vad, pnet])
 }
 

@@ -14,7 +14,8 @@ use vramgate_tests::jaeger::JaegerProcess;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
     binary, brokers, faces_task_env, gateway_base_env, photo, scratch_dir, start_gateway, start_gateway_with, start_worker,
-    unique, voice_task_env, worker_config, Collector, TaskTopics, ONET_MODEL, PNET_MODEL, RNET_MODEL, VAD_MODEL,
+    unique, voice_task_env, worker_config, Collector, TaskTopics, ONET_MODEL, PNET_KEYS, PNET_MODEL, RNET_MODEL,
+    VAD_MODEL,
 };
 
 /// One request admitted at a time, one waiting for at most 200 ms: a burst is answered 503 +
@@ -383,7 +384,7 @@ async fn an_oom_shows_in_the_trace_with_the_batch_before_and_after() -> anyhow::
         telemetry_toml(&jaeger_process)
     );
     let low = "estimate = { base_bytes = 1000000.0, bytes_per_element = 1.0 }";
-    let worker = start_worker(&worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", low)])).await?;
+    let worker = start_worker(&worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, low)])).await?;
     let http = reqwest::Client::new();
     let answers = futures::future::join_all((0..8).map(|i| {
         let (http, url) = (http.clone(), worker.url.clone());

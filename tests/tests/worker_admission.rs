@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use vramgate_tests::oip_client::{infer, metric, metrics_text, test_audio, test_image, Answer};
-use vramgate_tests::{start_worker, worker_config};
+use vramgate_tests::{start_worker, worker_config, PNET_KEYS, VAD_KEYS};
 
-const PNET: (&str, &str, &str, &str) = ("pnet", "mtcnn_pnet.jit", "face_detection", "");
-const VAD: (&str, &str, &str, &str) = ("silero_vad", "silero_vad.jit", "voice_activity", "");
+const PNET: (&str, &str, &str, &str) = ("pnet", "mtcnn_pnet.jit", PNET_KEYS, "");
+const VAD: (&str, &str, &str, &str) = ("silero_vad", "silero_vad.jit", VAD_KEYS, "");
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder().pool_max_idle_per_host(128).build().expect("http client")
@@ -52,9 +52,9 @@ async fn sixty_four_mixed_requests_all_complete_within_the_budget() {
     for (i, answer, side) in &answers {
         assert_eq!(answer.status, 200, "request {i}: {:?}\nworker log:\n{}", answer.error, worker.service.log_tail());
         if let Some(side) = side {
-            // The padded batch was trimmed back to this image's own map.
+            // This image's own map: both probabilities (no-face, face) per cell.
             let h = (side - 2).div_ceil(2) - 4;
-            assert_eq!(answer.output("face_prob").shape[..2], [1, h], "request {i}");
+            assert_eq!(answer.output("face_prob").shape[..3], [1, 2, h], "request {i}");
         }
     }
     let text = metrics_text(&http, &url).await.expect("metrics");
@@ -128,7 +128,7 @@ async fn a_real_oom_is_recovered_by_halving_and_not_repeated() {
     // at all, and there would be no batch to fail).
     let extra = "memory_limit_bytes = 700000000\nmemory_host_allowance_bytes = 268435456\n[batching]\nwindow_ms = 500.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
     let low = "estimate = { base_bytes = 1000000.0, bytes_per_element = 1.0 }";
-    let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", low)]))
+    let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, low)]))
         .await
         .expect("worker starts");
     let http = client();
@@ -170,7 +170,7 @@ async fn a_real_oom_is_recovered_by_halving_and_not_repeated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn oversized_is_413_full_queue_is_503_and_a_model_error_is_500() {
     let extra = "memory_budget_bytes = 120000000\n[admission]\nmax_queued_requests = 1\nmax_queue_wait_ms = 200\n";
-    let checked = ("range_checked", "range_checked_vad.jit", "voice_activity", "");
+    let checked = ("range_checked", "range_checked_vad.jit", VAD_KEYS, "");
     let worker = start_worker(&worker_config(extra, &[PNET, checked])).await.expect("worker starts");
     let http = client();
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use vramgate_shared::oip::{self, RequestOutputSpec, Tensor};
 use vramgate_tests::oip_client::{infer, test_audio};
-use vramgate_tests::{binary, repo_root, start_worker, unique, worker_config, Worker, VAD_MODEL};
+use vramgate_tests::{binary, repo_root, start_worker, unique, worker_config, Worker, VAD_KEYS, VAD_MODEL};
 
 const INFER: &str = "/v2/models/silero_vad/infer";
 
@@ -300,7 +300,7 @@ async fn a_burst_of_large_bodies_under_a_memory_cap_does_not_abort_the_worker() 
     // address space: 12 bodies read and decoded at once would need about 1 GB.
     let extra = "memory_limit_bytes = 100000000\nmemory_host_allowance_bytes = 67108864\n\
                  max_request_bytes = 50331648\nmax_body_bytes_in_flight = 50331648\n";
-    let vad = ("silero_vad", "silero_vad.jit", "voice_activity", "max_input_elements = 1000000");
+    let vad = ("silero_vad", "silero_vad.jit", VAD_KEYS, "max_input_elements = 1000000");
     let worker = start_worker(&worker_config(extra, &[vad])).await.expect("worker starts");
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().expect("http client");
     let (body, header_len) = audio_request(10_000_000);

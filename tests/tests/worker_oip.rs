@@ -53,7 +53,9 @@ async fn bad_requests_get_a_status_and_a_message_and_the_worker_keeps_serving() 
     let wrong_type = serde_json::json!({"inputs": [{"name": "audio", "shape": [1, 2], "datatype": "INT64", "data": [1, 2]}]});
     check(400, "FP32", http.post(&infer).json(&wrong_type).send().await.expect("send")).await;
     let wrong_rank = serde_json::json!({"inputs": [{"name": "audio", "shape": [4], "datatype": "FP32", "data": [0.0, 0.0, 0.0, 0.0]}]});
-    check(400, "[batch, samples]", http.post(&infer).json(&wrong_rank).send().await.expect("send")).await;
+    check(400, "must have shape [-1, -1]", http.post(&infer).json(&wrong_rank).send().await.expect("send")).await;
+    let too_short = serde_json::json!({"inputs": [{"name": "audio", "shape": [1, 4], "datatype": "FP32", "data": [0.0, 0.0, 0.0, 0.0]}]});
+    check(400, "must have at least shape [1, 512] (min_shape), got [1, 4]", http.post(&infer).json(&too_short).send().await.expect("send")).await;
     let lying_header = http
         .post(&infer)
         .header("inference-header-content-length", "999")

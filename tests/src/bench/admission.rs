@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use tokio::sync::Semaphore;
 use crate::oip_client::{infer, metric, metrics_text, test_image};
-use crate::{env_or, proc_status_kib, start_worker, worker_config};
+use crate::{env_or, proc_status_kib, start_worker, worker_config, PNET_KEYS};
 
 struct Setup {
     sides: Vec<usize>,
@@ -53,7 +53,7 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
         setup.limit, setup.host_allowance
     );
     let model = format!("instances = {}\nmax_input_elements = 20000000", setup.instances);
-    let config = worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", model.as_str())]);
+    let config = worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, model.as_str())]);
     let mut worker = start_worker(&config).await?;
     let pid = worker.service.pid();
     let baseline_kib = proc_status_kib(pid, "VmRSS:").unwrap_or(0);
@@ -113,7 +113,7 @@ async fn run_once(setup: &Setup, label: &str, admission: &str) -> anyhow::Result
 /// measured estimate: what a static count "safe for the largest input" must divide.
 async fn safe_count(setup: &Setup) -> anyhow::Result<(u64, u64, u64)> {
     let extra = format!("memory_limit_bytes = {}\n", setup.limit);
-    let config = worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", "face_detection", "max_input_elements = 20000000")]);
+    let config = worker_config(&extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, "max_input_elements = 20000000")]);
     let worker = start_worker(&config).await?;
     let http = reqwest::Client::new();
     let meta: serde_json::Value = http.get(format!("{}/v2/models/pnet", worker.url)).send().await?.json().await?;

@@ -31,8 +31,9 @@ const CELL_STRIDE: f32 = 2.0;
 /// mapping, so
 /// apart from the clipping, suppressing in image pixels is the same as in model pixels.
 ///
-/// `prob_shape` is `[1, h, w]` and `box_offsets` holds `[1, 4, h, w]` row-major; anything else
-/// is a worker/gateway mismatch and is reported as `internal`, never a panic.
+/// `prob_shape` is `[1, 2, h, w]` (P-Net's softmax over no-face, face: channel 1 is the face
+/// probability) and `box_offsets` holds `[1, 4, h, w]` row-major; anything else is a
+/// worker/gateway mismatch and is reported as `internal`, never a panic.
 pub fn faces(
     prob: &[f32],
     prob_shape: &[usize],
@@ -40,7 +41,7 @@ pub fn faces(
     placement: &Placement,
     options: &ImageOptions,
 ) -> Result<Vec<FaceBox>, Failure> {
-    let cols = map_columns(prob, prob_shape, box_offsets)?;
+    let (cols, prob) = face_map(prob, prob_shape, box_offsets)?;
     let cells = prob.len();
     let offset = |channel: usize, cell: usize| box_offsets.get(channel * cells + cell).copied().unwrap_or(f32::NAN);
 
@@ -77,20 +78,21 @@ pub fn output(faces: Vec<FaceBox>, prepared_placement: &Placement, format: &str)
     }
 }
 
-/// Columns of the maps, or why the maps do not fit together.
-fn map_columns(prob: &[f32], prob_shape: &[usize], box_offsets: &[f32]) -> Result<usize, Failure> {
+/// Columns of the maps and the face probability's map (channel 1), or why the maps do not fit
+/// together.
+fn face_map<'a>(prob: &'a [f32], prob_shape: &[usize], box_offsets: &[f32]) -> Result<(usize, &'a [f32]), Failure> {
     let expected = match *prob_shape {
-        [1, rows, cols] => rows.checked_mul(cols).and_then(|cells| Some((cols, cells, cells.checked_mul(4)?))),
+        [1, 2, rows, cols] => rows.checked_mul(cols).and_then(|cells| Some((cols, cells, cells.checked_mul(4)?))),
         _ => None,
     };
     match expected {
-        Some((cols, cells, offsets)) if prob.len() == cells && box_offsets.len() == offsets => Ok(cols),
+        Some((cols, cells, offsets)) if prob.len() == 2 * cells && box_offsets.len() == offsets => Ok((cols, &prob[cells..])),
         _ => Err(Failure::new(
             ErrorKind::Internal,
             Stage::Postprocess,
             format!(
                 "model maps do not fit together: {PROB_OUTPUT} has shape {prob_shape:?} and {} values, \
-                 {BOX_OUTPUT} has {} values; expected shape [1, h, w] with h·w values and 4·h·w offsets",
+                 {BOX_OUTPUT} has {} values; expected shape [1, 2, h, w] with 2·h·w values and 4·h·w offsets",
                 prob.len(),
                 box_offsets.len()
             ),
@@ -151,8 +153,25 @@ mod tests {
         }
 
         fn faces(&self, placement: &Placement, options: &ImageOptions) -> Vec<FaceBox> {
-            faces(&self.prob, &[1, self.rows, self.cols], &self.offsets, placement, options).expect("maps fit")
+            faces(&both_channels(&self.prob), &[1, 2, self.rows, self.cols], &self.offsets, placement, options).expect("maps fit")
         }
+    }
+
+    /// P-Net's `face_prob` for the face probabilities `prob`: channel 0 no-face (`1 - p`),
+    /// channel 1 face.
+    fn both_channels(prob: &[f32]) -> Vec<f32> {
+        prob.iter().map(|p| 1.0 - p).chain(prob.iter().copied()).collect()
+    }
+
+    #[test]
+    fn only_the_face_channel_is_read() {
+        // Every cell sure there is no face (channel 0 at 0.99) but one.
+        let (rows, cols) = (4, 5);
+        let mut prob = vec![0.99; rows * cols];
+        prob.extend(vec![0.0; rows * cols]);
+        prob[rows * cols + 7] = 0.9;
+        let found = faces(&prob, &[1, 2, rows, cols], &vec![0.0; 4 * rows * cols], &identity(40, 40), &ImageOptions::default());
+        assert_eq!(found.expect("maps fit"), [face(4.0, 2.0, 16.0, 14.0, 0.9)]);
     }
 
     fn face(x1: f32, y1: f32, x2: f32, y2: f32, score: f32) -> FaceBox {
@@ -216,12 +235,13 @@ mod tests {
 
     #[test]
     fn maps_that_do_not_fit_are_an_internal_error() {
-        let cases: [(&[usize], usize, usize); 6] = [
-            (&[1, 2, 3], 6, 23),
-            (&[1, 2, 3], 5, 24),
-            (&[2, 3], 6, 24),
-            (&[2, 2, 3], 12, 48),
-            (&[1, usize::MAX, 2], 0, 0),
+        let cases: [(&[usize], usize, usize); 7] = [
+            (&[1, 2, 2, 3], 12, 23),
+            (&[1, 2, 2, 3], 11, 24),
+            (&[1, 2, 3], 6, 24),
+            (&[1, 1, 2, 3], 6, 24),
+            (&[2, 2, 2, 3], 24, 48),
+            (&[1, 2, usize::MAX, 2], 0, 0),
             (&[], 0, 0),
         ];
         for (shape, values, offsets) in cases {
@@ -230,7 +250,7 @@ mod tests {
             let failure = check_failure(result, ErrorKind::Internal, Stage::Postprocess);
             assert!(failure.message.contains(&format!("shape {shape:?} and {values} values")), "{}", failure.message);
         }
-        let empty = faces(&[], &[1, 0, 5], &[], &identity(10, 10), &ImageOptions::default());
+        let empty = faces(&[], &[1, 2, 0, 5], &[], &identity(10, 10), &ImageOptions::default());
         assert_eq!(empty.expect("an empty map fits"), []);
     }
 
@@ -264,7 +284,7 @@ mod tests {
             max_faces in 1usize..10,
         ) {
             let options = ImageOptions { threshold, nms_iou, max_faces, ..ImageOptions::default() };
-            let found = faces(&prob, &[1, rows, cols], &offsets, &placement, &options).expect("maps fit");
+            let found = faces(&both_channels(&prob), &[1, 2, rows, cols], &offsets, &placement, &options).expect("maps fit");
             prop_assert!(found.len() <= max_faces);
             for pair in found.windows(2) {
                 prop_assert!(pair[0].score >= pair[1].score);

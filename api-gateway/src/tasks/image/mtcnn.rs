@@ -164,14 +164,15 @@ pub fn resample(image: &RgbImage, crop: Crop, out_w: usize, out_h: usize, out: &
 /// P-Net's candidates at one level: every cell whose face probability reaches `threshold`, as
 /// the window it stands for mapped back to the image (`floor((2·cell + 1) / scale)` to
 /// `floor((2·cell + 12) / scale)`), with the cell's regression; then suppressed at IoU 0.5.
-/// `prob` is `[1, h, w]`, `offsets` `[1, 4, h, w]`, row-major.
+/// `prob` is `[1, 2, h, w]` (softmax over no-face, face: channel 1 is read), `offsets`
+/// `[1, 4, h, w]`, row-major.
 pub fn proposals(prob: &[f32], prob_shape: &[usize], offsets: &[f32], scale: f64, threshold: f32) -> Result<Vec<Candidate>, Failure> {
     let (rows, cols) = match *prob_shape {
-        [1, rows, cols] if rows.checked_mul(cols).is_some_and(|n| n == prob.len() && offsets.len() == 4 * n) => (rows, cols),
+        [1, 2, rows, cols] if rows.checked_mul(cols).is_some_and(|n| 2 * n == prob.len() && offsets.len() == 4 * n) => (rows, cols),
         _ => {
             return Err(internal(format!(
                 "P-Net's maps do not fit together: face_prob has shape {prob_shape:?} and {} values, box_offsets {} values; \
-                 expected [1, h, w] with h·w values and 4·h·w offsets",
+                 expected [1, 2, h, w] with 2·h·w values and 4·h·w offsets",
                 prob.len(),
                 offsets.len()
             )))
@@ -180,7 +181,7 @@ pub fn proposals(prob: &[f32], prob_shape: &[usize], offsets: &[f32], scale: f64
     let cells = rows * cols;
     let scale = scale as f32;
     let mut found = Vec::new();
-    for (cell, &p) in prob.iter().enumerate() {
+    for (cell, &p) in prob[cells..].iter().enumerate() {
         // NaN is never a candidate.
         if p.partial_cmp(&threshold).is_none_or(|o| o.is_lt()) {
             continue;
@@ -361,17 +362,21 @@ mod tests {
     #[test]
     fn proposals_map_cells_back_and_suppress_within_the_level() {
         // A 1 × 12 map at scale 0.5: cell 1 → x from floor(3 / 0.5) = 6 to floor(14 / 0.5) = 28.
-        let mut prob = [0.0; 12];
-        (prob[1], prob[2], prob[10]) = (0.9, 0.8, 0.95);
+        // Channel 0 (no face) is never read: it says 0.99 everywhere.
+        let mut prob = [0.99; 24];
+        prob[12..].fill(0.0);
+        (prob[13], prob[14], prob[22]) = (0.9, 0.8, 0.95);
         let mut offsets = vec![0.0; 48];
         offsets[1] = 0.25; // dx1 of cell 1
-        let found = proposals(&prob, &[1, 1, 12], &offsets, 0.5, 0.6).expect("maps fit");
+        let found = proposals(&prob, &[1, 2, 1, 12], &offsets, 0.5, 0.6).expect("maps fit");
         // Cell 2 (10..32) overlaps cell 1 (6..28) at IoU 396 / 572 > 0.5: it goes.
         assert_eq!(found.len(), 2);
         assert_eq!((found[0].x1, found[0].y1, found[0].x2, found[0].y2, found[0].score), (42.0, 2.0, 64.0, 24.0, 0.95));
         assert_eq!((found[1].x1, found[1].x2, found[1].reg[0]), (6.0, 28.0, 0.25));
-        let err = proposals(&prob, &[1, 3, 3], &offsets, 0.5, 0.6).expect_err("shape mismatch");
-        assert_eq!(err.kind, ErrorKind::Internal);
+        for shape in [&[1, 2, 3, 3][..], &[1, 1, 12], &[1, 1, 2, 12]] {
+            let err = proposals(&prob, shape, &offsets, 0.5, 0.6).expect_err("shape mismatch");
+            assert_eq!(err.kind, ErrorKind::Internal);
+        }
     }
 
     #[test]
