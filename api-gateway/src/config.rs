@@ -17,7 +17,10 @@ use vramgate_shared::config::Secret;
 
 use vramgate_shared::kafka::{Connection, Properties};
 
+pub use crate::tasks::audio::AudioOptions;
 pub use crate::tasks::image::ImageOptions;
+pub use crate::tasks::outputs::OutputRule;
+pub use crate::tasks::tensor::TensorOptions;
 pub use crate::tasks::voice::{SegmentConfig, WavOptions};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -147,8 +150,21 @@ impl GatewayConfig {
                     p.min, p.initial, p.max
                 ));
             }
-            if task.converter == Converter::Image {
-                task.image.validate().map_err(|e| format!("tasks.{name}.{e}"))?;
+            match task.converter {
+                Converter::Image => task.image.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
+                Converter::Audio => task.audio.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
+                Converter::Tensor => task.tensor.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
+                Converter::Wav => {}
+            }
+            if task.configured_outputs() {
+                crate::tasks::outputs::validate(&task.outputs, task.max_output_elements)
+                    .map_err(|e| format!("tasks.{name}.{e}"))?;
+            } else if !task.outputs.is_empty() {
+                return Err(format!(
+                    "tasks.{name}.outputs is for the audio and tensor converters and image mode \"tensor\"; \
+                     converter \"{}\" makes its own result",
+                    task.converter.as_str()
+                ));
             }
             if !(0.0..=1.0).contains(&task.retry.jitter) {
                 return Err(format!("tasks.{name}.retry.jitter must be in [0, 1], got {}", task.retry.jitter));
@@ -475,8 +491,14 @@ impl InputConfig {
 pub enum Converter {
     /// WAV → 16 kHz mono f32 → a voice-activity model → speech segments.
     Wav,
-    /// PNG/JPEG/WebP → oriented, resized, normalised RGB → a face detector → boxes.
+    /// PNG/JPEG/WebP → oriented, resized, normalised RGB → a face detector → boxes
+    /// (`image.mode` faces or proposals), or any image model's input (`image.mode = "tensor"`).
     Image,
+    /// WAV/FLAC/Ogg Vorbis/MP3 → mono at the model's rate → the whole signal, a fixed length or
+    /// fixed windows → any audio model.
+    Audio,
+    /// The model's input tensor, in the event (OIP JSON form, or raw bytes in base64).
+    Tensor,
 }
 
 impl Converter {
@@ -484,6 +506,8 @@ impl Converter {
         match self {
             Converter::Wav => "wav",
             Converter::Image => "image",
+            Converter::Audio => "audio",
+            Converter::Tensor => "tensor",
         }
     }
 }
@@ -525,6 +549,16 @@ pub struct TaskConfig {
     pub wav: WavOptions,
     /// Options of the `image` converter.
     pub image: ImageOptions,
+    /// Options of the `audio` converter.
+    pub audio: AudioOptions,
+    /// Options of the `tensor` converter.
+    pub tensor: TensorOptions,
+    /// The configured converters' results (`audio`, `tensor`, `image` in `tensor` mode): the
+    /// model outputs to ask for and their post-processing, one `[[tasks.<name>.outputs]]` row
+    /// each.
+    pub outputs: Vec<OutputRule>,
+    /// A model output with more values is a dead letter (`output_rejected`).
+    pub max_output_elements: usize,
 }
 
 impl Default for TaskConfig {
@@ -548,11 +582,25 @@ impl Default for TaskConfig {
             retry: RetryConfig::default(),
             wav: WavOptions::default(),
             image: ImageOptions::default(),
+            audio: AudioOptions::default(),
+            tensor: TensorOptions::default(),
+            outputs: Vec::new(),
+            max_output_elements: crate::tasks::outputs::DEFAULT_MAX_OUTPUT_ELEMENTS,
         }
     }
 }
 
 impl TaskConfig {
+    /// Whether the result is the model's outputs through `[[outputs]]` rows (the configured
+    /// converters) rather than a result the converter makes itself (voice segments, faces).
+    pub fn configured_outputs(&self) -> bool {
+        match self.converter {
+            Converter::Audio | Converter::Tensor => true,
+            Converter::Image => self.image.mode == crate::tasks::image::ImageMode::Tensor,
+            Converter::Wav => false,
+        }
+    }
+
     pub fn requests_topic(&self, name: &str) -> String {
         self.requests_topic.clone().unwrap_or_else(|| format!("{name}.requests"))
     }

@@ -11,7 +11,10 @@ use prometheus::{IntCounter, IntGauge};
 use crate::call::workers::WorkerSet;
 use crate::config::{self, TaskConfig, WorkerEndpoint, WorkerSource};
 use crate::metrics::Metrics;
+use crate::tasks::audio::AudioTask;
 use crate::tasks::image::ImageTask;
+use crate::tasks::outputs::Outputs;
+use crate::tasks::tensor::TensorTask;
 use crate::tasks::voice::VoiceTask;
 use crate::tasks::Converter;
 
@@ -83,7 +86,7 @@ impl Task {
         let (requests_topic, results_topic, dlq_topic) =
             (config.requests_topic(name), config.results_topic(name), config.dlq_topic(name));
         let hot = Hot::new(name, &requests_topic, &results_topic, &dlq_topic, &metrics);
-        let converter = converter(config);
+        let converter = converter(config).map_err(|e| anyhow::anyhow!("tasks.{name}.{e}"))?;
         let worker_source = config.workers(worker);
         // Stage 0 is labelled with the task's name, as it always was; a further stage with
         // `<task>/<model>`, so that its permits and workers show apart.
@@ -141,9 +144,17 @@ impl Task {
 
 /// The converter of a task table row. Here, not in `tasks`: the configuration holds each
 /// task's options (`tasks` owns their types), so the tasks know nothing of the table.
-fn converter(config: &TaskConfig) -> Box<dyn Converter> {
-    match config.converter {
-        config::Converter::Wav => Box::new(VoiceTask::new(config.wav.clone())),
-        config::Converter::Image => Box::new(ImageTask::new(config.image.clone())),
-    }
+/// Fails when a labels file named by an `[[outputs]]` row cannot be read.
+fn converter(config: &TaskConfig) -> Result<Box<dyn Converter>, String> {
+    let outputs = match config.configured_outputs() {
+        true => Some(Outputs::load(&config.outputs, config.max_output_elements)?),
+        false => None,
+    };
+    Ok(match (config.converter, outputs) {
+        (config::Converter::Wav, _) => Box::new(VoiceTask::new(config.wav.clone())),
+        (config::Converter::Image, outputs) => Box::new(ImageTask::new(config.image.clone(), outputs)),
+        (config::Converter::Audio, Some(outputs)) => Box::new(AudioTask::new(config.audio.clone(), outputs)),
+        (config::Converter::Tensor, Some(outputs)) => Box::new(TensorTask::new(config.tensor.clone(), outputs)),
+        (converter, None) => return Err(format!("converter {} has no outputs", converter.as_str())),
+    })
 }

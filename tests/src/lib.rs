@@ -697,22 +697,19 @@ pub fn silero_worker_config() -> String {
     let model = repo_root().join("models/silero_vad.jit");
     assert!(model.is_file(), "{} missing: run scripts/setup", model.display());
     format!(
-        "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\n\n[[models]]\nname = \"silero_vad\"\npath = \"{}\"\nkind = \"voice_activity\"\n",
+        "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\n\n[[models]]\nname = \"silero_vad\"\npath = \"{}\"\n{VAD_KEYS}\n",
         model.display()
     )
 }
 
-/// A worker config serving `models` (name, file under `models/`, kind, extra TOML lines),
-/// on the CPU, with `extra` top-level TOML (budget, admission, batching) before them.
+/// A worker config serving `models` (name, file under `models/`, the declared keys, extra TOML
+/// lines), on the CPU, with `extra` top-level TOML (budget, admission, batching) before them.
 pub fn worker_config(extra: &str, models: &[(&str, &str, &str, &str)]) -> String {
     let mut config = format!("listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\n{extra}\n");
-    for (name, file, kind, more) in models {
+    for (name, file, keys, more) in models {
         let path = repo_root().join("models").join(file);
         assert!(path.is_file(), "{} missing: run scripts/setup", path.display());
-        config.push_str(&format!(
-            "\n[[models]]\nname = \"{name}\"\npath = \"{}\"\nkind = \"{kind}\"\n{more}\n",
-            path.display()
-        ));
+        config.push_str(&format!("\n[[models]]\nname = \"{name}\"\npath = \"{}\"\n{keys}\n{more}\n", path.display()));
     }
     config
 }
@@ -778,28 +775,39 @@ impl Gateway {
     }
 }
 
+/// Silero VAD's declared keys, as config/worker.toml declares it: one speech probability per
+/// started 512-sample window, requests of different lengths padded with silence.
+pub const VAD_KEYS: &str = "method = \"audio_forward\"\nargs = [16000]\n\
+    input = { name = \"audio\", shape = [-1, -1], batching = \"pad\", pad_value = 0, min_shape = [1, 512] }\n\
+    outputs = [{ name = \"speech_prob\", shape = [-1, -1], follows = [{ dim = 1, input_dim = 1, divisor = 512 }] }]\n\
+    probe_sizes = [16000, 64000, 256000]\nbatch_probe_sizes = [16000, 64000]";
+/// MTCNN P-Net's declared keys, as config/worker.toml declares it: box regressions and
+/// [no-face, face] probabilities per cell, equal shapes only.
+pub const PNET_KEYS: &str = "input = { name = \"image\", shape = [-1, 3, -1, -1], min_shape = [1, 3, 12, 12] }\n\
+    outputs = [{ name = \"box_offsets\", shape = [-1, 4, -1, -1] }, { name = \"face_prob\", shape = [-1, 2, -1, -1] }]\n\
+    probe_sizes = [128, 256, 512]\nbatch_probe_sizes = [64, 128, 256, 512]";
 /// The worker's Silero VAD model, as [`worker_config`] takes it; the name is the voice task's
 /// default model.
-pub const VAD_MODEL: (&str, &str, &str, &str) = ("silero_vad", "silero_vad.jit", "voice_activity", "");
+pub const VAD_MODEL: (&str, &str, &str, &str) = ("silero_vad", "silero_vad.jit", VAD_KEYS, "");
 /// The worker's MTCNN P-Net model, as [`worker_config`] takes it; the name is the image task's
 /// default model.
-pub const PNET_MODEL: (&str, &str, &str, &str) = ("mtcnn_pnet", "mtcnn_pnet.jit", "face_detection", "");
+pub const PNET_MODEL: (&str, &str, &str, &str) = ("mtcnn_pnet", "mtcnn_pnet.jit", PNET_KEYS, "");
 /// MTCNN's R-Net and O-Net, declared as config/worker.toml declares them: the image task's
 /// second and third stages.
 pub const RNET_MODEL: (&str, &str, &str, &str) = (
     "mtcnn_rnet",
     "mtcnn_rnet.jit",
-    "declared",
     "input = { name = \"image\", shape = [-1, 3, 24, 24] }\n\
      outputs = [{ name = \"box_offsets\", shape = [-1, 4] }, { name = \"face_prob\", shape = [-1, 2] }]",
+    "",
 );
 pub const ONET_MODEL: (&str, &str, &str, &str) = (
     "mtcnn_onet",
     "mtcnn_onet.jit",
-    "declared",
     "input = { name = \"image\", shape = [-1, 3, 48, 48] }\n\
      outputs = [{ name = \"box_offsets\", shape = [-1, 4] }, { name = \"landmarks\", shape = [-1, 10] }, \
      { name = \"face_prob\", shape = [-1, 2] }]",
+    "",
 );
 /// The three models of the image task's cascade (`mode = "faces"`, its default).
 pub const FACE_MODELS: [(&str, &str, &str, &str); 3] = [PNET_MODEL, RNET_MODEL, ONET_MODEL];
@@ -859,8 +867,19 @@ pub async fn start_gateway(overrides: &[(&str, String)]) -> anyhow::Result<Gatew
 /// [`start_gateway`], with further environment variables set as given (e.g.
 /// `VRAMGATE_LOG_FORMAT`).
 pub async fn start_gateway_with(overrides: &[(&str, String)], env: &[(&str, &str)]) -> anyhow::Result<Gateway> {
-    let log = log_path("gateway");
+    start_gateway_command(Command::new(binary("api-gateway")), overrides, env).await
+}
+
+/// [`start_gateway`] reading the TOML file `config` (a task table a test writes), with the
+/// environment's overrides on top.
+pub async fn start_gateway_config(config: &Path, overrides: &[(&str, String)]) -> anyhow::Result<Gateway> {
     let mut command = Command::new(binary("api-gateway"));
+    command.arg("--config").arg(config);
+    start_gateway_command(command, overrides, &[]).await
+}
+
+async fn start_gateway_command(mut command: Command, overrides: &[(&str, String)], env: &[(&str, &str)]) -> anyhow::Result<Gateway> {
+    let log = log_path("gateway");
     command.envs(env.iter().copied());
     command
         .env("VRAMGATE_GATEWAY_KAFKA__BROKERS", brokers())

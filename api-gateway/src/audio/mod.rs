@@ -9,6 +9,7 @@
 //! The WAV parser is our own and the resampler is `rubato`'s; each module's doc
 //! gives the measurements that decided it (`docs/gateway.md` sums them up).
 
+pub mod decode;
 pub mod resample;
 pub mod segments;
 pub mod wav;

@@ -14,7 +14,10 @@
 //!    (the image task runs MTCNN's three networks), each call admitted by its own model's
 //!    workers and permits ([`Converter::stage_models`]).
 
+pub mod audio;
 pub mod image;
+pub mod outputs;
+pub mod tensor;
 pub mod voice;
 
 use std::sync::Arc;

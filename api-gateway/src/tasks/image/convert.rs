@@ -306,7 +306,10 @@ impl Fit {
     /// `image_width` and `image_height` are non-zero (the header check refuses empty images).
     fn new(image_width: u32, image_height: u32, options: &ImageOptions) -> Self {
         match options.resize {
-            ResizeMode::Stretch => Fit { width: options.width, height: options.height, left: 0, top: 0 },
+            // `shorter_side_crop` is the tensor mode's; validation refuses it for proposals.
+            ResizeMode::Stretch | ResizeMode::ShorterSideCrop => {
+                Fit { width: options.width, height: options.height, left: 0, top: 0 }
+            }
             ResizeMode::Letterbox => {
                 let scale = (f64::from(options.width) / f64::from(image_width))
                     .min(f64::from(options.height) / f64::from(image_height));

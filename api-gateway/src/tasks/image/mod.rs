@@ -2,7 +2,9 @@
 //! MTCNN's three networks on the worker, in turn → faces with their landmarks, in the input
 //! image's pixels, as facenet-pytorch's `MTCNN.detect` finds them (`mode = "faces"`, the
 //! default). `mode = "proposals"` runs P-Net alone, once, on the image fitted to a fixed size:
-//! raw proposals, for load tests and benches.
+//! raw proposals, for load tests and benches. `mode = "tensor"` is any image model's input by
+//! configuration (resize, layout, channel order, normalisation, datatype), its outputs through
+//! the task's `[[outputs]]` rows (`tensor`).
 //!
 //! This module owns the CPU side of that task: reading the header (so an oversized image is
 //! refused before a pixel is decoded), sizing the conversion for the memory budget, building the
@@ -27,6 +29,7 @@ mod convert;
 mod faces;
 mod mtcnn;
 mod nms;
+pub mod tensor;
 #[cfg(test)]
 mod test_util;
 
@@ -37,15 +40,17 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use vramgate_shared::events::{ErrorKind, Stage};
-use vramgate_shared::oip::{Tensor, TensorData};
+use vramgate_shared::oip::{DataType, Tensor, TensorData};
 
+use self::tensor::{ChannelOrder, Layout};
+use super::outputs::{Outputs, OutputsFinish};
 use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::failure::Failure;
 use crate::call::client::OutputTensor;
 
 /// The worker's input tensor: `[1, 3, H, W]` f32, RGB planes scaled as `(pixel - 127.5) / 128`.
 pub const MODEL_INPUT: &str = "image";
-/// The worker's output: `[1, h, w]`, the face probability of each cell.
+/// The worker's output: `[1, 2, h, w]`, the softmax over (no face, face) of each cell; channel 1 is read.
 pub const PROB_OUTPUT: &str = "face_prob";
 /// The worker's output: `[1, 4, h, w]`, each cell's box regression `(dx1, dy1, dx2, dy2)`.
 pub const BOX_OUTPUT: &str = "box_offsets";
@@ -66,9 +71,13 @@ pub enum ImageMode {
     /// faces. One worker call per image of a fixed size, which is what the load tests and
     /// benches want; no user should act on its boxes.
     Proposals,
+    /// Any image model: the image as its input says (`input`, `width`, `height`, `resize`,
+    /// `layout`, `channel_order`, `datatype`, `scale`, `mean`, `std`, `fill`), one call, the
+    /// outputs through the task's `[[outputs]]` rows.
+    Tensor,
 }
 
-/// How the image is fitted to the model's input size (`proposals` only).
+/// How the image is fitted to the model's input size (`proposals` and `tensor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ResizeMode {
@@ -77,6 +86,9 @@ pub enum ResizeMode {
     Letterbox,
     /// Scale each axis on its own to fill the input; faces come out squashed.
     Stretch,
+    /// `tensor` only: scale so the shorter side is `shorter_side`, then cut out the centre
+    /// (torchvision's `Resize(shorter_side)` + `CenterCrop((height, width))`).
+    ShorterSideCrop,
 }
 
 /// Options of the `image` converter (`[tasks.<name>.image]`).
@@ -106,7 +118,7 @@ pub struct ImageOptions {
     /// `faces`: rows of one R-Net or O-Net call; a stage's candidates go as several calls at
     /// once when there are more (facenet-pytorch runs them 512 at a time too).
     pub max_batch_rows: usize,
-    /// `proposals`: the model input size in pixels.
+    /// `proposals` and `tensor`: the model input size in pixels.
     pub width: u32,
     pub height: u32,
     pub resize: ResizeMode,
@@ -115,6 +127,20 @@ pub struct ImageOptions {
     /// `proposals`: of two boxes overlapping by more than this intersection-over-union, the
     /// lower-scored one is dropped.
     pub nms_iou: f32,
+    /// `tensor`: the model input's name.
+    pub input: String,
+    /// `tensor`, `resize = "shorter_side_crop"`: the shorter side's size before the crop.
+    pub shorter_side: Option<u32>,
+    /// `tensor`: the value of padded pixels (letterbox, or a crop larger than the image).
+    pub fill: u8,
+    pub channel_order: ChannelOrder,
+    pub layout: Layout,
+    /// `tensor`: FP32, FP16 or UINT8.
+    pub datatype: DataType,
+    /// `tensor`, FP32/FP16: `(pixel · scale − mean[c]) / std[c]`; default 1/255, 0 and 1.
+    pub scale: Option<f32>,
+    pub mean: Option<[f32; 3]>,
+    pub std: Option<[f32; 3]>,
 }
 
 impl Default for ImageOptions {
@@ -135,6 +161,15 @@ impl Default for ImageOptions {
             resize: ResizeMode::Letterbox,
             threshold: 0.7,
             nms_iou: 0.5,
+            input: MODEL_INPUT.into(),
+            shorter_side: None,
+            fill: 0,
+            channel_order: ChannelOrder::Rgb,
+            layout: Layout::Nchw,
+            datatype: DataType::Fp32,
+            scale: None,
+            mean: None,
+            std: None,
         }
     }
 }
@@ -147,9 +182,11 @@ impl ImageOptions {
     /// Checks what the types cannot. Messages name the key relative to the task
     /// (`image.width`), for the config's validation to prefix with `tasks.<name>.`.
     pub fn validate(&self) -> Result<(), String> {
+        // P-Net needs its 12-pixel window; any other model takes what its input says.
+        let min_side = if self.mode == ImageMode::Tensor { 1 } else { MIN_MODEL_SIDE };
         for (key, side) in [("width", self.width), ("height", self.height)] {
-            if !(MIN_MODEL_SIDE..=MAX_MODEL_SIDE).contains(&side) {
-                return Err(format!("image.{key} must be between {MIN_MODEL_SIDE} and {MAX_MODEL_SIDE}, got {side}"));
+            if !(min_side..=MAX_MODEL_SIDE).contains(&side) {
+                return Err(format!("image.{key} must be between {min_side} and {MAX_MODEL_SIDE}, got {side}"));
             }
         }
         if self.max_pixels == 0 {
@@ -183,6 +220,13 @@ impl ImageOptions {
                 return Err(format!("image.{key} must be between 1 and 100000, got {n}"));
             }
         }
+        match self.mode {
+            ImageMode::Tensor => tensor::validate(self)?,
+            _ if self.resize == ResizeMode::ShorterSideCrop => {
+                return Err("image.resize = \"shorter_side_crop\" is for mode = \"tensor\"; proposals take letterbox or stretch".into())
+            }
+            _ => {}
+        }
         Ok(())
     }
 }
@@ -197,11 +241,13 @@ fn check_face_size(size: u32) -> Result<(), String> {
 /// The `image` converter of the task table.
 pub struct ImageTask {
     options: ImageOptions,
+    /// `tensor` mode: the task's `[[outputs]]` rows.
+    outputs: Option<Arc<Outputs>>,
 }
 
 impl ImageTask {
-    pub fn new(options: ImageOptions) -> Self {
-        ImageTask { options }
+    pub fn new(options: ImageOptions, outputs: Option<Arc<Outputs>>) -> Self {
+        ImageTask { options, outputs }
     }
 }
 
@@ -250,18 +296,45 @@ pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>)
 
 impl Converter for ImageTask {
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
+        if self.options.mode == ImageMode::Tensor {
+            if options.is_some_and(|v| !v.is_null()) {
+                return Err(Failure::new(ErrorKind::InvalidRequest, Stage::Parse, "this task takes no options"));
+            }
+            let outputs = self.outputs.clone().ok_or_else(|| {
+                Failure::new(ErrorKind::Internal, Stage::Parse, "image mode \"tensor\" was built without its outputs")
+            })?;
+            return Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs }));
+        }
         let options = image_options(&self.options, options)?;
         Ok(match options.mode {
             ImageMode::Faces => Arc::new(cascade::CascadePlan::new(options)),
-            ImageMode::Proposals => Arc::new(ImagePlan { options }),
+            ImageMode::Proposals | ImageMode::Tensor => Arc::new(ImagePlan { options }),
         })
     }
 
     fn stage_models(&self) -> Vec<String> {
         match self.options.mode {
             ImageMode::Faces => vec![self.options.refine_model.clone(), self.options.output_model.clone()],
-            ImageMode::Proposals => Vec::new(),
+            ImageMode::Proposals | ImageMode::Tensor => Vec::new(),
         }
+    }
+}
+
+/// `mode = "tensor"`: one call with the configured input, the outputs by the task's rows.
+struct TensorPlan {
+    options: ImageOptions,
+    outputs: Arc<Outputs>,
+}
+
+impl Plan for TensorPlan {
+    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
+        tensor::probe_bytes(bytes, &self.options)
+    }
+
+    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+        let (tensor, input) = tensor::convert(bytes, &self.options)?;
+        let finish = OutputsFinish { outputs: self.outputs.clone(), input };
+        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
     }
 }
 

@@ -1,0 +1,438 @@
+//! A configured task's result: the model's output tensors, each through the post-processors its
+//! `[[tasks.<name>.outputs]]` row names (softmax, sigmoid, argmax, top-k with labels,
+//! threshold), into the result's `outputs` object. The generic converters (`image` in `tensor`
+//! mode, `audio`, `tensor`) all finish here, so a model needs no Rust of its own.
+//!
+//! Every post-processor works along the tensor's last dimension, one row at a time (a `[1, 1000]`
+//! classifier output is one row; a `[frames]` pitch track is one row of `frames`; a `[n, 5]`
+//! output is `n` rows). What each gives, under `outputs.<name>`:
+//! - nothing, `softmax`, `sigmoid`: `{"shape": [...], "data": [...]}`, the values row-major;
+//! - `threshold` (last): `{"shape": [...], "data": [true, false, ...]}`, value ≥ `threshold`;
+//! - `argmax` (last): `{"shape": [rows...], "index": [...], "label": [...]}` (labels when a
+//!   labels file is named; an index past its end has `null`);
+//! - `top_k` (last): `{"shape": [rows...], "top_k": [[{"index", "label", "score"}, ...], ...]}`,
+//!   highest first, ties by the lower index.
+//!
+//! Bounds: at most [`MAX_OUTPUT_RULES`] rows; a model output holding more than the task's
+//! `max_output_elements` values is a dead letter (`output_rejected`) naming the output and the
+//! limit, before any post-processing; `top_k` at most [`MAX_TOP_K`]; a labels file at most
+//! [`MAX_LABELS_BYTES`] and [`MAX_LABELS`] lines, each label cut to [`MAX_LABEL_BYTES`].
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use vramgate_shared::events::{ErrorKind, Stage};
+
+use super::{only_answer, Finish, Step};
+use crate::call::client::OutputTensor;
+use crate::failure::Failure;
+
+/// At most this many `[[tasks.<name>.outputs]]` rows per task.
+pub const MAX_OUTPUT_RULES: usize = 16;
+/// Largest `top_k`.
+pub const MAX_TOP_K: usize = 1000;
+/// Largest labels file read.
+pub const MAX_LABELS_BYTES: u64 = 4 * 1024 * 1024;
+/// Most labels (lines) in one file.
+pub const MAX_LABELS: usize = 100_000;
+/// A longer label is cut (at a character boundary) to this many bytes.
+pub const MAX_LABEL_BYTES: usize = 256;
+/// Default and largest `max_output_elements`.
+pub const DEFAULT_MAX_OUTPUT_ELEMENTS: usize = 65_536;
+pub const MAX_OUTPUT_ELEMENTS: usize = 4_194_304;
+
+/// One post-processing step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PostOp {
+    /// `exp(x - max) / sum` along the last dimension.
+    Softmax,
+    /// `1 / (1 + exp(-x))`, each value.
+    Sigmoid,
+    /// The index of the largest value of each row (the first of equals). Last.
+    Argmax,
+    /// The `top_k` largest values of each row, with their indices and labels. Last.
+    TopK,
+    /// Each value ≥ `threshold`, as booleans. Last.
+    Threshold,
+}
+
+impl PostOp {
+    fn is_terminal(self) -> bool {
+        matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold)
+    }
+}
+
+/// One `[[tasks.<name>.outputs]]` row: a model output to ask for and what to do with it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputRule {
+    /// The model output's name.
+    pub name: String,
+    /// Applied in order; `argmax`, `top_k` and `threshold` only last.
+    #[serde(default)]
+    pub post: Vec<PostOp>,
+    /// For `top_k`.
+    #[serde(default = "default_top_k")]
+    pub top_k: usize,
+    /// For `threshold`.
+    #[serde(default = "default_threshold")]
+    pub threshold: f32,
+    /// For `argmax` and `top_k`: a text file, one label per line, line `i` naming index `i`.
+    /// Relative to the gateway's working directory.
+    #[serde(default)]
+    pub labels: Option<PathBuf>,
+}
+
+fn default_top_k() -> usize {
+    5
+}
+
+fn default_threshold() -> f32 {
+    0.5
+}
+
+impl OutputRule {
+    /// Checks what the types cannot; `at` is the row's key (`outputs[0]`).
+    fn validate(&self, at: &str) -> Result<(), String> {
+        if self.name.is_empty() || self.name.len() > 128 {
+            return Err(format!("{at}.name must be 1 to 128 bytes"));
+        }
+        for (i, op) in self.post.iter().enumerate() {
+            if op.is_terminal() && i + 1 != self.post.len() {
+                return Err(format!("{at}.post: {op:?} must be the last step").to_lowercase());
+            }
+        }
+        if self.post.len() > 4 {
+            return Err(format!("{at}.post has {} steps; at most 4", self.post.len()));
+        }
+        if !(1..=MAX_TOP_K).contains(&self.top_k) {
+            return Err(format!("{at}.top_k must be 1 to {MAX_TOP_K}, got {}", self.top_k));
+        }
+        if !self.threshold.is_finite() {
+            return Err(format!("{at}.threshold must be a finite number"));
+        }
+        if self.labels.is_some() && !matches!(self.post.last(), Some(PostOp::Argmax | PostOp::TopK)) {
+            return Err(format!("{at}.labels is only read by post = [..., \"argmax\"] or [..., \"top_k\"]"));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a task's output rows (`tasks.<name>.` is prefixed by the caller).
+pub fn validate(rules: &[OutputRule], max_output_elements: usize) -> Result<(), String> {
+    if rules.is_empty() {
+        return Err("outputs needs at least one [[tasks.<name>.outputs]] row (name = \"<model output>\")".into());
+    }
+    if rules.len() > MAX_OUTPUT_RULES {
+        return Err(format!("outputs has {} rows; at most {MAX_OUTPUT_RULES}", rules.len()));
+    }
+    for (i, rule) in rules.iter().enumerate() {
+        rule.validate(&format!("outputs[{i}]"))?;
+        if rules[..i].iter().any(|r| r.name == rule.name) {
+            return Err(format!("outputs[{i}].name '{}' is listed twice", rule.name));
+        }
+    }
+    if !(1..=MAX_OUTPUT_ELEMENTS).contains(&max_output_elements) {
+        return Err(format!("max_output_elements must be 1 to {MAX_OUTPUT_ELEMENTS}, got {max_output_elements}"));
+    }
+    Ok(())
+}
+
+/// A task's output rows, their labels read, ready to finish requests.
+#[derive(Debug)]
+pub struct Outputs {
+    rules: Vec<(OutputRule, Option<Vec<String>>)>,
+    /// The names asked of the worker. Leaked once per task (the task table is read once per
+    /// process) so that calls borrow them like the built-in tasks' constant names.
+    names: &'static [&'static str],
+    max_output_elements: usize,
+}
+
+impl Outputs {
+    /// Reads the labels files; an unreadable or oversized one is an error naming it.
+    pub fn load(rules: &[OutputRule], max_output_elements: usize) -> Result<Arc<Outputs>, String> {
+        validate(rules, max_output_elements)?;
+        let mut loaded = Vec::with_capacity(rules.len());
+        for (i, rule) in rules.iter().enumerate() {
+            let labels = match &rule.labels {
+                Some(path) => Some(read_labels(path).map_err(|e| format!("outputs[{i}].labels: {e}"))?),
+                None => None,
+            };
+            loaded.push((rule.clone(), labels));
+        }
+        let names: Vec<&'static str> = rules.iter().map(|r| &*Box::leak(r.name.clone().into_boxed_str())).collect();
+        Ok(Arc::new(Outputs { rules: loaded, names: Box::leak(names.into_boxed_slice()), max_output_elements }))
+    }
+
+    pub fn names(&self) -> &'static [&'static str] {
+        self.names
+    }
+
+    /// The result's `outputs` object from one call's answer.
+    pub fn render(&self, tensors: &[OutputTensor]) -> Result<Value, Failure> {
+        let mut out = serde_json::Map::new();
+        for (rule, labels) in &self.rules {
+            let Some(tensor) = tensors.iter().find(|t| t.name == rule.name) else {
+                return Err(Failure::new(
+                    ErrorKind::Internal,
+                    Stage::Postprocess,
+                    format!("the worker's answer has no output '{}'", rule.name),
+                ));
+            };
+            if tensor.data.len() > self.max_output_elements {
+                return Err(Failure::new(
+                    ErrorKind::OutputRejected,
+                    Stage::Postprocess,
+                    format!(
+                        "output '{}' has {} values (shape {:?}), more than max_output_elements {}",
+                        rule.name,
+                        tensor.data.len(),
+                        tensor.shape,
+                        self.max_output_elements
+                    ),
+                ));
+            }
+            out.insert(rule.name.clone(), apply(rule, labels.as_deref(), tensor)?);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+fn read_labels(path: &Path) -> Result<Vec<String>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if meta.len() > MAX_LABELS_BYTES {
+        return Err(format!("{} is {} bytes, more than {MAX_LABELS_BYTES}", path.display(), meta.len()));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {} as UTF-8: {e}", path.display()))?;
+    let labels: Vec<String> = text.lines().map(|l| cut(l.trim_end_matches('\r'), MAX_LABEL_BYTES).to_string()).collect();
+    if labels.len() > MAX_LABELS {
+        return Err(format!("{} has {} lines, more than {MAX_LABELS}", path.display(), labels.len()));
+    }
+    Ok(labels)
+}
+
+fn cut(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// One output through its rule.
+fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor) -> Result<Value, Failure> {
+    let shape = &tensor.shape;
+    let expected: usize = shape.iter().product();
+    if expected != tensor.data.len() {
+        return Err(Failure::new(
+            ErrorKind::Internal,
+            Stage::Postprocess,
+            format!("output '{}' has shape {shape:?} but {} values", rule.name, tensor.data.len()),
+        ));
+    }
+    // A scalar or empty-row output has no last dimension to work along: one row of its values.
+    let row_len = shape.last().copied().filter(|_| !shape.is_empty()).unwrap_or(1).max(1);
+    let row_shape = if shape.is_empty() { Vec::new() } else { shape[..shape.len() - 1].to_vec() };
+    let mut values = tensor.data.clone();
+    for op in &rule.post {
+        match op {
+            PostOp::Softmax => values.chunks_mut(row_len).for_each(softmax),
+            PostOp::Sigmoid => values.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            PostOp::Threshold => {
+                let above: Vec<bool> = values.iter().map(|&v| v >= rule.threshold).collect();
+                return Ok(json!({ "shape": shape, "data": above }));
+            }
+            PostOp::Argmax => {
+                let index: Vec<usize> = values.chunks(row_len).map(argmax).collect();
+                let mut out = json!({ "shape": row_shape, "index": index });
+                if let Some(labels) = labels {
+                    out["label"] = index.iter().map(|&i| label(labels, i)).collect();
+                }
+                return Ok(out);
+            }
+            PostOp::TopK => {
+                let rows: Vec<Value> = values
+                    .chunks(row_len)
+                    .map(|row| {
+                        top_k(row, rule.top_k)
+                            .into_iter()
+                            .map(|(index, score)| {
+                                let mut entry = json!({ "index": index, "score": finite(score) });
+                                if let Some(labels) = labels {
+                                    entry["label"] = label(labels, index);
+                                }
+                                entry
+                            })
+                            .collect()
+                    })
+                    .collect();
+                return Ok(json!({ "shape": row_shape, "top_k": rows }));
+            }
+        }
+    }
+    let data: Vec<Value> = values.into_iter().map(finite).collect();
+    Ok(json!({ "shape": shape, "data": data }))
+}
+
+/// JSON has no NaN or infinity: they are written as `null`.
+fn finite(v: f32) -> Value {
+    if v.is_finite() {
+        json!(v)
+    } else {
+        Value::Null
+    }
+}
+
+fn label(labels: &[String], index: usize) -> Value {
+    labels.get(index).map_or(Value::Null, |l| Value::String(l.clone()))
+}
+
+fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += f64::from(*v);
+    }
+    for v in row.iter_mut() {
+        *v = (f64::from(*v) / sum) as f32;
+    }
+}
+
+/// The first index of the largest value (NaN never wins).
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] || row[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best
+}
+
+/// The `k` largest of a row, highest first, ties by the lower index; NaN last.
+fn top_k(row: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut indexed: Vec<(usize, f32)> = row.iter().copied().enumerate().collect();
+    let order = |a: &(usize, f32), b: &(usize, f32)| {
+        let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        key(b.1).total_cmp(&key(a.1)).then(a.0.cmp(&b.0))
+    };
+    let k = k.min(indexed.len());
+    if k < indexed.len() && k > 0 {
+        indexed.select_nth_unstable_by(k - 1, order);
+        indexed.truncate(k);
+    }
+    indexed.sort_by(order);
+    indexed.truncate(k);
+    indexed
+}
+
+/// The finish of a configured task: one call, its outputs rendered by the rules, next to what
+/// the converter reports about the input.
+pub struct OutputsFinish {
+    pub outputs: Arc<Outputs>,
+    /// What the converter says about the input (`format`, sizes, duration), under `input`.
+    pub input: Value,
+}
+
+impl Finish for OutputsFinish {
+    fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
+        let tensors = only_answer(answers)?;
+        let outputs = self.outputs.render(&tensors)?;
+        Ok(Step::Done(json!({ "input": self.input, "outputs": outputs })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(json_text: &str) -> OutputRule {
+        serde_json::from_str(json_text).expect("rule parses")
+    }
+
+    fn tensor(name: &str, shape: Vec<usize>, data: Vec<f32>) -> OutputTensor {
+        OutputTensor { name: name.into(), shape, data }
+    }
+
+    #[test]
+    fn softmax_then_top_k_names_labels_and_orders_ties_by_index() {
+        let dir = std::env::temp_dir().join(format!("vramgate-labels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let labels = dir.join("labels.txt");
+        std::fs::write(&labels, "cat\ndog\r\nbird\n").expect("labels");
+        let r = rule(&json!({"name": "logits", "post": ["softmax", "top_k"], "top_k": 3, "labels": labels}).to_string());
+        let outputs = Outputs::load(&[r], 100).expect("loads");
+        assert_eq!(outputs.names(), &["logits"]);
+        let value = outputs.render(&[tensor("logits", vec![1, 4], vec![1.0, 3.0, 3.0, 0.0])]).expect("renders");
+        let top = &value["logits"]["top_k"][0];
+        assert_eq!(value["logits"]["shape"], json!([1]));
+        assert_eq!((top[0]["index"].clone(), top[0]["label"].clone()), (json!(1), json!("dog")));
+        assert_eq!((top[1]["index"].clone(), top[1]["label"].clone()), (json!(2), json!("bird")));
+        assert_eq!((top[2]["index"].clone(), top[2]["label"].clone()), (json!(0), json!("cat")));
+        let e = |x: f64| x.exp();
+        let want = e(3.0) / (e(1.0) + 2.0 * e(3.0) + 1.0);
+        assert!((top[0]["score"].as_f64().expect("score") - want).abs() < 1e-6);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn argmax_threshold_and_raw_work_row_by_row() {
+        let t = tensor("p", vec![2, 3], vec![0.1, 0.9, 0.2, 0.7, f32::NAN, 0.7]);
+        let argmax = Outputs::load(&[rule(r#"{"name": "p", "post": ["argmax"]}"#)], 100).expect("argmax");
+        assert_eq!(argmax.render(std::slice::from_ref(&t)).expect("renders")["p"], json!({"shape": [2], "index": [1, 0]}));
+        let threshold = Outputs::load(&[rule(r#"{"name": "p", "post": ["threshold"], "threshold": 0.7}"#)], 100).expect("threshold");
+        let above = threshold.render(std::slice::from_ref(&t)).expect("renders");
+        assert_eq!(above["p"]["data"], json!([false, true, false, true, false, true]));
+        let raw = Outputs::load(&[rule(r#"{"name": "p"}"#)], 100).expect("raw");
+        let value = raw.render(std::slice::from_ref(&t)).expect("renders");
+        assert_eq!(value["p"]["shape"], json!([2, 3]));
+        assert_eq!(value["p"]["data"][4], Value::Null, "NaN is written as null");
+        let sigmoid = Outputs::load(&[rule(r#"{"name": "p", "post": ["sigmoid"]}"#)], 100).expect("sigmoid");
+        let s = sigmoid.render(&[tensor("p", vec![1], vec![0.0])]).expect("renders");
+        assert_eq!(s["p"]["data"], json!([0.5]));
+    }
+
+    #[test]
+    fn an_output_past_the_limit_is_refused_naming_it() {
+        let outputs = Outputs::load(&[rule(r#"{"name": "big"}"#)], 4).expect("loads");
+        let err = outputs.render(&[tensor("big", vec![5], vec![0.0; 5])]).expect_err("too large");
+        assert_eq!((err.kind, err.stage), (ErrorKind::OutputRejected, Stage::Postprocess));
+        assert!(err.message.contains("'big' has 5 values") && err.message.contains("max_output_elements 4"), "{}", err.message);
+        let missing = outputs.render(&[tensor("other", vec![1], vec![0.0])]).expect_err("missing");
+        assert!(missing.message.contains("no output 'big'"), "{}", missing.message);
+    }
+
+    #[test]
+    fn bad_rules_are_named() {
+        let check = |rules: Vec<OutputRule>, max: usize, want: &str| {
+            let err = validate(&rules, max).expect_err(want);
+            assert!(err.contains(want), "{err} should contain {want}");
+        };
+        check(vec![], 10, "at least one");
+        check(vec![rule(r#"{"name": "x", "post": ["argmax", "softmax"]}"#)], 10, "outputs[0].post: argmax must be the last step");
+        check(vec![rule(r#"{"name": "x", "post": ["top_k"], "top_k": 0}"#)], 10, "outputs[0].top_k must be 1 to 1000");
+        check(vec![rule(r#"{"name": "x", "labels": "l.txt"}"#)], 10, "outputs[0].labels is only read by");
+        check(vec![rule(r#"{"name": "x"}"#), rule(r#"{"name": "x"}"#)], 10, "outputs[1].name 'x' is listed twice");
+        check(vec![rule(r#"{"name": "x"}"#)], 0, "max_output_elements must be 1 to");
+        assert!(serde_json::from_str::<OutputRule>(r#"{"name": "x", "post": ["median"]}"#).is_err());
+        let err = Outputs::load(&[rule(r#"{"name": "x", "post": ["argmax"], "labels": "/nonexistent/labels.txt"}"#)], 10)
+            .expect_err("missing labels");
+        assert!(err.starts_with("outputs[0].labels: cannot read /nonexistent/labels.txt"), "{err}");
+    }
+
+    #[test]
+    fn top_k_keeps_the_largest_and_puts_nan_last() {
+        assert_eq!(top_k(&[0.1, 0.5, 0.3, f32::NAN], 2), vec![(1, 0.5), (2, 0.3)]);
+        assert_eq!(top_k(&[0.1], 5), vec![(0, 0.1)]);
+        let all = top_k(&[f32::NAN, 0.2], 2);
+        assert_eq!(all[0], (1, 0.2));
+        assert!(all[1].1.is_nan());
+    }
+}

@@ -1,0 +1,247 @@
+//! The `tensor` converter: the model's input tensor is in the event itself, for models whose
+//! input no converter here makes (features computed upstream, token ids, embeddings).
+//!
+//! The input bytes (inline `data_b64` or a `file://` file, like any input) are one JSON object:
+//! - OIP's JSON form: `{"datatype": "FP32", "shape": [1, 4], "data": [0.5, 1, 2, 3]}`
+//!   (`data` flat or nested, row-major);
+//! - or raw little-endian bytes: `{"datatype": "FP32", "shape": [1, 4], "data_b64": "…"}`,
+//!   exactly `elements × element size` bytes.
+//!
+//! Either is decoded by the worker protocol's own decoder (`vramgate_shared::oip`), so the
+//! checks are the worker's: datatype spelling, shape against the values, no negative or
+//! overflowing dimension. On top: `max_elements`, and the task's `datatype` when it names one.
+//! The tensor goes to the model input `input` as it is; the outputs go through the task's
+//! `[[outputs]]` rows.
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use vramgate_shared::events::{ErrorKind, Stage};
+use vramgate_shared::oip::{self, DataType, DecodeLimits, Tensor};
+
+use super::outputs::{Outputs, OutputsFinish};
+use super::{Converted, Converter, Plan};
+use crate::failure::Failure;
+
+/// Largest `max_elements`.
+pub const MAX_TENSOR_ELEMENTS: usize = 1 << 28;
+
+/// Options of the `tensor` converter (`[tasks.<name>.tensor]`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TensorOptions {
+    /// The model input's name.
+    pub input: String,
+    /// When set, the only datatype taken (another is a dead letter naming both).
+    pub datatype: Option<DataType>,
+    /// Most elements of one input tensor.
+    pub max_elements: usize,
+}
+
+impl Default for TensorOptions {
+    fn default() -> Self {
+        TensorOptions { input: "input".into(), datatype: None, max_elements: 1 << 20 }
+    }
+}
+
+impl TensorOptions {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.input.is_empty() || self.input.len() > 128 {
+            return Err("tensor.input must be 1 to 128 bytes".into());
+        }
+        if !(1..=MAX_TENSOR_ELEMENTS).contains(&self.max_elements) {
+            return Err(format!("tensor.max_elements must be 1 to {MAX_TENSOR_ELEMENTS}, got {}", self.max_elements));
+        }
+        if self.datatype == Some(DataType::Bytes) {
+            return Err("tensor.datatype BYTES is not a tensor a model takes here".into());
+        }
+        Ok(())
+    }
+}
+
+/// The event's tensor, either form.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventTensor {
+    datatype: String,
+    shape: Vec<i64>,
+    #[serde(default)]
+    data: Option<Value>,
+    #[serde(default)]
+    data_b64: Option<String>,
+}
+
+pub struct TensorTask {
+    options: TensorOptions,
+    outputs: Arc<Outputs>,
+}
+
+impl TensorTask {
+    pub fn new(options: TensorOptions, outputs: Arc<Outputs>) -> Self {
+        TensorTask { options, outputs }
+    }
+}
+
+impl Converter for TensorTask {
+    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
+        if options.is_some_and(|v| !v.is_null()) {
+            return Err(invalid("this task takes no options".into()));
+        }
+        Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
+    }
+}
+
+struct TensorPlan {
+    options: TensorOptions,
+    outputs: Arc<Outputs>,
+}
+
+fn invalid(message: String) -> Failure {
+    Failure::new(ErrorKind::InvalidRequest, Stage::Convert, message)
+}
+
+impl TensorPlan {
+    /// The most bytes a decoded tensor may hold (the widest element is 8 bytes).
+    fn max_decoded_bytes(&self) -> usize {
+        self.options.max_elements.saturating_mul(8)
+    }
+
+    fn decode(&self, bytes: &[u8]) -> Result<Tensor, Failure> {
+        let event: EventTensor = serde_json::from_slice(bytes).map_err(|e| {
+            invalid(format!(
+                "input is not a tensor: {e} (expected {{\"datatype\", \"shape\", \"data\"}} or {{…, \"data_b64\"}})"
+            ))
+        })?;
+        let elements = event.shape.iter().try_fold(1u64, |acc, &d| u64::try_from(d).ok().and_then(|d| acc.checked_mul(d)));
+        match elements {
+            Some(n) if n <= self.options.max_elements as u64 => {}
+            Some(n) => {
+                return Err(Failure::new(
+                    ErrorKind::InputTooLarge,
+                    Stage::Convert,
+                    format!("tensor shape {:?} holds {n} elements, more than tensor.max_elements {}", event.shape, self.options.max_elements),
+                ))
+            }
+            None => return Err(invalid(format!("tensor shape {:?} has a negative or overflowing dimension", event.shape))),
+        }
+        if let Some(want) = self.options.datatype {
+            if event.datatype != want.as_str() {
+                return Err(invalid(format!("tensor datatype is {:?}; this task takes {}", cut(&event.datatype), want.as_str())));
+            }
+        }
+        let limits = DecodeLimits { max_decoded_bytes: self.max_decoded_bytes() };
+        let input = oip::RequestInput {
+            name: self.options.input.clone(),
+            shape: event.shape,
+            datatype: event.datatype,
+            parameters: None,
+            data: None,
+        };
+        let (body, header_len) = match (event.data, event.data_b64) {
+            (Some(data), None) => {
+                let request = oip::InferRequest { inputs: vec![oip::RequestInput { data: Some(data), ..input }], ..Default::default() };
+                (serde_json::to_vec(&request).expect("a request serialises"), None)
+            }
+            (None, Some(b64)) => {
+                let raw = base64::engine::general_purpose::STANDARD
+                    .decode(b64.as_bytes())
+                    .map_err(|e| invalid(format!("tensor data_b64 is not base64: {e}")))?;
+                let mut parameters = oip::Parameters::default();
+                parameters.insert("binary_data_size".into(), json!(raw.len()));
+                let request = oip::InferRequest {
+                    inputs: vec![oip::RequestInput { parameters: Some(parameters), ..input }],
+                    ..Default::default()
+                };
+                let mut body = serde_json::to_vec(&request).expect("a request serialises");
+                let header = body.len();
+                body.extend_from_slice(&raw);
+                (body, Some(header))
+            }
+            _ => return Err(invalid("tensor needs exactly one of data and data_b64".into())),
+        };
+        let (_, mut tensors) = oip::decode_request_with_limits(&body, header_len, &limits)
+            .map_err(|e| invalid(format!("tensor: {}", cut(&e.to_string()))))?;
+        Ok(tensors.remove(0))
+    }
+}
+
+/// Error text from the input is cut to keep a dead letter's message bounded.
+fn cut(s: &str) -> String {
+    s.chars().take(200).collect()
+}
+
+impl Plan for TensorPlan {
+    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
+        // The parsed JSON, the request body rebuilt from it, and the tensor. A value takes at
+        // least two bytes of JSON ("0,"), 32 parsed (a `serde_json::Value`, and at most
+        // `max_elements` of them pass; an array's own Value counted with its first element)
+        // and at most eight decoded; base64 is larger than its bytes.
+        let len = bytes.len() as u64;
+        let elements = self.options.max_elements as u64;
+        let parsed = len.saturating_mul(16).min(elements.saturating_mul(64)).max(len);
+        let tensor = len.saturating_mul(4).min(self.max_decoded_bytes() as u64);
+        Ok(parsed.saturating_add(len).saturating_add(tensor))
+    }
+
+    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+        let tensor = self.decode(bytes)?;
+        let input = json!({ "datatype": tensor.datatype().as_str(), "shape": tensor.shape });
+        let finish = OutputsFinish { outputs: self.outputs.clone(), input };
+        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vramgate_shared::oip::TensorData;
+
+    use super::*;
+    use crate::tasks::outputs::OutputRule;
+
+    fn plan(options: TensorOptions) -> Arc<dyn Plan> {
+        let rule: OutputRule = serde_json::from_str(r#"{"name": "y"}"#).expect("rule");
+        let outputs = Outputs::load(&[rule], 100).expect("outputs");
+        TensorTask::new(options, outputs).plan(None).expect("plan")
+    }
+
+    fn tensor_of(plan: &Arc<dyn Plan>, input: Value) -> Result<Tensor, Failure> {
+        let bytes = serde_json::to_vec(&input).expect("json");
+        plan.convert(&bytes).map(|mut c| c.calls.remove(0).tensor)
+    }
+
+    #[test]
+    fn both_forms_decode_to_the_same_tensor() {
+        let p = plan(TensorOptions { input: "x".into(), ..TensorOptions::default() });
+        let json_form = tensor_of(&p, json!({"datatype": "FP32", "shape": [2, 2], "data": [[1.0, 2.0], [3.0, -4.5]]})).expect("json");
+        let raw: Vec<u8> = [1.0f32, 2.0, 3.0, -4.5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(raw);
+        let raw_form = tensor_of(&p, json!({"datatype": "FP32", "shape": [2, 2], "data_b64": b64})).expect("raw");
+        assert_eq!(json_form, raw_form);
+        assert_eq!((json_form.name.as_str(), json_form.data), ("x", TensorData::Fp32(vec![1.0, 2.0, 3.0, -4.5])));
+        let ints = tensor_of(&p, json!({"datatype": "INT64", "shape": [3], "data": [1, 2, 3]})).expect("ints");
+        assert_eq!(ints.data, TensorData::Int64(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn bad_tensors_are_named_and_never_panic() {
+        let p = plan(TensorOptions { datatype: Some(DataType::Fp32), max_elements: 8, ..TensorOptions::default() });
+        let check = |input: Value, kind: ErrorKind, want: &str| {
+            let err = tensor_of(&p, input).expect_err(want);
+            assert_eq!(err.kind, kind, "{}", err.message);
+            assert!(err.message.contains(want), "{} should contain {want}", err.message);
+        };
+        check(json!({"datatype": "FP32", "shape": [3, 3], "data": vec![0; 9]}), ErrorKind::InputTooLarge, "more than tensor.max_elements 8");
+        check(json!({"datatype": "INT64", "shape": [1], "data": [1]}), ErrorKind::InvalidRequest, "this task takes FP32");
+        check(json!({"datatype": "FP32", "shape": [2], "data": [1.0]}), ErrorKind::InvalidRequest, "tensor:");
+        check(json!({"datatype": "FP32", "shape": [-1], "data": []}), ErrorKind::InvalidRequest, "negative or overflowing");
+        check(json!({"datatype": "FP32", "shape": [1]}), ErrorKind::InvalidRequest, "exactly one of data and data_b64");
+        check(json!({"datatype": "FP32", "shape": [2], "data_b64": "AAAA"}), ErrorKind::InvalidRequest, "tensor:");
+        check(json!({"datatype": "FP32", "shape": [1], "data_b64": "%%"}), ErrorKind::InvalidRequest, "not base64");
+        check(json!({"dtype": "FP32"}), ErrorKind::InvalidRequest, "input is not a tensor");
+        for garbage in [&b"\xff\xfe"[..], b"[1,2]", b"", &[b'['; 10_000][..]] {
+            assert!(p.convert(garbage).is_err());
+        }
+    }
+}

