@@ -159,6 +159,14 @@ impl GatewayConfig {
             if task.configured_outputs() {
                 crate::tasks::outputs::validate(&task.outputs, task.max_output_elements)
                     .map_err(|e| format!("tasks.{name}.{e}"))?;
+                let whole_audio =
+                    task.converter == Converter::Audio && task.audio.frames.is_none() && task.audio.length.is_none();
+                if crate::tasks::outputs::Outputs::wants_speech_segments(&task.outputs) && !whole_audio {
+                    return Err(format!(
+                        "tasks.{name}.outputs: speech_segments needs converter \"audio\" without audio.length or \
+                         audio.frames (the probabilities of the whole signal, window by window)"
+                    ));
+                }
             } else if !task.outputs.is_empty() {
                 return Err(format!(
                     "tasks.{name}.outputs is for the audio and tensor converters and image mode \"tensor\"; \
@@ -726,6 +734,40 @@ mod tests {
             assert!(!err.contains("123456789"), "{err}");
             Ok(())
         });
+    }
+
+    #[test]
+    fn configured_tasks_are_checked_row_by_row() {
+        let check = |toml: &str, want: &str| {
+            figment::Jail::expect_with(|jail| {
+                jail.create_file("g.toml", toml)?;
+                let config: GatewayConfig =
+                    vramgate_shared::config::load(Some(std::path::Path::new("g.toml")), "VGGW_C_").expect("parses");
+                match (config.validate(), want) {
+                    (Ok(()), "") => {}
+                    (Ok(()), want) => panic!("accepted; expected an error with {want}"),
+                    (Err(e), want) => assert!(!want.is_empty() && e.contains(want), "{e} should contain {want:?}"),
+                }
+                Ok(())
+            });
+        };
+        let audio = "[tasks.s]\nconverter = \"audio\"\nmodel = \"silero_vad\"\n";
+        check(&format!("{audio}[[tasks.s.outputs]]\nname = \"speech_prob\"\npost = [\"speech_segments\"]\n"), "");
+        check(audio, "tasks.s.outputs needs at least one");
+        check(
+            &format!("{audio}[tasks.s.audio]\nframes = {{ size = 512, hop = 512 }}\n[[tasks.s.outputs]]\nname = \"p\"\npost = [\"speech_segments\"]\n"),
+            "speech_segments needs converter \"audio\" without audio.length or audio.frames",
+        );
+        check("[[tasks.voice.outputs]]\nname = \"x\"\n", "tasks.voice.outputs is for the audio and tensor converters");
+        check(
+            "[tasks.t]\nconverter = \"tensor\"\nmodel = \"m\"\n[tasks.t.tensor]\nmax_elements = 0\n[[tasks.t.outputs]]\nname = \"y\"\n",
+            "tasks.t.tensor.max_elements must be 1 to",
+        );
+        check(
+            "[tasks.c]\nconverter = \"image\"\nmodel = \"m\"\n[tasks.c.image]\nmode = \"tensor\"\nwidth = 224\nheight = 224\n\
+             [[tasks.c.outputs]]\nname = \"logits\"\npost = [\"softmax\", \"top_k\"]\n",
+            "",
+        );
     }
 
     /// Loads the config with `vars` set in the environment (prefix `VGGW_`) and hands it to

