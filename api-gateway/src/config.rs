@@ -161,6 +161,13 @@ impl GatewayConfig {
                     .map_err(|e| format!("tasks.{name}.{e}"))?;
                 let whole_audio =
                     task.converter == Converter::Audio && task.audio.frames.is_none() && task.audio.length.is_none();
+                let image_tensor = task.converter == Converter::Image;
+                if crate::tasks::outputs::Outputs::wants_face_boxes(&task.outputs) && !image_tensor {
+                    return Err(format!(
+                        "tasks.{name}.outputs: face_boxes needs converter \"image\" (mode \"tensor\"), whose placement maps \
+                         the boxes back to the image"
+                    ));
+                }
                 if crate::tasks::outputs::Outputs::wants_speech_segments(&task.outputs) && !whole_audio {
                     return Err(format!(
                         "tasks.{name}.outputs: speech_segments needs converter \"audio\" without audio.length or \

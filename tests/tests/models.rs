@@ -13,7 +13,9 @@
 //!   speech, sent as WAV, FLAC, Ogg Vorbis and MP3;
 //! - the same CREPE behind the `tensor` converter, its frames cut by the test;
 //! - Silero VAD behind the `audio` converter with the `speech_segments` post-processor, giving
-//!   the segments the coded `wav` task gives for the same clip.
+//!   the segments the coded `wav` task gives for the same clip;
+//! - P-Net behind the `image` converter's tensor mode with the `face_boxes` post-processor,
+//!   giving the boxes the coded `proposals` mode gives for the same photograph.
 //!
 //! Then bad events on each task: each ends in a dead letter naming what was wrong, and the event
 //! behind it still gets its result.
@@ -28,7 +30,7 @@ use serde_json::{json, Value};
 use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
 use vramgate_tests::{
     collect, photo, producer, repo_root, request_file, request_inline, scratch_dir, send, start_gateway_config,
-    start_worker, unique, venv_python, TaskTopics, VAD_KEYS,
+    start_worker, unique, venv_python, TaskTopics, PNET_KEYS, VAD_KEYS,
 };
 
 /// The issue's agreement for a pitch tracker: within 25 cents on voiced frames.
@@ -140,9 +142,11 @@ async fn models_added_by_configuration_agree_with_their_packages() {
     // Silero from config/worker.toml's [[models]], beside the repository's.
     let mut worker = start_worker(&format!(
         "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\nmodel_repository = \"{}\"\n\n\
-         [[models]]\nname = \"silero_vad\"\npath = \"{}\"\n{VAD_KEYS}\n",
+         [[models]]\nname = \"silero_vad\"\npath = \"{}\"\n{VAD_KEYS}\n\n\
+         [[models]]\nname = \"mtcnn_pnet\"\npath = \"{}\"\n{PNET_KEYS}\n",
         repository.display(),
-        repo_root().join("models/silero_vad.jit").display()
+        repo_root().join("models/silero_vad.jit").display(),
+        repo_root().join("models/mtcnn_pnet.jit").display()
     ))
     .await
     .expect("the worker loads the repository");
@@ -153,6 +157,8 @@ async fn models_added_by_configuration_agree_with_their_packages() {
     let frames = TaskTopics::create(&unique("frames"), 1).await.expect("topics");
     let speech_topics = TaskTopics::create(&unique("speech"), 1).await.expect("topics");
     let voice = TaskTopics::create(&unique("voice"), 1).await.expect("topics");
+    let proposals = TaskTopics::create(&unique("proposals"), 1).await.expect("topics");
+    let boxes_topics = TaskTopics::create(&unique("boxes"), 1).await.expect("topics");
     let gateway_toml = root.join("gateway.toml");
     std::fs::write(
         &gateway_toml,
@@ -185,7 +191,35 @@ name = "speech_prob"
 post = ["speech_segments"]
 
 [tasks.image]
-enabled = false
+requests_topic = "{i_req}"
+results_topic = "{i_res}"
+dlq_topic = "{i_dlq}"
+
+[tasks.image.image]
+mode = "proposals"
+resize = "stretch"
+
+[tasks.boxes]
+converter = "image"
+model = "mtcnn_pnet"
+requests_topic = "{b_req}"
+results_topic = "{b_res}"
+dlq_topic = "{b_dlq}"
+
+[tasks.boxes.image]
+mode = "tensor"
+resize = "stretch"
+width = 320
+height = 320
+scale = 1.0
+mean = [127.5, 127.5, 127.5]
+std = [128.0, 128.0, 128.0]
+
+[[tasks.boxes.outputs]]
+name = "face_prob"
+post = ["face_boxes"]
+boxes = "box_offsets"
+threshold = 0.7
 
 [tasks.classify]
 converter = "image"
@@ -265,6 +299,12 @@ threshold = 0.5
             s_req = speech_topics.requests,
             s_res = speech_topics.results,
             s_dlq = speech_topics.dlq,
+            i_req = proposals.requests,
+            i_res = proposals.results,
+            i_dlq = proposals.dlq,
+            b_req = boxes_topics.requests,
+            b_res = boxes_topics.results,
+            b_dlq = boxes_topics.dlq,
         ),
     )
     .expect("writing gateway.toml");
@@ -334,6 +374,10 @@ threshold = 0.5
     let (voice_id, speech_id) = (unique("voice"), unique("speech"));
     send(&producer, &voice.requests, &voice_id, &request_file(&voice_id, "voice", &clip_wav)).await.expect("send");
     send(&producer, &speech_topics.requests, &speech_id, &request_file(&speech_id, "speech", &clip_wav)).await.expect("send");
+    // One photograph to the coded proposals mode and to P-Net by configuration.
+    let (proposals_id, boxes_id) = (unique("proposals"), unique("boxes"));
+    send(&producer, &proposals.requests, &proposals_id, &request_file(&proposals_id, "image", &photos[0])).await.expect("send");
+    send(&producer, &boxes_topics.requests, &boxes_id, &request_file(&boxes_id, "boxes", &photos[0])).await.expect("send");
 
     let bad: Vec<(&TaskTopics, &str, Vec<u8>, &str, &str)> = vec![
         (&classify, "classify", b"not an image at all".to_vec(), "invalid_image", "not a png, jpeg or webp"),
@@ -362,11 +406,12 @@ threshold = 0.5
     let topics: Vec<&str> = [
         &classify.results, &classify.dlq, &pitch.results, &pitch.dlq, &frames.results, &frames.dlq,
         &voice.results, &voice.dlq, &speech_topics.results, &speech_topics.dlq,
+        &proposals.results, &proposals.dlq, &boxes_topics.results, &boxes_topics.dlq,
     ]
     .map(|t| t.as_str())
     .to_vec();
     let mut ids: Vec<String> = expect.iter().map(|(id, _, _)| id.clone()).collect();
-    ids.extend([voice_id.clone(), speech_id.clone()]);
+    ids.extend([voice_id.clone(), speech_id.clone(), proposals_id.clone(), boxes_id.clone()]);
     ids.extend(bad_ids.iter().map(|(id, _, _)| id.clone()));
     let got = collect(&topics, Duration::from_secs(300), |got| ids.iter().all(|id| got.contains_key(id))).await.expect("collect");
     let record = |id: &str| -> Value {
@@ -427,6 +472,21 @@ threshold = 0.5
     let (speech_start, _) = clip.speech.expect("the clip has speech");
     let start = segments[0]["start_seconds"].as_f64().unwrap_or(f64::NAN);
     assert!((start - speech_start).abs() < 0.2, "speech from {speech_start} s, found {segments}");
+
+    // Face boxes on the configured path are the coded proposals mode's, to a tenth of a pixel.
+    let (coded, configured) = (record(&proposals_id), record(&boxes_id));
+    assert_eq!((&coded["status"], &configured["status"]), (&json!("ok"), &json!("ok")), "{coded} {configured}");
+    let want = coded["output"]["faces"].as_array().expect("faces").clone();
+    let got = configured["output"]["outputs"]["face_prob"]["faces"].as_array().expect("faces").clone();
+    assert!(!want.is_empty(), "P-Net proposes boxes on {}: {coded}", PHOTOS[0]);
+    assert_eq!(got.len(), want.len(), "{configured} vs {coded}");
+    for (g, w) in got.iter().zip(&want) {
+        for k in ["x1", "y1", "x2", "y2", "score"] {
+            let (a, b) = (g[k].as_f64().unwrap_or(f64::NAN), w[k].as_f64().unwrap_or(f64::NAN));
+            assert!((a - b).abs() <= 0.1, "{k}: {g} vs {w}");
+        }
+    }
+    eprintln!("P-Net by configuration: {} boxes on {}, the proposals mode's to 0.1 px", got.len(), PHOTOS[0]);
 
     for (id, kind, says) in &bad_ids {
         let letter = record(id);

@@ -253,7 +253,7 @@ impl Plan for AudioPlan {
             input["frames"] = json!(shape[0]);
             input["hop_seconds"] = json!(f.hop as f64 / f64::from(self.options.sample_rate_hz));
         }
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input };
+        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: None };
         Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
     }
 }

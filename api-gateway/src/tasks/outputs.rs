@@ -16,7 +16,12 @@
 //!   per-window probabilities → `{"segments": [{"start_seconds", "end_seconds"}, ...]}`, by
 //!   Silero's `get_speech_timestamps` hysteresis (`crate::audio::segments`), with `segments`
 //!   (threshold, min_speech_ms, min_silence_ms, speech_pad_ms) and `window_samples`: what the
-//!   `wav` converter's voice task answers, on the configured path.
+//!   `wav` converter's voice task answers, on the configured path;
+//! - `face_boxes` (alone; `image` tensor mode): an MTCNN P-Net-style detector's maps (this row's
+//!   output the `[1, 2, h, w]` no-face/face probabilities, the output `boxes` names the
+//!   `[1, 4, h, w]` regressions; one 12-pixel window every 2 pixels) → `{"faces": [{"x1", "y1",
+//!   "x2", "y2", "score"}, ...]}` in the input image's pixels, through `threshold`, `nms_iou` and
+//!   `max_faces`: what the image task's `proposals` mode answers, on the configured path.
 //!
 //! Bounds: at most [`MAX_OUTPUT_RULES`] rows; a model output holding more than the task's
 //! `max_output_elements` values is a dead letter (`output_rejected`) naming the output and the
@@ -30,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vramgate_shared::events::{ErrorKind, Stage};
 
+use super::image::{faces, ImageOptions, Placement};
 use super::voice::SegmentConfig;
 use super::{only_answer, Finish, Step};
 use crate::audio::segments::{speech_segments, SegmentParams};
@@ -67,11 +73,13 @@ pub enum PostOp {
     /// Per-window speech probabilities → speech segments in seconds. Alone; the `audio`
     /// converter only, without `length` or `frames`.
     SpeechSegments,
+    /// P-Net-style face maps → boxes in image pixels. Alone; `image` tensor mode only.
+    FaceBoxes,
 }
 
 impl PostOp {
     fn is_terminal(self) -> bool {
-        matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments)
+        matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments | PostOp::FaceBoxes)
     }
 }
 
@@ -100,6 +108,23 @@ pub struct OutputRule {
     /// For `speech_segments`: samples per probability (Silero VAD: 512 at 16 kHz).
     #[serde(default = "default_window_samples")]
     pub window_samples: u32,
+    /// For `face_boxes`: the model output holding the box regressions (also asked for).
+    #[serde(default)]
+    pub boxes: Option<String>,
+    /// For `face_boxes`: of two boxes overlapping by more than this IoU the lower is dropped.
+    #[serde(default = "default_nms_iou")]
+    pub nms_iou: f32,
+    /// For `face_boxes`: the most boxes reported, best first.
+    #[serde(default = "default_max_faces")]
+    pub max_faces: usize,
+}
+
+fn default_nms_iou() -> f32 {
+    0.5
+}
+
+fn default_max_faces() -> usize {
+    100
 }
 
 fn default_window_samples() -> u32 {
@@ -139,6 +164,23 @@ impl OutputRule {
         }
         if self.post.contains(&PostOp::SpeechSegments) && self.post.len() != 1 {
             return Err(format!("{at}.post: speech_segments takes the model's probabilities as they are, alone"));
+        }
+        if self.post.contains(&PostOp::FaceBoxes) {
+            if self.post.len() != 1 {
+                return Err(format!("{at}.post: face_boxes takes the model's maps as they are, alone"));
+            }
+            match &self.boxes {
+                Some(b) if !b.is_empty() && b.len() <= 128 && *b != self.name => {}
+                _ => return Err(format!("{at}.boxes must name the model output of the box regressions (not {})", self.name)),
+            }
+            if !(0.0..=1.0).contains(&self.nms_iou) || !(0.0..=1.0).contains(&self.threshold) {
+                return Err(format!("{at}.threshold and {at}.nms_iou must be between 0 and 1"));
+            }
+            if !(1..=10_000).contains(&self.max_faces) {
+                return Err(format!("{at}.max_faces must be 1 to 10000, got {}", self.max_faces));
+            }
+        } else if self.boxes.is_some() {
+            return Err(format!("{at}.boxes is only read by post = [\"face_boxes\"]"));
         }
         if !(1..=1 << 20).contains(&self.window_samples) {
             return Err(format!("{at}.window_samples must be 1 to {}, got {}", 1 << 20, self.window_samples));
@@ -192,7 +234,14 @@ impl Outputs {
             };
             loaded.push((rule.clone(), labels));
         }
-        let names: Vec<&'static str> = rules.iter().map(|r| &*Box::leak(r.name.clone().into_boxed_str())).collect();
+        // The rows' outputs, then the regressions a `face_boxes` row reads, each once.
+        let mut wanted: Vec<&str> = rules.iter().map(|r| r.name.as_str()).collect();
+        for boxes in rules.iter().filter_map(|r| r.boxes.as_deref()) {
+            if !wanted.contains(&boxes) {
+                wanted.push(boxes);
+            }
+        }
+        let names: Vec<&'static str> = wanted.into_iter().map(|n| &*Box::leak(n.to_string().into_boxed_str())).collect();
         Ok(Arc::new(Outputs { rules: loaded, names: Box::leak(names.into_boxed_slice()), max_output_elements }))
     }
 
@@ -206,9 +255,15 @@ impl Outputs {
         rules.iter().any(|r| r.post.contains(&PostOp::SpeechSegments))
     }
 
+    /// Whether a row reports boxes in image pixels (which needs the image's placement).
+    pub fn wants_face_boxes(rules: &[OutputRule]) -> bool {
+        rules.iter().any(|r| r.post.contains(&PostOp::FaceBoxes))
+    }
+
     /// The result's `outputs` object from one call's answer; `input` is what the converter
     /// said about the input (`speech_segments` reads its `samples` and `sample_rate_hz`).
-    pub fn render(&self, tensors: &[OutputTensor], input: &Value) -> Result<Value, Failure> {
+    /// `placement` is where the image sits in the model input (`face_boxes` maps through it).
+    pub fn render(&self, tensors: &[OutputTensor], input: &Value, placement: Option<&Placement>) -> Result<Value, Failure> {
         let mut out = serde_json::Map::new();
         for (rule, labels) in &self.rules {
             let Some(tensor) = tensors.iter().find(|t| t.name == rule.name) else {
@@ -231,7 +286,11 @@ impl Outputs {
                     ),
                 ));
             }
-            out.insert(rule.name.clone(), apply(rule, labels.as_deref(), tensor, input)?);
+            let value = match rule.post.first() {
+                Some(PostOp::FaceBoxes) => face_boxes(rule, tensor, tensors, placement)?,
+                _ => apply(rule, labels.as_deref(), tensor, input)?,
+            };
+            out.insert(rule.name.clone(), value);
         }
         Ok(Value::Object(out))
     }
@@ -279,6 +338,7 @@ fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor, in
     for op in &rule.post {
         match op {
             PostOp::SpeechSegments => return segments(rule, &values, input),
+            PostOp::FaceBoxes => unreachable!("face_boxes rows are rendered by face_boxes()"),
             PostOp::Softmax => values.chunks_mut(row_len).for_each(softmax),
             PostOp::Sigmoid => values.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
             PostOp::Threshold => {
@@ -344,6 +404,21 @@ fn segments(rule: &OutputRule, probs: &[f32], input: &Value) -> Result<Value, Fa
     Ok(json!({ "segments": found }))
 }
 
+/// Boxes from a P-Net-style pair of maps, in the image's pixels.
+fn face_boxes(rule: &OutputRule, prob: &OutputTensor, tensors: &[OutputTensor], placement: Option<&Placement>) -> Result<Value, Failure> {
+    let internal = |message: String| Failure::new(ErrorKind::Internal, Stage::Postprocess, message);
+    let boxes_name = rule.boxes.as_deref().unwrap_or_default();
+    let boxes = tensors
+        .iter()
+        .find(|t| t.name == boxes_name)
+        .ok_or_else(|| internal(format!("the worker's answer has no output '{boxes_name}'")))?;
+    let placement = placement.ok_or_else(|| internal(format!("output '{}': face_boxes needs an image's placement", rule.name)))?;
+    let options =
+        ImageOptions { threshold: rule.threshold, nms_iou: rule.nms_iou, max_faces: rule.max_faces, ..ImageOptions::default() };
+    let found = faces(&prob.data, &prob.shape, &boxes.data, placement, &options)?;
+    Ok(json!({ "faces": found }))
+}
+
 /// JSON has no NaN or infinity: they are written as `null`.
 fn finite(v: f32) -> Value {
     if v.is_finite() {
@@ -403,12 +478,14 @@ pub struct OutputsFinish {
     pub outputs: Arc<Outputs>,
     /// What the converter says about the input (`format`, sizes, duration), under `input`.
     pub input: Value,
+    /// Where an image sits in the model input (the `image` converter's).
+    pub placement: Option<Placement>,
 }
 
 impl Finish for OutputsFinish {
     fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
         let tensors = only_answer(answers)?;
-        let outputs = self.outputs.render(&tensors, &self.input)?;
+        let outputs = self.outputs.render(&tensors, &self.input, self.placement.as_ref())?;
         Ok(Step::Done(json!({ "input": self.input, "outputs": outputs })))
     }
 }
@@ -434,7 +511,7 @@ mod tests {
         let r = rule(&json!({"name": "logits", "post": ["softmax", "top_k"], "top_k": 3, "labels": labels}).to_string());
         let outputs = Outputs::load(&[r], 100).expect("loads");
         assert_eq!(outputs.names(), &["logits"]);
-        let value = outputs.render(&[tensor("logits", vec![1, 4], vec![1.0, 3.0, 3.0, 0.0])], &Value::Null).expect("renders");
+        let value = outputs.render(&[tensor("logits", vec![1, 4], vec![1.0, 3.0, 3.0, 0.0])], &Value::Null, None).expect("renders");
         let top = &value["logits"]["top_k"][0];
         assert_eq!(value["logits"]["shape"], json!([1]));
         assert_eq!((top[0]["index"].clone(), top[0]["label"].clone()), (json!(1), json!("dog")));
@@ -450,26 +527,26 @@ mod tests {
     fn argmax_threshold_and_raw_work_row_by_row() {
         let t = tensor("p", vec![2, 3], vec![0.1, 0.9, 0.2, 0.7, f32::NAN, 0.7]);
         let argmax = Outputs::load(&[rule(r#"{"name": "p", "post": ["argmax"]}"#)], 100).expect("argmax");
-        assert_eq!(argmax.render(std::slice::from_ref(&t), &Value::Null).expect("renders")["p"], json!({"shape": [2], "index": [1, 0]}));
+        assert_eq!(argmax.render(std::slice::from_ref(&t), &Value::Null, None).expect("renders")["p"], json!({"shape": [2], "index": [1, 0]}));
         let threshold = Outputs::load(&[rule(r#"{"name": "p", "post": ["threshold"], "threshold": 0.7}"#)], 100).expect("threshold");
-        let above = threshold.render(std::slice::from_ref(&t), &Value::Null).expect("renders");
+        let above = threshold.render(std::slice::from_ref(&t), &Value::Null, None).expect("renders");
         assert_eq!(above["p"]["data"], json!([false, true, false, true, false, true]));
         let raw = Outputs::load(&[rule(r#"{"name": "p"}"#)], 100).expect("raw");
-        let value = raw.render(std::slice::from_ref(&t), &Value::Null).expect("renders");
+        let value = raw.render(std::slice::from_ref(&t), &Value::Null, None).expect("renders");
         assert_eq!(value["p"]["shape"], json!([2, 3]));
         assert_eq!(value["p"]["data"][4], Value::Null, "NaN is written as null");
         let sigmoid = Outputs::load(&[rule(r#"{"name": "p", "post": ["sigmoid"]}"#)], 100).expect("sigmoid");
-        let s = sigmoid.render(&[tensor("p", vec![1], vec![0.0])], &Value::Null).expect("renders");
+        let s = sigmoid.render(&[tensor("p", vec![1], vec![0.0])], &Value::Null, None).expect("renders");
         assert_eq!(s["p"]["data"], json!([0.5]));
     }
 
     #[test]
     fn an_output_past_the_limit_is_refused_naming_it() {
         let outputs = Outputs::load(&[rule(r#"{"name": "big"}"#)], 4).expect("loads");
-        let err = outputs.render(&[tensor("big", vec![5], vec![0.0; 5])], &Value::Null).expect_err("too large");
+        let err = outputs.render(&[tensor("big", vec![5], vec![0.0; 5])], &Value::Null, None).expect_err("too large");
         assert_eq!((err.kind, err.stage), (ErrorKind::OutputRejected, Stage::Postprocess));
         assert!(err.message.contains("'big' has 5 values") && err.message.contains("max_output_elements 4"), "{}", err.message);
-        let missing = outputs.render(&[tensor("other", vec![1], vec![0.0])], &Value::Null).expect_err("missing");
+        let missing = outputs.render(&[tensor("other", vec![1], vec![0.0])], &Value::Null, None).expect_err("missing");
         assert!(missing.message.contains("no output 'big'"), "{}", missing.message);
     }
 
@@ -498,12 +575,39 @@ mod tests {
         // 512-sample windows at 16 kHz: windows 2 to 5 are speech.
         let probs = vec![0.0, 0.1, 0.9, 0.9, 0.9, 0.9, 0.0, 0.0, 0.0, 0.0];
         let input = json!({"samples": 5120, "sample_rate_hz": 16000});
-        let value = outputs.render(&[tensor("speech_prob", vec![1, 10], probs)], &input).expect("renders");
+        let value = outputs.render(&[tensor("speech_prob", vec![1, 10], probs)], &input, None).expect("renders");
         assert_eq!(value["speech_prob"], json!({"segments": [{"start_seconds": 0.064, "end_seconds": 0.192}]}));
-        let err = outputs.render(&[tensor("speech_prob", vec![1, 1], vec![0.9])], &Value::Null).expect_err("no audio");
+        let err = outputs.render(&[tensor("speech_prob", vec![1, 1], vec![0.9])], &Value::Null, None).expect_err("no audio");
         assert!(err.message.contains("needs the audio's samples and rate"), "{}", err.message);
         let mixed = rule(r#"{"name": "p", "post": ["sigmoid", "speech_segments"]}"#);
         assert!(validate(&[mixed], 10).expect_err("alone").contains("speech_segments takes the model's probabilities"));
+    }
+
+    #[test]
+    fn face_boxes_map_cells_through_the_placement_and_ask_for_the_regressions() {
+        let r = rule(r#"{"name": "face_prob", "post": ["face_boxes"], "boxes": "box_offsets", "threshold": 0.7}"#);
+        let outputs = Outputs::load(&[r], 100).expect("loads");
+        assert_eq!(outputs.names(), &["face_prob", "box_offsets"]);
+        // Two cells in a row: a face at (0, 0) and no face at (0, 1); the model input is the
+        // image at half size, so boxes double.
+        let prob = tensor("face_prob", vec![1, 2, 1, 2], vec![0.1, 0.8, 0.9, 0.2]);
+        let boxes = tensor("box_offsets", vec![1, 4, 1, 2], vec![0.0; 8]);
+        let placement = Placement { scale_x: 0.5, scale_y: 0.5, pad_x: 0.0, pad_y: 0.0, width: 100, height: 100 };
+        let value = outputs.render(&[prob.clone(), boxes.clone()], &Value::Null, Some(&placement)).expect("renders");
+        let found = value["face_prob"]["faces"].as_array().expect("faces").clone();
+        assert_eq!(found.len(), 1, "{value}");
+        let n = |k: &str| found[0][k].as_f64().expect("a number");
+        assert_eq!((n("x1"), n("y1"), n("x2"), n("y2")), (0.0, 0.0, 24.0, 24.0));
+        assert!((n("score") - 0.9).abs() < 1e-6);
+        let err = outputs.render(&[prob, boxes], &Value::Null, None).expect_err("no placement");
+        assert!(err.message.contains("needs an image's placement"), "{}", err.message);
+        for (bad, want) in [
+            (r#"{"name": "p", "post": ["face_boxes"]}"#, "outputs[0].boxes must name"),
+            (r#"{"name": "p", "boxes": "b"}"#, "outputs[0].boxes is only read by"),
+            (r#"{"name": "p", "post": ["face_boxes"], "boxes": "b", "max_faces": 0}"#, "max_faces must be 1 to 10000"),
+        ] {
+            assert!(validate(&[rule(bad)], 10).expect_err(want).contains(want));
+        }
     }
 
     #[test]

@@ -188,7 +188,7 @@ impl Plan for TensorPlan {
     fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
         let tensor = self.decode(bytes)?;
         let input = json!({ "datatype": tensor.datatype().as_str(), "shape": tensor.shape });
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input };
+        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: None };
         Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
     }
 }

@@ -332,8 +332,8 @@ impl Plan for TensorPlan {
     }
 
     fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
-        let (tensor, input) = tensor::convert(bytes, &self.options)?;
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input };
+        let (tensor, input, placement) = tensor::convert(bytes, &self.options)?;
+        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: Some(placement) };
         Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
     }
 }

@@ -26,7 +26,7 @@ use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{DataType, Tensor, TensorData, F16};
 
 use super::convert::{decode_bytes, decode_rgb, probe, ImageHeader};
-use super::{ImageOptions, ResizeMode};
+use super::{ImageOptions, Placement, ResizeMode};
 use crate::failure::Failure;
 
 /// The order of the colour channels in the model input.
@@ -134,6 +134,31 @@ fn centre_offset(resized: u32, crop: u32) -> i64 {
     }
 }
 
+/// Where the resized image's top-left pixel is read from for the model input's: model pixel
+/// `(x, y)` is resized pixel `(x + left, y + top)`.
+fn offsets(rw: u32, rh: u32, options: &ImageOptions) -> (i64, i64) {
+    match options.resize {
+        ResizeMode::ShorterSideCrop => (centre_offset(rw, options.width), centre_offset(rh, options.height)),
+        // Stretch: none; letterbox: the image centred in the canvas (minus the canvas's offset).
+        _ => (-((i64::from(options.width) - i64::from(rw)) / 2), -((i64::from(options.height) - i64::from(rh)) / 2)),
+    }
+}
+
+/// How model-input coordinates map back to the (oriented) image's, for post-processors that
+/// report positions (`face_boxes`): `image = (model − pad) / scale` per axis.
+pub fn placement(width: u32, height: u32, options: &ImageOptions) -> Placement {
+    let (rw, rh) = resized_size(width, height, options);
+    let (left, top) = offsets(rw, rh, options);
+    Placement {
+        scale_x: rw as f32 / width.max(1) as f32,
+        scale_y: rh as f32 / height.max(1) as f32,
+        pad_x: -left as f32,
+        pad_y: -top as f32,
+        width,
+        height,
+    }
+}
+
 /// The image fitted to `width × height`: resampled, then cropped or padded around its centre.
 fn fit(rgb: &RgbImage, options: &ImageOptions) -> RgbImage {
     let (rw, rh) = resized_size(rgb.width(), rgb.height(), options);
@@ -141,11 +166,7 @@ fn fit(rgb: &RgbImage, options: &ImageOptions) -> RgbImage {
     if (rw, rh) == (options.width, options.height) {
         return resized;
     }
-    let (left, top) = match options.resize {
-        ResizeMode::ShorterSideCrop => (centre_offset(rw, options.width), centre_offset(rh, options.height)),
-        // Letterbox: the image centred in the canvas (the offset is minus the canvas's).
-        _ => (-((i64::from(options.width) - i64::from(rw)) / 2), -((i64::from(options.height) - i64::from(rh)) / 2)),
-    };
+    let (left, top) = offsets(rw, rh, options);
     let fill = ::image::Rgb([options.fill; 3]);
     RgbImage::from_fn(options.width, options.height, |x, y| {
         let (sx, sy) = (i64::from(x) + left, i64::from(y) + top);
@@ -157,8 +178,9 @@ fn fit(rgb: &RgbImage, options: &ImageOptions) -> RgbImage {
     })
 }
 
-/// The model input for one image, and what the result says about it.
-pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_json::Value), Failure> {
+/// The model input for one image, what the result says about it, and where the image sits in
+/// the model input.
+pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_json::Value, Placement), Failure> {
     validate(options).map_err(|e| Failure::new(ErrorKind::Internal, Stage::Convert, format!("image options are invalid: {e}")))?;
     let (rgb, format) = decode_rgb(bytes, options.max_pixels)?;
     let (width, height) = rgb.dimensions();
@@ -198,7 +220,7 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_js
         Layout::Nhwc => vec![1, h, w, 3],
     };
     let input = json!({ "format": format, "width": width, "height": height });
-    Ok((Tensor { name: options.input.clone(), shape, data }, input))
+    Ok((Tensor { name: options.input.clone(), shape, data }, input, placement(width, height, options)))
 }
 
 /// The header check of [`convert`], with its peak bytes.
@@ -234,6 +256,9 @@ mod tests {
         let o = options(json!({"resize": "shorter_side_crop", "shorter_side": 256, "width": 224, "height": 224}));
         assert_eq!(resized_size(512, 300, &o), (436, 256)); // int(256 * 512 / 300) = 436
         assert_eq!(resized_size(300, 512, &o), (256, 436));
+        // Cropped: model x = resized x − 106, so image x = (model x + 106) / scale.
+        let p = placement(512, 300, &o);
+        assert_eq!((p.pad_x, p.pad_y), (-106.0, -16.0));
     }
 
     #[test]
@@ -262,7 +287,9 @@ mod tests {
         let img = RgbImage::from_pixel(4, 2, ::image::Rgb([10, 20, 30]));
         let png = encode_rgb(&img, ImageFormat::Png, None);
         let o = options(json!({"width": 4, "height": 4, "resize": "letterbox", "fill": 7, "datatype": "UINT8", "layout": "nhwc"}));
-        let (tensor, input) = convert(&png, &o).expect("converts");
+        let (tensor, input, placement) = convert(&png, &o).expect("converts");
+        // Centred 4×2 in 4×4: one row of fill above; model y = image y + 1.
+        assert_eq!((placement.scale_x, placement.scale_y, placement.pad_x, placement.pad_y), (1.0, 1.0, 0.0, 1.0));
         assert_eq!(input, json!({"format": "png", "width": 4, "height": 2}));
         let TensorData::Uint8(values) = tensor.data else { panic!("uint8") };
         let rows: Vec<u8> = values.chunks(12).map(|row| row[0]).collect();
