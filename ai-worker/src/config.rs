@@ -356,11 +356,13 @@ pub struct ModelConfig {
     #[serde(default)]
     pub outputs: Option<Vec<DeclaredTensor>>,
     /// The sizes the start-up memory calibration gives each variable
-    /// (`-1`) non-batch input dimension. Unset: [`DEFAULT_PROBE_SIZES`].
+    /// (`-1`) non-batch input dimension, each rounded up to the input's `bucket` (so the fit
+    /// sees shapes the model is really called with). Unset: [`DEFAULT_PROBE_SIZES`].
     #[serde(default)]
     pub probe_sizes: Option<Vec<usize>>,
     /// The sizes the start-up throughput calibration (batch sizes) times
-    /// the variable dimensions at, each one size class. Unset: `probe_sizes`.
+    /// the variable dimensions at, each one size class (rounded up to the input's `bucket`).
+    /// Unset: `probe_sizes`.
     #[serde(default)]
     pub batch_probe_sizes: Option<Vec<usize>>,
 }
@@ -385,6 +387,14 @@ pub struct DeclaredTensor {
     /// Input only, with `batching = "pad"`: the value padding is filled with. Unset: 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pad_value: Option<f64>,
+    /// Input only, with `batching = "pad"`: every variable (`-1`) dimension after the batch of
+    /// every batch (a batch of one request too) is padded up to the next multiple of this
+    /// step, after taking the largest among the batch's members, so that the model sees sizes
+    /// from a small set (compiled kernels, CUDA graphs). A request is admitted at its bucketed
+    /// size; its outputs are still cut back to its own (`follows`). 1..=[`MAX_BUCKET`].
+    /// Unset: no bucketing (1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<usize>,
     /// Input only: the smallest size of each dimension a request may have (rank of `shape`;
     /// the first, the rows, 1); a smaller request gets 400. Unset: 1 everywhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -403,7 +413,8 @@ pub enum Batching {
     #[default]
     Equal,
     /// Requests of different sizes share a batch, each padded at the end of every variable
-    /// dimension with `pad_value` to the largest member's size; each output is cut back to
+    /// dimension with `pad_value` to the largest member's size (rounded up to a multiple of
+    /// `bucket`, when set); each output is cut back to
     /// the request's own size (`follows`). Right only for a model whose outputs for the
     /// unpadded region do not see the padding.
     Pad,
@@ -436,6 +447,7 @@ impl DeclaredTensor {
             datatype,
             batching: None,
             pad_value: None,
+            bucket: None,
             min_shape: None,
             follows: None,
         }
@@ -449,6 +461,11 @@ impl DeclaredTensor {
     /// The value a padded input is filled with.
     pub fn pad_value(&self) -> f64 {
         self.pad_value.unwrap_or(0.0)
+    }
+
+    /// The step a padded input's variable dimensions are rounded up to (1: none).
+    pub fn bucket(&self) -> usize {
+        self.bucket.unwrap_or(1)
     }
 
     /// The rules of an output's variable dimensions.
@@ -511,6 +528,8 @@ pub const MAX_DECLARED_RANK: usize = 8;
 pub const MAX_DECLARED_DIM: i64 = 1 << 31;
 /// Largest probe size a `declared` model may name (16 s of 16 kHz audio is 256 000).
 pub const MAX_PROBE_SIZE: usize = 1 << 20;
+/// Largest `bucket` step a padded input may name.
+pub const MAX_BUCKET: usize = 1 << 20;
 /// Most constant arguments a `declared` model may take after its input.
 pub const MAX_ARGS: usize = 8;
 /// Longest model name, in bytes.
@@ -649,7 +668,7 @@ impl DeclaredTensor {
 }
 
 impl DeclaredTensor {
-    /// Checks what only the input may say: its batching, pad value and minimum shape.
+    /// Checks what only the input may say: its batching, pad value, bucket and minimum shape.
     fn validate_input(&self, at: &str) -> Result<(), String> {
         if self.follows.is_some() {
             return Err(format!("{at}follows is only for outputs"));
@@ -659,6 +678,17 @@ impl DeclaredTensor {
                 return Err(format!("{at}pad_value is only for batching = \"pad\""));
             }
             check_pad_value(value, self.datatype).map_err(|e| format!("{at}pad_value {e}"))?;
+        }
+        if let Some(step) = self.bucket {
+            if self.batching() != Batching::Pad {
+                return Err(format!("{at}bucket is only for batching = \"pad\" (bucketing pads every request up to a multiple)"));
+            }
+            if !(1..=MAX_BUCKET).contains(&step) {
+                return Err(format!("{at}bucket must be 1..={MAX_BUCKET}, got {step}"));
+            }
+            if !self.shape.iter().skip(1).any(|&d| d == -1) {
+                return Err(format!("{at}bucket needs a variable (-1) dimension after the batch to round up, shape is {:?}", self.shape));
+            }
         }
         if let Some(min) = &self.min_shape {
             if min.len() != self.shape.len() {
@@ -685,7 +715,12 @@ impl DeclaredTensor {
     /// Checks what only an output may say: how its variable dimensions follow from `input`,
     /// which a padded input needs for every one of them.
     fn validate_output(&self, at: &str, input: &DeclaredTensor) -> Result<(), String> {
-        for (key, set) in [("batching", self.batching.is_some()), ("pad_value", self.pad_value.is_some()), ("min_shape", self.min_shape.is_some())] {
+        for (key, set) in [
+            ("batching", self.batching.is_some()),
+            ("pad_value", self.pad_value.is_some()),
+            ("bucket", self.bucket.is_some()),
+            ("min_shape", self.min_shape.is_some()),
+        ] {
             if set {
                 return Err(format!("{at}{key} is only for the input"));
             }
@@ -1066,7 +1101,25 @@ mod tests {
         );
         check(RNET.replace("24] }", "24], pad_value = 1 }"), "models[1].input.pad_value is only for batching = \"pad\"");
         check(RNET.replace("[-1, 2] }", &format!("[-1, 2], {follows_one} }}")), "models[1].outputs[1].follows is only for a padded input");
-        check(padded(", bucket = 64", ""), "bucket");
+        let config = from_toml(&with_declared(&format!("{}probe_sizes = [512]\n", padded(", bucket = 512, min_shape = [1, 512]", ""))))
+            .expect("bucketed");
+        assert_eq!(config.models[1].input.as_ref().map(DeclaredTensor::bucket), Some(512));
+        assert_eq!(config.models[0].input.as_ref().map(DeclaredTensor::bucket), Some(1), "no bucketing unless set");
+        from_toml(&with_declared(&padded(", bucket = 1048576", ""))).expect("the largest bucket");
+        check(RNET.replace("[-1, 3, 24, 24] }", "[-1, 3, -1, -1], bucket = 8 }"), "models[1].input.bucket is only for batching = \"pad\"");
+        check(
+            RNET.replace("[-1, 3, 24, 24] }", "[-1, 3, -1, -1], batching = \"equal\", bucket = 8 }"),
+            "models[1].input.bucket is only for batching = \"pad\"",
+        );
+        check(padded(", bucket = 0", ""), "models[1].input.bucket must be 1..=1048576, got 0");
+        check(padded(", bucket = 1048577", ""), "models[1].input.bucket must be 1..=1048576, got 1048577");
+        check(padded(", bucket = -8", ""), "bucket");
+        check(padded(", bucket = 8.5", ""), "bucket");
+        check(
+            RNET.replace("24] }", "24], batching = \"pad\", bucket = 8 }"),
+            "models[1].input.bucket needs a variable (-1) dimension after the batch to round up, shape is [-1, 3, 24, 24]",
+        );
+        check(padded("", ", bucket = 8"), "models[1].outputs[0].bucket is only for the input");
         check(padded("", "").replace("\"pad\"", "\"bucket\""), "unknown variant: found `bucket`, expected ``equal` or `pad``");
         check(padded(", pad_value = 1e39", ""), "models[1].input.pad_value must be a value of the input's datatype FP32, got 1e39");
         check(padded(", datatype = \"UINT8\", pad_value = 256", ""), "models[1].input.pad_value must be a value of the input's datatype UINT8, got 256.0");

@@ -6,7 +6,9 @@
 //!    └──────────────── outputs (or 413 / 503 / 504 / 507) ◄─────────┘ run, split, recover
 //! ```
 //!
-//! * **Price.** A request costs its model's estimate for its input elements (`estimate.rs`).
+//! * **Price.** A request costs its model's estimate for its input elements (`estimate.rs`) as
+//!   it would run alone: a model whose input sets `bucket` pads even a lone request up to its
+//!   bucket, so the request is priced at its bucketed shape ([`Model::padded_elements`]).
 //!   In `count` mode every request costs 1 and the pool's capacity is `max_concurrent`.
 //! * **Admission.** The handler holds the [`ByteGuard`] until its response is built, so the
 //!   bytes come back on every path: success, error, client gone, deadline.
@@ -20,9 +22,11 @@
 //!   last [`OVERLAP_MEMORY`], or its first request came after a pause that long (it may lead a
 //!   burst); a lone client's requests never overlap, so only its first pays the window. A
 //!   model whose input declares `batching = "pad"` (Silero VAD) takes members of different
-//!   sizes padded to the largest, which costs `(largest − own) × bytes_per_element` per
-//!   member; a member that would make the padded batch cost more than the members' grants, or
-//!   make padding more than half of the batch's work ([`MAX_PADDING_WORK`]), waits for the
+//!   sizes padded to the largest (then, with `bucket`, each variable dimension rounded up to
+//!   its step: the one shape function [`Model::padded_shape`]), which costs
+//!   `(largest − own) × bytes_per_element` per member; a member that would make the padded
+//!   batch cost more than the members' grants, or make padding more than half of the batch's
+//!   work ([`MAX_PADDING_WORK`], against what the members cost alone, bucketed), waits for the
 //!   next batch instead, so padding never spends memory nobody was granted nor most of a
 //!   batch's time. Any other model (`batching = "equal"`, the default) batches only members
 //!   of one shape but rows: P-Net's ceil-mode pooling, for one, lets padding change the last
@@ -108,7 +112,8 @@ impl Job {
 }
 
 /// A padded batch's work (its padded elements) may be at most this many times the work its
-/// members brought (their own elements): padding is never most of a batch's time.
+/// members brought (their own elements, each as it runs alone: with a `bucket`, its bucket's):
+/// padding is never most of a batch's time.
 pub const MAX_PADDING_WORK: f64 = 2.0;
 
 /// One served model: the model, its estimate, its batch sizes, and the way into its batch
@@ -323,7 +328,9 @@ impl Engine {
         arrival: &mut Arrival,
     ) -> Result<Vec<OutputTensor>, InferError> {
         let deadline = Instant::now() + timeout;
-        let elements = input.elements();
+        // Priced as it runs: alone, a bucketed model pads it up to its bucket, and that
+        // padding must be within its grant too.
+        let elements = served.model.padded_elements(&[&input]);
         let price = match self.mode {
             AdmissionMode::Bytes => served.estimate.bytes(elements),
             AdmissionMode::Count => 1,
@@ -398,8 +405,9 @@ impl Engine {
         match e {
             AdmitError::TooLarge { needed, capacity } => {
                 let view = served.estimate.view();
+                let bucketed = if served.model.bucket() > 1 { format!(", padded to its bucket of {}", served.model.bucket()) } else { String::new() };
                 InferError::TooLarge(format!(
-                    "request needs an estimated {needed} bytes ({elements} input elements at {:.1} bytes each plus {:.0} bytes) \
+                    "request needs an estimated {needed} bytes ({elements} input elements{bucketed} at {:.1} bytes each plus {:.0} bytes) \
                      but this worker's whole memory budget is {capacity} bytes; send smaller inputs",
                     view.bytes_per_element, view.base_bytes
                 ))
@@ -503,7 +511,7 @@ impl Batcher {
         };
         let Some(first) = first.still_wanted() else { return Some(Vec::new()) };
         // The most rows this batch may hold: measured per input size (`batching.rs`).
-        let cap = self.sizer.allowed(item_elements(&[&first.input]));
+        let cap = self.sizer.allowed(self.item_elements(&[&first.input]));
         let after_pause = first.after_pause;
         let mut batch = vec![first];
         let mut skipped = VecDeque::new();
@@ -555,8 +563,10 @@ impl Batcher {
         }
         let mut inputs: Vec<&InputTensor> = batch.iter().map(|j| &j.input).collect();
         inputs.push(&next.input);
-        let elements = padded_elements(&inputs);
-        let own: u64 = inputs.iter().map(|i| i.elements()).sum();
+        let elements = self.model.padded_elements(&inputs);
+        // What each member costs alone (with a bucket, its bucket's elements): only the
+        // padding that sharing the batch adds counts against MAX_PADDING_WORK.
+        let own: u64 = inputs.iter().map(|i| self.model.padded_elements(&[i])).sum();
         if elements as f64 > MAX_PADDING_WORK * own as f64 {
             return false;
         }
@@ -589,7 +599,7 @@ impl Batcher {
             match self.run_group(&group, false) {
                 Ok(outputs) => reply_all(group, outputs),
                 Err(ModelError::OutOfMemory { message, .. }) => {
-                    let elements = padded_elements(&group.iter().map(|j| &j.input).collect::<Vec<_>>());
+                    let elements = self.model.padded_elements(&group.iter().map(|j| &j.input).collect::<Vec<_>>());
                     self.shared.metrics.oom_errors.with_label_values(&[&name]).inc();
                     self.shared.monitor.empty_cache();
                     let learned = self.estimate.learn_from_oom(elements);
@@ -641,7 +651,7 @@ impl Batcher {
 
     fn run_group(&self, group: &[Job], exclusive: bool) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
         let inputs: Vec<&InputTensor> = group.iter().map(|j| &j.input).collect();
-        let elements = padded_elements(&inputs);
+        let elements = self.model.padded_elements(&inputs);
         let name = self.model.name();
         let (_shared_lane, _exclusive_lane);
         if exclusive {
@@ -665,7 +675,7 @@ impl Batcher {
             // A measured batch paid for its measurement (page faults on CPU): its time says
             // nothing about its batch size.
             if !measuring {
-                self.sizer.record(item_elements(&inputs), rows(group), seconds);
+                self.sizer.record(self.item_elements(&inputs), rows(group), seconds);
             }
             if let Some(peak) = peak {
                 let ratio = self.estimate.observe(elements, peak);
@@ -731,6 +741,12 @@ impl Batcher {
         }
     }
 
+    /// Elements of one item (row) of the padded (and bucketed) batch of `inputs`: what its
+    /// size class is of.
+    fn item_elements(&self, inputs: &[&InputTensor]) -> u64 {
+        self.model.padded_shape(inputs).iter().skip(1).map(|&d| d as u64).product()
+    }
+
     fn maybe_clean_up(&self) {
         let n = self.shared.batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         let periodic = self.shared.cleanup_every > 0 && n % self.shared.cleanup_every == 0;
@@ -744,14 +760,6 @@ impl Batcher {
     }
 }
 
-fn padded_elements(inputs: &[&InputTensor]) -> u64 {
-    Model::padded_shape(inputs).iter().map(|&d| d as u64).product()
-}
-
-/// Elements of one item (row) of the padded batch of `inputs`: what its size class is of.
-fn item_elements(inputs: &[&InputTensor]) -> u64 {
-    Model::padded_shape(inputs).iter().skip(1).map(|&d| d as u64).product()
-}
 
 /// Items (rows) in a batch.
 fn rows(batch: &[Job]) -> usize {

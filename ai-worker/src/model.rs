@@ -255,6 +255,8 @@ pub struct Model {
     /// How requests of different sizes batch, and what a padded input is filled with.
     batching: Batching,
     pad_value: f64,
+    /// The step every variable non-batch input dimension of a batch is rounded up to (1: none).
+    bucket: usize,
     /// The smallest request shape taken (rank of the input; 1 where unset).
     min_shape: Vec<usize>,
     /// Per output, the rules of its variable dimensions (for a padded input).
@@ -290,7 +292,7 @@ impl Model {
             Some(min) => min.iter().map(|&n| n as usize).collect(),
             None => vec![1; input.shape.len()],
         };
-        let (batching, pad_value) = (declared_input.batching(), declared_input.pad_value());
+        let (batching, pad_value, bucket) = (declared_input.batching(), declared_input.pad_value(), declared_input.bucket());
         let mut modules = Vec::new();
         for _ in 0..config.instances.max(1) {
             let mut module = CModule::load_on_device(&config.path, device)
@@ -298,7 +300,7 @@ impl Model {
             module.set_eval();
             modules.push(Mutex::new(module));
         }
-        let model = Model { config, device, input, outputs, batching, pad_value, min_shape, follows, modules };
+        let model = Model { config, device, input, outputs, batching, pad_value, bucket, min_shape, follows, modules };
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| {
             load_err(format!(
@@ -412,9 +414,12 @@ impl Model {
     }
 
     /// The shape of a probe of `batch` at `size`: `batch × size` rows of the declared shape
-    /// when it is fixed, else `batch` rows with every variable dimension `size`.
+    /// when it is fixed, else `batch` rows with every variable dimension `size` rounded up to
+    /// the input's `bucket`: a probe is a shape the model is really called with, so the
+    /// memory fit and the batch timings see what requests of that size run as.
     fn probe_shape(&self, batch: usize, size: usize) -> Vec<usize> {
         let rows = if self.rows_only() { batch.saturating_mul(size) } else { batch };
+        let size = round_up(size, self.bucket);
         std::iter::once(rows).chain(self.input.shape[1..].iter().map(|&d| if d > 0 { d as usize } else { size })).collect()
     }
 
@@ -441,7 +446,8 @@ impl Model {
 
     /// Whether inputs of different sizes may share a batch, padded (see `engine.rs`): only
     /// when the input declares `batching = "pad"` (Silero VAD: it runs forward in time, so
-    /// trailing silence leaves earlier windows as they were). Otherwise only inputs of one
+    /// trailing silence leaves earlier windows as they were), and then each batch's variable
+    /// dimensions are also rounded up to `bucket` when it is set. Otherwise only inputs of one
     /// shape but rows share a batch (P-Net: its ceil-mode pooling sees padding at a smaller
     /// image's edge).
     pub fn can_pad(&self) -> bool {
@@ -485,18 +491,22 @@ impl Model {
         Ok(())
     }
 
-    /// The shape a batch of `inputs` is padded to: their rows stacked, every other dimension
-    /// the largest among them (padded at the end with `pad_value`; only a `batching = "pad"`
-    /// model's batches have inputs of different sizes).
-    pub fn padded_shape(inputs: &[&InputTensor]) -> Vec<usize> {
-        let mut shape = inputs[0].shape.clone();
-        shape[0] = inputs.iter().map(|i| i.shape[0]).sum();
-        for input in &inputs[1..] {
-            for (d, &n) in shape.iter_mut().zip(&input.shape).skip(1) {
-                *d = (*d).max(n);
-            }
-        }
-        shape
+    /// The step a padded input's variable dimensions are rounded up to (1: no bucketing).
+    pub fn bucket(&self) -> usize {
+        self.bucket
+    }
+
+    /// The shape a batch of `inputs` is run as (see [`padded_shape`]): a batch of one request
+    /// too, which bucketing may pad. What admission prices, the batch former weighs and the
+    /// model is called with.
+    pub fn padded_shape(&self, inputs: &[&InputTensor]) -> Vec<usize> {
+        padded_shape(inputs, &self.input.shape, self.bucket)
+    }
+
+    /// The elements of [`Model::padded_shape`]: what a batch of `inputs` costs. For one
+    /// request, its admission price's elements (its own, or its bucket's).
+    pub fn padded_elements(&self, inputs: &[&InputTensor]) -> u64 {
+        self.padded_shape(inputs).iter().map(|&d| d as u64).product()
     }
 
     /// What one request's outputs look like for its own input shape, from the batch's
@@ -565,7 +575,7 @@ impl Model {
                 None => ModelError::Runtime { name: self.config.name.clone(), message: error_line(&message) },
             }
         };
-        let shape = Self::padded_shape(inputs);
+        let shape = self.padded_shape(inputs);
         let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape, self.pad_value)).map_err(failed)?;
         let module = self.free_instance();
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
@@ -721,6 +731,35 @@ impl Model {
     pub fn instances(&self) -> usize {
         self.modules.len()
     }
+}
+
+/// The shape a batch of `inputs` is padded to: their rows stacked, every other dimension the
+/// largest among them (padded at the end with `pad_value`; only a `batching = "pad"` model's
+/// batches have inputs of different sizes), and each variable (`-1` in `declared`) one of them
+/// then rounded up to a multiple of `bucket` (1: as it is).
+fn padded_shape(inputs: &[&InputTensor], declared: &[i64], bucket: usize) -> Vec<usize> {
+    let Some(first) = inputs.first().filter(|i| !i.shape.is_empty()) else { return Vec::new() };
+    let mut shape = first.shape.clone();
+    shape[0] = inputs.iter().map(|i| i.shape.first().copied().unwrap_or(0)).sum();
+    for input in &inputs[1..] {
+        for (d, &n) in shape.iter_mut().zip(&input.shape).skip(1) {
+            *d = (*d).max(n);
+        }
+    }
+    for (d, &declared) in shape.iter_mut().zip(declared).skip(1) {
+        if declared == -1 {
+            *d = round_up(*d, bucket);
+        }
+    }
+    shape
+}
+
+/// `n` rounded up to a multiple of `step` (saturating; a step of 0 or 1 leaves it).
+fn round_up(n: usize, step: usize) -> usize {
+    if step <= 1 {
+        return n;
+    }
+    n.div_ceil(step).saturating_mul(step)
 }
 
 /// Copies the inputs into one host tensor of `shape`: a lone unpadded input is one copy of
@@ -1049,6 +1088,102 @@ mod tests {
         ]);
     }
 
+    /// `input` (FP32 `[rows, n]`) padded at the end of each row with zeros to `samples`.
+    fn zero_padded(input: &InputTensor, samples: usize) -> InputTensor {
+        let values: Vec<f32> = input.le_bytes().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let rows: Vec<f32> =
+            values.chunks(input.shape[1]).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, samples - row.len()))).collect();
+        InputTensor::from_f32(vec![input.shape[0], samples], &rows)
+    }
+
+    #[test]
+    fn a_bucket_pads_every_batch_to_its_step_and_answers_stay_the_requests_own() {
+        use super::testing::{bright_model, entry, row_sum_model};
+        let uint8 = |values: &[u8]| InputTensor::from_data(vec![1, values.len()], &TensorData::Uint8(values.to_vec()));
+        let (short, long) = (uint8(&[0, 128, 255]), uint8(&[1, 2, 3, 4, 200]));
+        let answers = |outputs: Vec<Vec<OutputTensor>>| -> Vec<(Vec<usize>, TensorData)> {
+            outputs.into_iter().flatten().map(|o| (o.shape, o.data)).collect()
+        };
+
+        // Each row's sum sees the padding: a lone request is padded to its bucket too.
+        let sum_keys = "input = { name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\", batching = \"pad\", pad_value = 7, bucket = 4 }\n\
+            outputs = [ { name = \"total\", shape = [-1, 1], datatype = \"INT64\" } ]\n";
+        let sum = load(entry(row_sum_model(), "sum", sum_keys)).expect("bucketed by 4");
+        assert_eq!((sum.bucket(), sum.padded_shape(&[&short]), sum.padded_elements(&[&short])), (4, vec![1, 4], 4));
+        assert_eq!((sum.padded_shape(&[&short, &long]), sum.padded_elements(&[&long])), (vec![2, 8], 8));
+        assert_eq!(answers(sum.infer_batch(&[&short]).expect("alone")), [(vec![1, 1], TensorData::Int64(vec![383 + 7]))]);
+        assert_eq!(answers(sum.infer_batch(&[&short, &long]).expect("a batch padded to 8")), [
+            (vec![1, 1], TensorData::Int64(vec![383 + 5 * 7])),
+            (vec![1, 1], TensorData::Int64(vec![210 + 3 * 7])),
+        ]);
+        // The probes are bucketed, so calibration measures shapes the model is called with.
+        let probes: Vec<Vec<usize>> = sum.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        assert_eq!(probes, [[1, 32], [2, 32], [1, 64], [2, 64], [1, 128], [2, 128]]);
+
+        // An elementwise model: a request answered in a bucketed batch is bit for bit what it
+        // answers padded to its bucket and run alone, in its own shape.
+        let bright_keys = |bucket: &str| {
+            format!(
+                "input = {{ name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\", batching = \"pad\", pad_value = 255{bucket} }}\n\
+                 outputs = [ {{ name = \"bright\", shape = [-1, -1], datatype = \"BOOL\", follows = [{{ dim = 1, input_dim = 1 }}] }} ]\n"
+            )
+        };
+        let bucketed = load(entry(bright_model(), "bright", &bright_keys(", bucket = 4"))).expect("bucketed by 4");
+        let plain = load(entry(bright_model(), "bright", &bright_keys(""))).expect("padded, no bucket");
+        assert_eq!((plain.bucket(), plain.padded_shape(&[&short])), (1, vec![1, 3]));
+        let in_batch = answers(bucketed.infer_batch(&[&short, &long]).expect("a batch padded to 8"));
+        let want = [(vec![1, 3], TensorData::Bool(vec![false, true, true])), (vec![1, 5], TensorData::Bool(vec![false, false, false, false, true]))];
+        assert_eq!(in_batch, want);
+        for ((input, padded), want) in [(&short, uint8(&[0, 128, 255, 255])), (&long, uint8(&[1, 2, 3, 4, 200, 255, 255, 255]))].into_iter().zip(&want) {
+            assert_eq!(&answers(vec![bucketed.infer(input).expect("alone")])[0], want, "{:?} alone, bucketed", input.shape);
+            let [alone] = &plain.infer(&padded).expect("padded by hand")[..] else { panic!("one output") };
+            let TensorData::Bool(values) = &alone.data else { panic!("BOOL") };
+            assert_eq!(TensorData::Bool(values[..input.shape[1]].to_vec()), want.1, "{:?} padded to its bucket alone", input.shape);
+        }
+
+        // Silero VAD with bucket = 512: its padding is invisible to earlier windows.
+        let mut config = shipped("silero_vad");
+        config.input.as_mut().expect("an input").bucket = Some(512);
+        let vad = load(config).expect("Silero VAD bucketed by 512");
+        let probes: Vec<Vec<usize>> = vad.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        assert_eq!(probes, [[1, 16_384], [2, 16_384], [1, 64_000], [2, 64_000], [1, 256_000], [2, 256_000]]);
+        assert_eq!(vad.probe_input_elements(2, 16_000), 2 * 16_384);
+        let (a, b, c) = (audio(1, 16_000, 0.0), audio(2, 20_000, 0.5), audio(1, 47_700, 1.0));
+        // Admission prices a request at its bucket: what it runs as alone.
+        assert_eq!([&a, &b, &c].map(|i| vad.padded_elements(&[i])), [16_384, 2 * 20_480, 48_128]);
+        let path = model_file("silero_vad.jit");
+        let batch = [&a, &b, &c];
+        let batched = vad.infer_batch(&batch).expect("a bucketed batch");
+        assert_eq!(vad.padded_shape(&batch), [4, 48_128]);
+        let stacked_padded = stacked(&batch.map(|i| zero_padded(i, 48_128)).iter().collect::<Vec<_>>());
+        let [(shape, values)] = &direct(&path, "audio_forward", &[16_000], &stacked_padded)[..] else { panic!("one tensor") };
+        let mut row = 0;
+        for (input, got) in batch.iter().zip(&batched) {
+            let [prob] = &got[..] else { panic!("one output") };
+            let windows = input.shape[1].div_ceil(512);
+            assert_eq!(prob.shape, [input.shape[0], windows], "its own windows, not its bucket's");
+            // The batch's rows of what the module answers for the bucketed batch.
+            let rows = &values[row * shape[1]..(row + input.shape[0]) * shape[1]];
+            let want: Vec<f32> = rows.chunks(shape[1]).flat_map(|r| &r[..windows]).copied().collect();
+            assert_eq!(bits(fp32(&prob.data)), bits(&want), "{:?} in a batch bucketed to 48128", input.shape);
+            // Alone, bucketed: what the module answers for the request padded to its bucket,
+            // and what the unbucketed model answers (the padding is never seen).
+            let bucket = vad.padded_shape(&[input])[1];
+            let [(one_shape, one)] = &direct(&path, "audio_forward", &[16_000], &zero_padded(input, bucket))[..] else { panic!("one tensor") };
+            let want_alone: Vec<f32> = one.chunks(one_shape[1]).flat_map(|r| &r[..windows]).copied().collect();
+            let [alone] = &vad.infer(input).expect("alone")[..] else { panic!("one output") };
+            assert_eq!((alone.shape.clone(), bits(fp32(&alone.data))), (prob.shape.clone(), bits(&want_alone)), "{:?} alone", input.shape);
+            for (x, y) in fp32(&prob.data).iter().zip(&want_alone) {
+                assert!((x - y).abs() < 1e-5, "{:?}: {x} batched, {y} alone", input.shape);
+            }
+            row += input.shape[0];
+        }
+        let unbucketed = load(shipped("silero_vad")).expect("the shipped Silero VAD");
+        let [alone] = &vad.infer(&a).expect("alone")[..] else { panic!("one output") };
+        let [plain_alone] = &unbucketed.infer(&a).expect("alone, unbucketed")[..] else { panic!("one output") };
+        assert_eq!((alone.shape.clone(), bits(fp32(&alone.data))), (plain_alone.shape.clone(), bits(fp32(&plain_alone.data))));
+    }
+
     #[test]
     fn declared_inputs_must_fit_the_declared_shape() {
         // P-Net at 24² only: every non-batch dimension fixed.
@@ -1192,7 +1327,16 @@ mod tests {
     fn padded_shape_takes_rows_and_the_largest_other_dims() {
         let a = InputTensor::from_f32(vec![1, 3, 20, 30], &[0.0; 1800]);
         let b = InputTensor::from_f32(vec![2, 3, 25, 12], &[0.0; 1800]);
-        assert_eq!(Model::padded_shape(&[&a, &b]), vec![3, 3, 25, 30]);
+        let declared = [-1, 3, -1, -1];
+        assert_eq!(padded_shape(&[&a, &b], &declared, 1), vec![3, 3, 25, 30]);
+        // Bucketed: the variable dimensions rounded up after the largest is taken, the batch
+        // and the fixed dimension as they are; a lone request is rounded up too.
+        assert_eq!(padded_shape(&[&a, &b], &declared, 8), vec![3, 3, 32, 32]);
+        assert_eq!(padded_shape(&[&a, &b], &declared, 2), vec![3, 3, 26, 30]);
+        assert_eq!(padded_shape(&[&b], &declared, 5), vec![2, 3, 25, 15]);
+        assert_eq!(padded_shape(&[&a], &declared, 1 << 20), vec![1, 3, 1 << 20, 1 << 20]);
+        assert_eq!(padded_shape(&[], &declared, 8), Vec::<usize>::new());
+        assert_eq!((round_up(0, 8), round_up(9, 0), round_up(usize::MAX, 2)), (0, 9, usize::MAX));
     }
 
     #[test]
