@@ -13,6 +13,7 @@ use crate::config::{self, TaskConfig, WorkerEndpoint, WorkerSource};
 use crate::metrics::Metrics;
 use crate::tasks::audio::AudioTask;
 use crate::tasks::image::ImageTask;
+use crate::tasks::image_model::ImageModelTask;
 use crate::tasks::outputs::Outputs;
 use crate::tasks::tensor::TensorTask;
 use crate::tasks::voice::VoiceTask;
@@ -152,7 +153,8 @@ fn converter(config: &TaskConfig) -> Result<Box<dyn Converter>, String> {
     };
     Ok(match (config.converter, outputs) {
         (config::Converter::Wav, _) => Box::new(VoiceTask::new(config.wav.clone())),
-        (config::Converter::Image, outputs) => Box::new(ImageTask::new(config.image.clone(), outputs)),
+        (config::Converter::Image, Some(outputs)) => Box::new(ImageModelTask::new(config.image.clone(), outputs)),
+        (config::Converter::Image, None) => Box::new(ImageTask::new(config.image.clone())),
         (config::Converter::Audio, Some(outputs)) => Box::new(AudioTask::new(config.audio.clone(), outputs)),
         (config::Converter::Tensor, Some(outputs)) => Box::new(TensorTask::new(config.tensor.clone(), outputs)),
         (converter, None) => return Err(format!("converter {} has no outputs", converter.as_str())),

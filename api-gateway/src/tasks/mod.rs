@@ -16,6 +16,7 @@
 
 pub mod audio;
 pub mod image;
+pub mod image_model;
 pub mod outputs;
 pub mod tensor;
 pub mod voice;

@@ -43,7 +43,6 @@ use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{DataType, Tensor, TensorData};
 
 use self::tensor::{ChannelOrder, Layout};
-use super::outputs::{Outputs, OutputsFinish};
 use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::failure::Failure;
 use crate::call::client::OutputTensor;
@@ -241,13 +240,12 @@ fn check_face_size(size: u32) -> Result<(), String> {
 /// The `image` converter of the task table.
 pub struct ImageTask {
     options: ImageOptions,
-    /// `tensor` mode: the task's `[[outputs]]` rows.
-    outputs: Option<Arc<Outputs>>,
 }
 
 impl ImageTask {
-    pub fn new(options: ImageOptions, outputs: Option<Arc<Outputs>>) -> Self {
-        ImageTask { options, outputs }
+    /// The faces and proposals modes; the tensor mode is `crate::tasks::image_model`'s.
+    pub fn new(options: ImageOptions) -> Self {
+        ImageTask { options }
     }
 }
 
@@ -297,13 +295,11 @@ pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>)
 impl Converter for ImageTask {
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
         if self.options.mode == ImageMode::Tensor {
-            if options.is_some_and(|v| !v.is_null()) {
-                return Err(Failure::new(ErrorKind::InvalidRequest, Stage::Parse, "this task takes no options"));
-            }
-            let outputs = self.outputs.clone().ok_or_else(|| {
-                Failure::new(ErrorKind::Internal, Stage::Parse, "image mode \"tensor\" was built without its outputs")
-            })?;
-            return Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs }));
+            return Err(Failure::new(
+                ErrorKind::Internal,
+                Stage::Parse,
+                "image mode \"tensor\" is served by the image model task, not this one",
+            ));
         }
         let options = image_options(&self.options, options)?;
         Ok(match options.mode {
@@ -317,24 +313,6 @@ impl Converter for ImageTask {
             ImageMode::Faces => vec![self.options.refine_model.clone(), self.options.output_model.clone()],
             ImageMode::Proposals | ImageMode::Tensor => Vec::new(),
         }
-    }
-}
-
-/// `mode = "tensor"`: one call with the configured input, the outputs by the task's rows.
-struct TensorPlan {
-    options: ImageOptions,
-    outputs: Arc<Outputs>,
-}
-
-impl Plan for TensorPlan {
-    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
-        tensor::probe_bytes(bytes, &self.options)
-    }
-
-    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
-        let (tensor, input, placement) = tensor::convert(bytes, &self.options)?;
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: Some(placement) };
-        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
     }
 }
 
