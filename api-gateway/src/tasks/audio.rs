@@ -149,9 +149,7 @@ impl AudioTask {
 
 impl Converter for AudioTask {
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        if options.is_some_and(|v| !v.is_null()) {
-            return Err(Failure::new(ErrorKind::InvalidRequest, Stage::Parse, "this task takes no options"));
-        }
+        super::no_options(options)?;
         Ok(Arc::new(AudioPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
     }
 }

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use vramgate_shared::events::{ErrorKind, Stage};
 
 use super::image::{tensor, ImageOptions};
 use super::outputs::{Outputs, OutputsFinish};
@@ -24,9 +23,7 @@ impl ImageModelTask {
 
 impl Converter for ImageModelTask {
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        if options.is_some_and(|v| !v.is_null()) {
-            return Err(Failure::new(ErrorKind::InvalidRequest, Stage::Parse, "this task takes no options"));
-        }
+        super::no_options(options)?;
         Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
     }
 }

@@ -98,6 +98,19 @@ pub enum Step {
     Next(Converted),
 }
 
+/// Refuses request options for a task that takes none (the configured converters: their
+/// settings are the task row's).
+pub fn no_options(options: Option<&serde_json::Value>) -> Result<(), Failure> {
+    match options {
+        Some(v) if !v.is_null() => Err(Failure::new(
+            vramgate_shared::events::ErrorKind::InvalidRequest,
+            vramgate_shared::events::Stage::Parse,
+            "this task takes no options",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The one answer of a one-call step: its outputs, or why there is not exactly one.
 pub fn only_answer(answers: Vec<Vec<OutputTensor>>) -> Result<Vec<OutputTensor>, Failure> {
     let n = answers.len();

@@ -86,9 +86,7 @@ impl TensorTask {
 
 impl Converter for TensorTask {
     fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        if options.is_some_and(|v| !v.is_null()) {
-            return Err(invalid("this task takes no options".into()));
-        }
+        super::no_options(options)?;
         Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
     }
 }
