@@ -23,6 +23,7 @@ from pathlib import Path
 
 HTTP_TIMEOUT_S = 5
 DASHBOARD = "deploy/grafana/dashboards/vramgate.json"
+DOCKERFILE = "docker/vramgate.Dockerfile"
 # A metric selector in PromQL as the dashboard writes them: always with braces.
 SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{")
 
@@ -91,27 +92,52 @@ def static(root):
     say(f"{DASHBOARD} parses: {len(dashboard['panels'])} panels, {len(exprs)} queries; provisioning matches")
     # The CUDA worker image cannot be built here (no registry for its base, no GPU); it must do
     # exactly what the CPU image, which is built and run, does.
-    cpu, cuda = (dockerfile_steps(root / f"docker/{name}.Dockerfile") for name in ("worker", "worker-cuda"))
+    stages = dockerfile_stages(root / DOCKERFILE)
+    cpu, cuda = (worker_steps(stages[name]) for name in ("worker", "worker-cuda"))
     if cpu != cuda:
         diff = [f"{a!r} / {b!r}" for a, b in zip(cpu, cuda) if a != b] or ["different lengths"]
-        fail(f"docker/worker-cuda.Dockerfile differs from docker/worker.Dockerfile beyond base and device: {diff[0]}")
-    say(f"docker/worker-cuda.Dockerfile: the CPU image's {len(cpu)} steps on the CUDA base")
+        fail(f"{DOCKERFILE}: the worker-cuda stage differs from the worker stage beyond base and device: {diff[0]}")
+    say(f"{DOCKERFILE}: worker-cuda is the CPU worker's {len(cpu)} steps on the CUDA base")
+    # Every ARG default that scripts/versions.env also pins must be its value there.
+    pinned = dict(re.findall(r"^([A-Z0-9_]+)=(\S+)$", (root / "scripts/versions.env").read_text(), re.M))
+    args = re.findall(r"^ARG ([A-Z0-9_]+)=(\S*)$", (root / DOCKERFILE).read_text(), re.M)
+    checked = 0
+    for name, value in args:
+        if name in pinned:
+            checked += 1
+            if value != pinned[name]:
+                fail(f"{DOCKERFILE}: ARG {name}={value}, but scripts/versions.env pins {pinned[name]}")
+    say(f"{DOCKERFILE}: its {checked} pinned build arguments are scripts/versions.env's")
 
 
-def dockerfile_steps(path):
-    """A Dockerfile's instructions with the base image, NVIDIA's variables, the device and the
-    start period taken out: what the CPU and CUDA worker images must share."""
+def dockerfile_stages(path):
+    """A Dockerfile's stages, by name: each a list of its instructions, continuation lines joined
+    and comments left out, the FROM line first."""
     text = re.sub(r"\\\n\s*", " ", path.read_text())
-    steps = []
+    stages, current = {}, None
     for line in text.splitlines():
-        line = line.strip()
+        line = " ".join(line.split())
         if not line or line.startswith("#"):
             continue
-        line = re.sub(r"^FROM \S+", "FROM <base>", line)
+        m = re.match(r"FROM \S+(?: AS (\S+))?$", line, re.I)
+        if m:
+            current = stages.setdefault(m.group(1) or f"stage-{len(stages)}", [])
+        if current is not None:
+            current.append(line)
+    return stages
+
+
+def worker_steps(steps):
+    """A worker stage's instructions with the base image, NVIDIA's variables, the device, the
+    title and description, and the start period taken out: what the CPU and CUDA images share."""
+    out = []
+    for line in steps:
+        line = re.sub(r"^FROM \S+ AS \S+", "FROM <base>", line)
         line = re.sub(r"NVIDIA_\S+=\S+ ", "", line)
         line = re.sub(r"VRAMGATE_WORKER_DEVICE=\S+", "VRAMGATE_WORKER_DEVICE=<device>", line)
-        steps.append(" ".join(re.sub(r"--start-period=\S+", "", line).split()))
-    return steps
+        line = re.sub(r'org\.opencontainers\.image\.(title|description)="[^"]*"', r"\1", line)
+        out.append(" ".join(re.sub(r"--start-period=\S+", "", line).split()))
+    return out
 
 
 def outputs(path, count, status, kind=None):
