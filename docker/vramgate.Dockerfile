@@ -102,21 +102,21 @@ RUN --mount=type=secret,id=build-ca set -eux; \
     cp /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf /out/fonts/DejaVuSans.ttf; \
     cp /usr/share/doc/fonts-dejavu-core/copyright /out/fonts/DejaVuSans.copyright
 
-# --- the worker's files: the binary, the libraries it loads from the torch wheel, the models ----
-FROM torch AS worker-files
-COPY --from=build /out/ai-worker /opt/vramgate/bin/ai-worker
-COPY docker/http-ok /opt/vramgate/bin/http-ok
-COPY config/worker.toml /opt/vramgate/config/worker.toml
-COPY --from=models /models/silero_vad.jit /models/mtcnn_pnet.jit /models/mtcnn_rnet.jit /models/mtcnn_onet.jit /opt/vramgate/models/
-# Exactly the libraries ldd resolves outside the system's folders (the wheel's torch/lib and
-# nvidia/*/lib); the system's (glibc, libstdc++) come with the runtime base.
+# --- the worker's shared libraries from the wheel ------------------------------------------------
+# What the worker links from the wheel (libtorch's CPU and CUDA halves, c10, c10_cuda) and every
+# library ldd resolves for them there (the CUDA libraries): the same set as `ldd ai-worker`, but
+# independent of the binary, so that a source change does not copy these 2.6 GB again. The
+# runtime stages' ldd check proves the binary finds all it needs among them.
+FROM torch AS worker-libs
 RUN set -eu; \
+    lib="$(echo /opt/torch/lib/python3*/site-packages/torch/lib)"; \
     mkdir -p /opt/vramgate/lib; \
-    ldd /opt/vramgate/bin/ai-worker >/tmp/ldd; \
+    for so in libtorch_cpu.so libtorch_cuda.so libc10.so libc10_cuda.so; do echo "$lib/$so"; done >/tmp/libs; \
+    ldd $(cat /tmp/libs) >/tmp/ldd; \
     if grep 'not found' /tmp/ldd; then exit 1; fi; \
-    awk '$2 == "=>" && $3 ~ /^\// && $3 !~ /^\/(usr\/)?lib(64)?\// {print $3}' /tmp/ldd \
-      | xargs -r cp -L -t /opt/vramgate/lib; \
-    echo "worker: $(ls /opt/vramgate/lib | wc -l) libraries, $(du -sh /opt/vramgate | cut -f1)"
+    awk '$2 == "=>" && $3 ~ /^\/opt\/torch\// {print $3}' /tmp/ldd >>/tmp/libs; \
+    sort -u /tmp/libs | xargs cp -L -t /opt/vramgate/lib; \
+    echo "worker: $(ls /opt/vramgate/lib | wc -l) libraries, $(du -sh /opt/vramgate/lib | cut -f1)"
 
 # --- the gateway's files ----------------------------------------------------------------------
 FROM scratch AS gateway-files
@@ -175,7 +175,12 @@ LABEL vramgate.image=worker \
       org.opencontainers.image.version="$VERSION" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate
-COPY --from=worker-files /opt/vramgate/ /opt/vramgate/
+# The largest and steadiest layers first: a source change replaces only the binary's.
+COPY --from=worker-libs /opt/vramgate/lib/ /opt/vramgate/lib/
+COPY --from=models /models/silero_vad.jit /models/mtcnn_pnet.jit /models/mtcnn_rnet.jit /models/mtcnn_onet.jit /opt/vramgate/models/
+COPY docker/http-ok /opt/vramgate/bin/http-ok
+COPY config/worker.toml /opt/vramgate/config/worker.toml
+COPY --from=build /out/ai-worker /opt/vramgate/bin/ai-worker
 RUN ! LD_LIBRARY_PATH=/opt/vramgate/lib ldd /opt/vramgate/bin/ai-worker | grep 'not found'
 WORKDIR /opt/vramgate
 ENV PATH=/opt/vramgate/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -205,7 +210,12 @@ LABEL vramgate.image=worker \
       org.opencontainers.image.version="$VERSION" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate
-COPY --from=worker-files /opt/vramgate/ /opt/vramgate/
+# The largest and steadiest layers first: a source change replaces only the binary's.
+COPY --from=worker-libs /opt/vramgate/lib/ /opt/vramgate/lib/
+COPY --from=models /models/silero_vad.jit /models/mtcnn_pnet.jit /models/mtcnn_rnet.jit /models/mtcnn_onet.jit /opt/vramgate/models/
+COPY docker/http-ok /opt/vramgate/bin/http-ok
+COPY config/worker.toml /opt/vramgate/config/worker.toml
+COPY --from=build /out/ai-worker /opt/vramgate/bin/ai-worker
 RUN ! LD_LIBRARY_PATH=/opt/vramgate/lib ldd /opt/vramgate/bin/ai-worker | grep 'not found'
 WORKDIR /opt/vramgate
 ENV PATH=/opt/vramgate/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
