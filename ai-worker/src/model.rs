@@ -20,6 +20,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use tch::{CModule, Device, IValue, Kind, Tensor};
 use vramgate_shared::oip::{DataType, TensorData, F16};
+use vramgate_shared::telemetry::bounded;
 
 use crate::config::{Batching, ConstArg, DeclaredTensor, DeviceChoice, Follows, ModelConfig};
 
@@ -587,7 +588,8 @@ impl Model {
             };
             let args: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(self.config.args().iter().map(ivalue)).collect();
             let returned = module.method_is(method, &args).map_err(|e| in_method(failed(e)))?;
-            let tensors = returned_tensors(returned).map_err(|message| self.declared_error(&message))?;
+            let names: Vec<&str> = self.outputs.iter().map(|o| &*o.name).collect();
+            let tensors = returned_tensors(returned, &names).map_err(|message| self.declared_error(&message))?;
             self.check_declared_outputs(&tensors, shape[0])?;
             Ok(tensors)
         })?;
@@ -674,10 +676,38 @@ impl Model {
     }
 }
 
-/// The tensors a method returned: one tensor, or a tuple or list of tensors; else what was
-/// returned instead, for the error.
-fn returned_tensors(value: IValue) -> Result<Vec<Tensor>, String> {
+/// The tensors a method returned: one tensor, a tuple or list of tensors (in the declared
+/// outputs' order), or a dict of tensors keyed by the declared outputs' `names` (taken in that
+/// order; keys not declared are dropped); else what was returned instead, for the error.
+fn returned_tensors(value: IValue, names: &[&str]) -> Result<Vec<Tensor>, String> {
     match value {
+        IValue::GenericDict(entries) => {
+            let mut by_key: Vec<(String, IValue)> = Vec::with_capacity(entries.len());
+            for (key, entry) in entries {
+                match key {
+                    IValue::String(key) => by_key.push((key, entry)),
+                    other => return Err(format!("returned a dict with {} as a key where a string was expected", describe(&other))),
+                }
+            }
+            names
+                .iter()
+                .map(|&name| match by_key.iter().position(|(key, _)| key == name) {
+                    Some(at) => match by_key.swap_remove(at).1 {
+                        IValue::Tensor(t) => Ok(t),
+                        other => Err(format!("returned {} under the key '{name}' where a tensor was expected", describe(&other))),
+                    },
+                    None => {
+                        // The model's keys, in bounds: at most 16, each cut to 64 bytes.
+                        let mut keys: Vec<&str> = by_key.iter().map(|(k, _)| bounded(k, 64)).collect();
+                        keys.sort_unstable();
+                        let more = keys.len().saturating_sub(16);
+                        keys.truncate(16);
+                        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+                        Err(format!("returned a dict without the key '{name}' (a declared output); its keys: {}{more}", keys.join(", ")))
+                    }
+                })
+                .collect()
+        }
         IValue::Tensor(t) => Ok(vec![t]),
         IValue::TensorList(ts) => Ok(ts),
         IValue::Tuple(parts) | IValue::GenericList(parts) => parts
@@ -688,7 +718,7 @@ fn returned_tensors(value: IValue) -> Result<Vec<Tensor>, String> {
                 other => Err(format!("returned {} at position {i} where a tensor was expected", describe(&other))),
             })
             .collect(),
-        other => Err(format!("returned {}, expected a tensor or a tuple or list of tensors", describe(&other))),
+        other => Err(format!("returned {}, expected a tensor, a tuple or list of tensors, or a dict of them", describe(&other))),
     }
 }
 
@@ -934,7 +964,7 @@ mod tests {
         let x = input.to_tensor(&input.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()).expect("a tensor");
         let all: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(args.iter().map(|&n| IValue::Int(n))).collect();
         let returned = tch::no_grad(|| module.method_is(method, &all)).expect("a direct call");
-        returned_tensors(returned)
+        returned_tensors(returned, &[])
             .expect("tensors")
             .iter()
             .map(|t| (t.size().iter().map(|&d| d as usize).collect(), Vec::<f32>::try_from(&t.reshape([-1])).expect("f32 values")))
@@ -1296,20 +1326,46 @@ mod tests {
     }
 
     #[test]
-    fn only_tensors_or_sequences_of_them_are_outputs() {
+    fn only_tensors_sequences_or_dicts_of_them_are_outputs() {
         let t = || IValue::Tensor(Tensor::from_slice(&[1.0f32, 2.0]));
-        assert_eq!(returned_tensors(t()).map(|v| v.len()), Ok(1));
-        assert_eq!(returned_tensors(IValue::Tuple(vec![t(), t()])).map(|v| v.len()), Ok(2));
-        assert_eq!(returned_tensors(IValue::GenericList(vec![t(), t(), t()])).map(|v| v.len()), Ok(3));
-        assert_eq!(returned_tensors(IValue::TensorList(vec![Tensor::from_slice(&[1.0f32])])).map(|v| v.len()), Ok(1));
+        let none: &[&str] = &[];
+        assert_eq!(returned_tensors(t(), none).map(|v| v.len()), Ok(1));
+        assert_eq!(returned_tensors(IValue::Tuple(vec![t(), t()]), none).map(|v| v.len()), Ok(2));
+        assert_eq!(returned_tensors(IValue::GenericList(vec![t(), t(), t()]), none).map(|v| v.len()), Ok(3));
+        assert_eq!(returned_tensors(IValue::TensorList(vec![Tensor::from_slice(&[1.0f32])]), none).map(|v| v.len()), Ok(1));
         assert_eq!(
-            returned_tensors(IValue::Tuple(vec![t(), IValue::Int(3)])).map(|v| v.len()),
+            returned_tensors(IValue::Tuple(vec![t(), IValue::Int(3)]), none).map(|v| v.len()),
             Err("returned an int at position 1 where a tensor was expected".into())
         );
         assert_eq!(
-            returned_tensors(IValue::GenericDict(vec![])).map(|v| v.len()),
-            Err("returned a dict of 0 entries, expected a tensor or a tuple or list of tensors".into())
+            returned_tensors(IValue::Int(3), none).map(|v| v.len()),
+            Err("returned an int, expected a tensor, a tuple or list of tensors, or a dict of them".into())
         );
+    }
+
+    #[test]
+    fn a_dict_output_is_taken_by_the_declared_names_in_their_order() {
+        let key = |k: &str| IValue::String(k.to_string());
+        let t = |v: f32| IValue::Tensor(Tensor::from_slice(&[v]));
+        let dict = || IValue::GenericDict(vec![(key("scores"), t(1.0)), (key("boxes"), t(2.0)), (key("debug"), t(3.0))]);
+        let got = returned_tensors(dict(), &["boxes", "scores"]).expect("two tensors");
+        let values: Vec<f32> = got.iter().map(|t| t.double_value(&[0]) as f32).collect();
+        assert_eq!(values, [2.0, 1.0], "declared order, the undeclared key dropped");
+        assert_eq!(
+            returned_tensors(dict(), &["boxes", "labels"]).map(|v| v.len()),
+            Err("returned a dict without the key 'labels' (a declared output); its keys: debug, scores".into())
+        );
+        assert_eq!(
+            returned_tensors(IValue::GenericDict(vec![(key("boxes"), IValue::Int(1))]), &["boxes"]).map(|v| v.len()),
+            Err("returned an int under the key 'boxes' where a tensor was expected".into())
+        );
+        assert_eq!(
+            returned_tensors(IValue::GenericDict(vec![(IValue::Int(0), t(1.0))]), &["boxes"]).map(|v| v.len()),
+            Err("returned a dict with an int as a key where a string was expected".into())
+        );
+        let many = IValue::GenericDict((0..20).map(|i| (key(&format!("k{i:02}{}", "x".repeat(100))), t(0.0))).collect());
+        let message = returned_tensors(many, &["boxes"]).map(|v| v.len()).expect_err("no such key");
+        assert!(message.ends_with(" and 4 more") && message.len() < 16 * 70 + 120, "{message}");
     }
 
     #[test]
@@ -1364,6 +1420,32 @@ mod tests {
         let err = InputTensor::from_le_bytes(vec![3], DataType::Int64, bytes.slice(3..26)).expect_err("23 bytes");
         assert_eq!(err.to_string(), "INT64 data must be a whole number of 8-byte values, got 23 bytes");
         assert_eq!(InputTensor::from_f32(vec![6], &values).le_bytes(), &bytes[3..]);
+    }
+
+    /// A model that returns a dict (scripts/export_models.py's `dict_outputs.jit` fixture):
+    /// its tensors are answered under the declared names, in the declared order, each cut per
+    /// request; a key it does not return stops the load with the keys it has.
+    #[test]
+    fn a_dict_returning_model_answers_by_key() {
+        use super::testing::entry;
+        let keys = |outputs: &str| {
+            format!("input = {{ name = \"x\", shape = [-1, -1] }}\noutputs = [ {outputs} ]\n")
+        };
+        let path = model_file("dict_outputs.jit");
+        let model = load(entry(&path, "dict", &keys("{ name = \"row_sum\", shape = [-1] }, { name = \"doubled\", shape = [-1, -1] }")))
+            .expect("a dict model declared by two of its keys");
+        let (a, b) = (InputTensor::from_f32(vec![1, 3], &[1.0, 2.0, 3.0]), InputTensor::from_f32(vec![2, 3], &[0.5, 0.5, 0.5, 4.0, 5.0, 6.0]));
+        let answers = model.infer_batch(&[&a, &b]).expect("a batch of two");
+        let got: Vec<Vec<(String, Vec<usize>, Vec<f32>)>> = answers
+            .iter()
+            .map(|outputs| outputs.iter().map(|o| (o.name.to_string(), o.shape.clone(), fp32(&o.data).to_vec())).collect())
+            .collect();
+        assert_eq!(got, [
+            vec![("row_sum".into(), vec![1], vec![6.0]), ("doubled".into(), vec![1, 3], vec![2.0, 4.0, 6.0])],
+            vec![("row_sum".into(), vec![2], vec![1.5, 15.0]), ("doubled".into(), vec![2, 3], vec![1.0, 1.0, 1.0, 8.0, 10.0, 12.0])],
+        ]);
+        let err = load(entry(&path, "dict", &keys("{ name = \"scores\", shape = [-1] }"))).err().expect("no such key").to_string();
+        assert!(err.contains("returned a dict without the key 'scores' (a declared output); its keys: doubled, row_sum, unused"), "{err}");
     }
 
     #[test]
