@@ -11,11 +11,11 @@ use prometheus::{IntCounter, IntGauge};
 use crate::call::workers::WorkerSet;
 use crate::config::{self, TaskConfig, WorkerEndpoint, WorkerSource};
 use crate::metrics::Metrics;
-use crate::tasks::audio::AudioTask;
+use crate::tasks::audio::AudioInput;
 use crate::tasks::image::ImageTask;
-use crate::tasks::image_model::ImageModelTask;
-use crate::tasks::outputs::Outputs;
-use crate::tasks::tensor::TensorTask;
+use crate::tasks::image_model::ImageInput;
+use crate::tasks::outputs::{ConfiguredTask, Outputs};
+use crate::tasks::tensor::TensorInput;
 use crate::tasks::voice::VoiceTask;
 use crate::tasks::Converter;
 
@@ -153,10 +153,10 @@ fn converter(config: &TaskConfig) -> Result<Box<dyn Converter>, String> {
     };
     Ok(match (config.converter, outputs) {
         (config::Converter::Wav, _) => Box::new(VoiceTask::new(config.wav.clone())),
-        (config::Converter::Image, Some(outputs)) => Box::new(ImageModelTask::new(config.image.clone(), outputs)),
+        (config::Converter::Image, Some(outputs)) => Box::new(ConfiguredTask::new(ImageInput { options: config.image.clone() }, outputs)),
         (config::Converter::Image, None) => Box::new(ImageTask::new(config.image.clone())),
-        (config::Converter::Audio, Some(outputs)) => Box::new(AudioTask::new(config.audio.clone(), outputs)),
-        (config::Converter::Tensor, Some(outputs)) => Box::new(TensorTask::new(config.tensor.clone(), outputs)),
+        (config::Converter::Audio, Some(outputs)) => Box::new(ConfiguredTask::new(AudioInput { options: config.audio.clone() }, outputs)),
+        (config::Converter::Tensor, Some(outputs)) => Box::new(ConfiguredTask::new(TensorInput { options: config.tensor.clone() }, outputs)),
         (converter, None) => return Err(format!("converter {} has no outputs", converter.as_str())),
     })
 }

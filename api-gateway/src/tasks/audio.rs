@@ -18,15 +18,12 @@
 //! while decoding), and `max_elements` of the model input (checked from the header's length
 //! before decoding when it is known; small hops multiply the samples).
 
-use std::sync::Arc;
-
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{DataType, Tensor, TensorData, F16};
 
-use super::outputs::{Outputs, OutputsFinish};
-use super::{Converted, Converter, Plan};
+use super::outputs::{InputConverter, ModelInput};
 use crate::audio::decode::{self, DecodeError, Header};
 use crate::audio::resample;
 use crate::audio::wav::{MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ};
@@ -136,27 +133,9 @@ impl AudioOptions {
     }
 }
 
-pub struct AudioTask {
-    options: AudioOptions,
-    outputs: Arc<Outputs>,
-}
-
-impl AudioTask {
-    pub fn new(options: AudioOptions, outputs: Arc<Outputs>) -> Self {
-        AudioTask { options, outputs }
-    }
-}
-
-impl Converter for AudioTask {
-    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        super::no_options(options)?;
-        Ok(Arc::new(AudioPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
-    }
-}
-
-struct AudioPlan {
-    options: AudioOptions,
-    outputs: Arc<Outputs>,
+/// The input side of the `audio` converter (a [`super::outputs::ConfiguredTask`]).
+pub struct AudioInput {
+    pub options: AudioOptions,
 }
 
 fn audio_failure(e: DecodeError) -> Failure {
@@ -167,7 +146,7 @@ fn audio_failure(e: DecodeError) -> Failure {
     }
 }
 
-impl AudioPlan {
+impl AudioInput {
     fn max_frames(&self, header: &Header) -> u64 {
         (self.options.max_audio_seconds * f64::from(header.sample_rate)).floor() as u64
     }
@@ -204,7 +183,7 @@ impl AudioPlan {
     }
 }
 
-impl Plan for AudioPlan {
+impl InputConverter for AudioInput {
     fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
         let header = self.checked_header(bytes)?;
         // A length the container does not state is counted at the limit.
@@ -219,7 +198,7 @@ impl Plan for AudioPlan {
         Ok(interleaved.saturating_add(mono).max(mono.saturating_add(samples.saturating_mul(4))).saturating_add(input.saturating_mul(2)))
     }
 
-    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+    fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
         let header = self.checked_header(bytes)?;
         let decoded = decode::decode(bytes, self.max_frames(&header)).map_err(audio_failure)?;
         let duration_seconds = decoded.duration_seconds();
@@ -251,8 +230,7 @@ impl Plan for AudioPlan {
             input["frames"] = json!(shape[0]);
             input["hop_seconds"] = json!(f.hop as f64 / f64::from(self.options.sample_rate_hz));
         }
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: None };
-        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
+        Ok(ModelInput { tensor, input, placement: None })
     }
 }
 
@@ -288,7 +266,9 @@ mod tests {
     use vramgate_shared::wav::{wav_bytes, SampleFormat};
 
     use super::*;
-    use crate::tasks::outputs::OutputRule;
+    use crate::tasks::outputs::{ConfiguredTask, OutputRule, Outputs};
+    use crate::tasks::{Converter, Plan};
+    use std::sync::Arc;
 
     fn options(keys: serde_json::Value) -> AudioOptions {
         let options: AudioOptions = serde_json::from_value(keys).expect("options parse");
@@ -298,7 +278,7 @@ mod tests {
 
     fn plan(options: AudioOptions) -> Arc<dyn Plan> {
         let rule: OutputRule = serde_json::from_str(r#"{"name": "y"}"#).expect("rule");
-        AudioTask::new(options, Outputs::load(&[rule], 100).expect("outputs")).plan(None).expect("plan")
+        ConfiguredTask::new(AudioInput { options }, Outputs::load(&[rule], 100).expect("outputs")).plan(None).expect("plan")
     }
 
     fn ramp(n: usize) -> Vec<f32> {

@@ -2,46 +2,22 @@
 //! (`image::tensor`), one call, the outputs through the task's `[[outputs]]` rows (`outputs`).
 //! Apart from `image` so that `outputs` may read `image` (face boxes) without a circle.
 
-use std::sync::Arc;
-
-
 use super::image::{tensor, ImageOptions};
-use super::outputs::{Outputs, OutputsFinish};
-use super::{Converted, Converter, Plan};
+use super::outputs::{InputConverter, ModelInput};
 use crate::failure::Failure;
 
-pub struct ImageModelTask {
-    options: ImageOptions,
-    outputs: Arc<Outputs>,
+/// The input side of the image tensor mode (a [`super::outputs::ConfiguredTask`]).
+pub struct ImageInput {
+    pub options: ImageOptions,
 }
 
-impl ImageModelTask {
-    pub fn new(options: ImageOptions, outputs: Arc<Outputs>) -> Self {
-        ImageModelTask { options, outputs }
-    }
-}
-
-impl Converter for ImageModelTask {
-    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        super::no_options(options)?;
-        Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
-    }
-}
-
-/// One call with the configured input, the outputs by the task's rows.
-struct TensorPlan {
-    options: ImageOptions,
-    outputs: Arc<Outputs>,
-}
-
-impl Plan for TensorPlan {
+impl InputConverter for ImageInput {
     fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
         tensor::probe_bytes(bytes, &self.options)
     }
 
-    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+    fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
         let (tensor, input, placement) = tensor::convert(bytes, &self.options)?;
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: Some(placement) };
-        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
+        Ok(ModelInput { tensor, input, placement: Some(placement) })
     }
 }

@@ -37,7 +37,9 @@ use vramgate_shared::events::{ErrorKind, Stage};
 
 use super::image::{faces, ImageOptions, Placement};
 use super::voice::SegmentConfig;
-use super::{only_answer, Finish, Step};
+use vramgate_shared::oip::Tensor;
+
+use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::audio::segments::{speech_segments, SegmentParams};
 use crate::call::client::OutputTensor;
 use crate::failure::Failure;
@@ -472,14 +474,67 @@ fn top_k(row: &[f32], k: usize) -> Vec<(usize, f32)> {
     indexed
 }
 
-/// The finish of a configured task: one call, its outputs rendered by the rules, next to what
-/// the converter reports about the input.
-pub struct OutputsFinish {
-    pub outputs: Arc<Outputs>,
+/// What a configured converter makes of an event's bytes.
+pub struct ModelInput {
+    /// The model's input tensor.
+    pub tensor: Tensor,
     /// What the converter says about the input (`format`, sizes, duration), under `input`.
     pub input: Value,
     /// Where an image sits in the model input (the `image` converter's).
     pub placement: Option<Placement>,
+}
+
+/// The input side of a configured converter (`audio`, `tensor`, `image` in tensor mode): its
+/// settings are the task row's, never the request's.
+pub trait InputConverter: Send + Sync {
+    /// Bytes converting `bytes` may hold at its peak (see [`Plan::probe`]).
+    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure>;
+
+    fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure>;
+}
+
+/// A configured task: its converter's input side, one call, then the task's `[[outputs]]`
+/// rows. It takes no request options, so every event shares its one plan.
+pub struct ConfiguredTask {
+    plan: Arc<ConfiguredPlan>,
+}
+
+impl ConfiguredTask {
+    pub fn new(input: impl InputConverter + 'static, outputs: Arc<Outputs>) -> Self {
+        ConfiguredTask { plan: Arc::new(ConfiguredPlan { input: Box::new(input), outputs }) }
+    }
+}
+
+impl Converter for ConfiguredTask {
+    fn plan(&self, options: Option<&Value>) -> Result<Arc<dyn Plan>, Failure> {
+        super::no_options(options)?;
+        Ok(self.plan.clone())
+    }
+}
+
+struct ConfiguredPlan {
+    input: Box<dyn InputConverter>,
+    outputs: Arc<Outputs>,
+}
+
+impl Plan for ConfiguredPlan {
+    fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
+        self.input.probe(bytes)
+    }
+
+    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+        let ModelInput { tensor, input, placement } = self.input.convert(bytes)?;
+        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement };
+        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
+    }
+}
+
+/// The finish of a configured task: one call, its outputs rendered by the rules, next to what
+/// the converter reports about the input.
+struct OutputsFinish {
+    outputs: Arc<Outputs>,
+    input: Value,
+    placement: Option<Placement>,
 }
 
 impl Finish for OutputsFinish {

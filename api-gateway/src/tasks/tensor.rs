@@ -13,16 +13,13 @@
 //! The tensor goes to the model input `input` as it is; the outputs go through the task's
 //! `[[outputs]]` rows.
 
-use std::sync::Arc;
-
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{self, DataType, DecodeLimits, Tensor};
 
-use super::outputs::{Outputs, OutputsFinish};
-use super::{Converted, Converter, Plan};
+use super::outputs::{InputConverter, ModelInput};
 use crate::failure::Failure;
 
 /// Largest `max_elements`.
@@ -73,34 +70,16 @@ struct EventTensor {
     data_b64: Option<String>,
 }
 
-pub struct TensorTask {
-    options: TensorOptions,
-    outputs: Arc<Outputs>,
-}
-
-impl TensorTask {
-    pub fn new(options: TensorOptions, outputs: Arc<Outputs>) -> Self {
-        TensorTask { options, outputs }
-    }
-}
-
-impl Converter for TensorTask {
-    fn plan(&self, options: Option<&serde_json::Value>) -> Result<Arc<dyn Plan>, Failure> {
-        super::no_options(options)?;
-        Ok(Arc::new(TensorPlan { options: self.options.clone(), outputs: self.outputs.clone() }))
-    }
-}
-
-struct TensorPlan {
-    options: TensorOptions,
-    outputs: Arc<Outputs>,
+/// The input side of the `tensor` converter (a [`super::outputs::ConfiguredTask`]).
+pub struct TensorInput {
+    pub options: TensorOptions,
 }
 
 fn invalid(message: String) -> Failure {
     Failure::new(ErrorKind::InvalidRequest, Stage::Convert, message)
 }
 
-impl TensorPlan {
+impl TensorInput {
     /// The most bytes a decoded tensor may hold (the widest element is 8 bytes).
     fn max_decoded_bytes(&self) -> usize {
         self.options.max_elements.saturating_mul(8)
@@ -170,7 +149,7 @@ fn cut(s: &str) -> String {
     s.chars().take(200).collect()
 }
 
-impl Plan for TensorPlan {
+impl InputConverter for TensorInput {
     fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
         // The parsed JSON, the request body rebuilt from it, and the tensor. A value takes at
         // least two bytes of JSON ("0,"), 32 parsed (a `serde_json::Value`, and at most
@@ -183,11 +162,10 @@ impl Plan for TensorPlan {
         Ok(parsed.saturating_add(len).saturating_add(tensor))
     }
 
-    fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
+    fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
         let tensor = self.decode(bytes)?;
         let input = json!({ "datatype": tensor.datatype().as_str(), "shape": tensor.shape });
-        let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement: None };
-        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
+        Ok(ModelInput { tensor, input, placement: None })
     }
 }
 
@@ -196,12 +174,14 @@ mod tests {
     use vramgate_shared::oip::TensorData;
 
     use super::*;
-    use crate::tasks::outputs::OutputRule;
+    use crate::tasks::outputs::{ConfiguredTask, OutputRule, Outputs};
+    use crate::tasks::{Converter, Plan};
+    use std::sync::Arc;
 
     fn plan(options: TensorOptions) -> Arc<dyn Plan> {
         let rule: OutputRule = serde_json::from_str(r#"{"name": "y"}"#).expect("rule");
         let outputs = Outputs::load(&[rule], 100).expect("outputs");
-        TensorTask::new(options, outputs).plan(None).expect("plan")
+        ConfiguredTask::new(TensorInput { options }, outputs).plan(None).expect("plan")
     }
 
     fn tensor_of(plan: &Arc<dyn Plan>, input: Value) -> Result<Tensor, Failure> {
