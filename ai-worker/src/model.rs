@@ -250,17 +250,27 @@ pub struct OutputTensor {
 pub struct Model {
     config: ModelConfig,
     device: Device,
-    /// The one input and the outputs, in the order [`Model::infer_batch`] returns them.
+    /// Whether the model itself takes the batch dimension (else `max_batch_size = 0`: each
+    /// request runs alone, and the batch dimension is added before the call and taken off
+    /// its answers here).
+    batched: bool,
+    /// The one input and the outputs as the worker runs them: dimension 0 is the batch (one
+    /// added in front of the declared shapes of a model that takes none), in the order
+    /// [`Model::infer_batch`] returns them. Requests, batches and probes have these shapes.
     input: TensorSpec,
     outputs: Vec<TensorSpec>,
+    /// The input and outputs as declared, what metadata shows and answers have.
+    shown_input: TensorSpec,
+    shown_outputs: Vec<TensorSpec>,
     /// How requests of different sizes batch, and what a padded input is filled with.
     batching: Batching,
     pad_value: f64,
     /// The step every variable non-batch input dimension of a batch is rounded up to (1: none).
     bucket: usize,
-    /// The smallest request shape taken (rank of the input; 1 where unset).
+    /// The smallest request shape taken (rank of the input, as run; 1 where unset).
     min_shape: Vec<usize>,
-    /// Per output, the rules of its variable dimensions (for a padded input).
+    /// Per output, the rules of its variable dimensions (for a padded input), by the
+    /// dimensions as run.
     follows: Vec<Vec<Follows>>,
     /// One loaded copy per configured instance; a batch runs on whichever is free.
     modules: Vec<Mutex<CModule>>,
@@ -278,6 +288,16 @@ fn spec(t: &DeclaredTensor) -> TensorSpec {
     TensorSpec { name: t.name.as_str().into(), shape: t.shape.clone(), datatype: t.datatype }
 }
 
+/// `shown` as the worker runs it: with a batch dimension (`-1`) in front when the model takes
+/// none (`batched` false), sharing the name.
+fn as_run(shown: &TensorSpec, batched: bool) -> TensorSpec {
+    let mut spec = shown.clone();
+    if !batched {
+        spec.shape.insert(0, -1);
+    }
+    spec
+}
+
 impl Model {
     /// Loads the TorchScript file onto `device` and runs one warm-up call.
     pub fn load(config: ModelConfig, device: ComputeDevice) -> Result<Model, ModelError> {
@@ -286,11 +306,19 @@ impl Model {
         let (name, path) = (config.name.clone(), config.path.display().to_string());
         let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
         let (declared_input, declared_outputs) = declared(&config).map_err(load_err)?;
-        let input = spec(declared_input);
-        let outputs: Vec<TensorSpec> = declared_outputs.iter().map(spec).collect();
-        let follows = declared_outputs.iter().map(|o| o.follows().to_vec()).collect();
+        let batched = config.batched();
+        let shown_input = spec(declared_input);
+        let shown_outputs: Vec<TensorSpec> = declared_outputs.iter().map(spec).collect();
+        let input = as_run(&shown_input, batched);
+        let outputs: Vec<TensorSpec> = shown_outputs.iter().map(|o| as_run(o, batched)).collect();
+        // Dimension indices as run: one more than declared where the worker adds the batch.
+        let shift = usize::from(!batched);
+        let follows = declared_outputs
+            .iter()
+            .map(|o| o.follows().iter().map(|r| Follows { dim: r.dim + shift, input_dim: r.input_dim + shift, ..*r }).collect())
+            .collect();
         let min_shape = match &declared_input.min_shape {
-            Some(min) => min.iter().map(|&n| n as usize).collect(),
+            Some(min) => std::iter::repeat_n(1, shift).chain(min.iter().map(|&n| n as usize)).collect(),
             None => vec![1; input.shape.len()],
         };
         let (batching, pad_value, bucket) = (declared_input.batching(), declared_input.pad_value(), declared_input.bucket());
@@ -301,7 +329,21 @@ impl Model {
             module.set_eval();
             modules.push(Mutex::new(module));
         }
-        let model = Model { config, device, input, outputs, batching, pad_value, bucket, min_shape, follows, modules };
+        let model = Model {
+            config,
+            device,
+            batched,
+            input,
+            outputs,
+            shown_input,
+            shown_outputs,
+            batching,
+            pad_value,
+            bucket,
+            min_shape,
+            follows,
+            modules,
+        };
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| {
             load_err(format!(
@@ -309,7 +351,7 @@ impl Model {
                 model.method(),
                 model.input.name,
                 model.input.datatype,
-                probe.shape
+                model.shown(&probe.shape)
             ))
         })?;
         tracing::info!(
@@ -337,14 +379,38 @@ impl Model {
         &self.config
     }
 
-    /// The model's one input tensor: its name and OIP shape (`-1`: variable).
+    /// The model's one input tensor as declared: its name and OIP shape (`-1`: variable).
     pub fn input_spec(&self) -> &TensorSpec {
-        &self.input
+        &self.shown_input
     }
 
-    /// The model's output tensors, in the order [`Model::infer_batch`] returns them.
+    /// The model's output tensors as declared, in the order [`Model::infer_batch`] returns
+    /// them.
     pub fn output_specs(&self) -> &[TensorSpec] {
-        &self.outputs
+        &self.shown_outputs
+    }
+
+    /// Whether the model takes the batch dimension itself (`max_batch_size` is not 0). When it
+    /// does not, each request runs alone.
+    pub fn batched(&self) -> bool {
+        self.batched
+    }
+
+    /// A shape as run (batch first) as the declaration shows it: without the batch
+    /// dimension the worker adds for a model that takes none.
+    fn shown<'a, T>(&self, shape: &'a [T]) -> &'a [T] {
+        if self.batched { shape } else { shape.get(1..).unwrap_or_default() }
+    }
+
+    /// A request's input as the client sent it (the declared shape), as the worker runs it
+    /// (a batch of one added for a model without a batch dimension), checked by
+    /// [`Model::validate`].
+    pub fn accept(&self, mut input: InputTensor) -> Result<InputTensor, ModelError> {
+        if !self.batched {
+            input.shape.insert(0, 1);
+        }
+        self.validate(&input)?;
+        Ok(input)
     }
 
     /// The TorchScript method a batch is run through.
@@ -378,8 +444,19 @@ impl Model {
     /// when the input's other dimensions are fixed, else the `probe_sizes`, each at batch 1
     /// and 2 (and 4 when only one size is named, as the fit needs three probes). Probes past
     /// `max_input_elements` are left out.
+    ///
+    /// A model without a batch dimension runs one request at a time, so it is probed at batch
+    /// 1 only: at the `probe_sizes` (the largest doubled until there are three), or, when its
+    /// shape is fixed, three times at that one shape (the estimate is then the largest peak).
     pub fn calibration_inputs(&self) -> Vec<InputTensor> {
-        let (sizes, batches): (Vec<usize>, &[usize]) = if self.rows_only() {
+        let (sizes, batches): (Vec<usize>, &[usize]) = if !self.batched {
+            let mut sizes = if self.rows_only() { vec![1] } else { Self::ascending(self.config.probe_sizes()) };
+            while sizes.len() < 3 {
+                let next = if self.rows_only() { 1 } else { sizes[sizes.len() - 1].saturating_mul(2) };
+                sizes.push(next);
+            }
+            (sizes, &[1])
+        } else if self.rows_only() {
             (vec![1, 8, 32], &[1, 2])
         } else {
             let sizes = Self::ascending(self.config.probe_sizes());
@@ -403,7 +480,12 @@ impl Model {
     /// are all fixed has one class (the sizer's classes are by elements per row, and all its
     /// rows are alike), so it is timed at one row per item only: a larger row multiplier
     /// would file `size` rows as one item of a class no request ever falls in.
+    ///
+    /// A model without a batch dimension has nothing to time: its batches are of one request.
     pub fn batching_probe_sizes(&self) -> Vec<usize> {
+        if !self.batched {
+            return Vec::new();
+        }
         let sizes = if self.rows_only() { vec![1] } else { Self::ascending(self.config.batch_probe_sizes()) };
         sizes.into_iter().filter(|&size| self.probe_input_elements(1, size) <= self.config.max_input_elements).collect()
     }
@@ -455,32 +537,36 @@ impl Model {
         self.batching == Batching::Pad
     }
 
-    /// Checks an input's datatype and shape against what the model takes, before any libtorch
-    /// call.
+    /// Checks an input's datatype and shape (as run: batch first) against what the model
+    /// takes, before any libtorch call. Messages show shapes as declared.
     pub fn validate(&self, input: &InputTensor) -> Result<(), ModelError> {
         self.input.check_datatype(&self.input.name, input.datatype)?;
         let elements: usize = input.shape.iter().product();
         if elements as u64 != input.elements() {
             return Err(ModelError::BadInput(format!(
                 "shape {:?} holds {elements} elements but {} were sent",
-                input.shape,
+                self.shown(&input.shape),
                 input.elements()
             )));
         }
         let declared = &self.input.shape;
         let fits = input.shape.len() == declared.len()
-            && input.shape.first().is_some_and(|&rows| rows >= 1)
+            && input.shape.first().is_some_and(|&rows| rows >= 1 && (self.batched || rows == 1))
             && input.shape.iter().zip(declared).skip(1).all(|(&n, &d)| if d > 0 { n as i64 == d } else { n >= 1 });
         if !fits {
             return Err(ModelError::BadInput(format!(
-                "input '{}' must have shape {declared:?} (-1: any size), got {:?}",
-                self.input.name, input.shape
+                "input '{}' must have shape {:?} (-1: any size), got {:?}",
+                self.input.name,
+                self.shown_input.shape,
+                self.shown(&input.shape)
             )));
         }
         if input.shape.iter().zip(&self.min_shape).any(|(&n, &min)| n < min) {
             return Err(ModelError::BadInput(format!(
                 "input '{}' must have at least shape {:?} (min_shape), got {:?}",
-                self.input.name, self.min_shape, input.shape
+                self.input.name,
+                self.shown(&self.min_shape),
+                self.shown(&input.shape)
             )));
         }
         if elements > self.config.max_input_elements {
@@ -526,8 +612,9 @@ impl Model {
                 if want as i64 > got {
                     return Err(self.declared_error(&format!(
                         "returned output '{}' of shape {size:?}, smaller than its follows rule makes dimension {dim} \
-                         ({want}) for a request of shape {input_shape:?}",
-                        spec.name
+                         ({want}) for a request of shape {:?}",
+                        spec.name,
+                        self.shown(input_shape)
                     )));
                 }
                 shape.push(want);
@@ -558,6 +645,15 @@ impl Model {
                 inputs.iter().map(|i| &i.shape).collect::<Vec<_>>()
             )));
         }
+        if !self.batched && inputs.len() > 1 {
+            // The engine never forms such a batch (its batch size bound is 1): the model is
+            // called on one request.
+            return Err(ModelError::BadInput(format!(
+                "model '{}' takes no batch dimension: one request per call, got {}",
+                self.config.name,
+                inputs.len()
+            )));
+        }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.infer_unchecked(inputs)));
         match outcome {
             Ok(result) => result,
@@ -581,6 +677,8 @@ impl Model {
         let module = self.free_instance();
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
             let x = batch_input.f_to_device(self.device).map_err(failed)?;
+            // A model without a batch dimension is called on the batch's one request.
+            let x = if self.batched { x } else { x.f_select(0, 0).map_err(failed)? };
             let method = self.method();
             let in_method = |e: ModelError| match e {
                 ModelError::Runtime { name, message } => ModelError::Runtime { name, message: format!("method '{method}': {message}") },
@@ -591,13 +689,16 @@ impl Model {
             let names: Vec<&str> = self.outputs.iter().map(|o| &*o.name).collect();
             let tensors = returned_tensors(returned, &names).map_err(|message| self.declared_error(&message))?;
             self.check_declared_outputs(&tensors, shape[0])?;
-            Ok(tensors)
+            if self.batched {
+                return Ok(tensors);
+            }
+            tensors.into_iter().map(|t| t.f_unsqueeze(0).map_err(failed)).collect()
         })?;
         drop(module);
         drop(batch_input);
 
         // Each in its declared kind (the outputs were checked to widen into it exactly).
-        let specs = self.output_specs();
+        let specs = &self.outputs;
         let raw: Vec<Tensor> = raw
             .into_iter()
             .zip(specs)
@@ -617,7 +718,8 @@ impl Model {
                 }
                 let flat = t.f_contiguous().and_then(|t| t.f_reshape([-1])).map_err(failed)?;
                 let data = tensor_data(&flat, spec.datatype).map_err(failed)?;
-                outputs.push(OutputTensor { name: spec.name.clone(), shape: want, data });
+                let shape = self.shown(&want).to_vec();
+                outputs.push(OutputTensor { name: spec.name.clone(), shape, data });
             }
             row += rows;
             per_request.push(outputs);
@@ -631,8 +733,9 @@ impl Model {
     }
 
     /// Checks the returned tensors against its declared outputs: as many,
-    /// each of the declared rank, `rows` rows, the declared size in each fixed dimension, and
-    /// of the declared datatype's kind or one that widens into it exactly.
+    /// each of the declared rank, `rows` rows (when the model takes the batch dimension), the
+    /// declared size in each fixed dimension, and of the declared datatype's kind or one that
+    /// widens into it exactly.
     fn check_declared_outputs(&self, tensors: &[Tensor], rows: usize) -> Result<(), ModelError> {
         let names = || self.outputs.iter().map(|o| &*o.name).collect::<Vec<_>>().join(", ");
         if tensors.len() != self.outputs.len() {
@@ -645,15 +748,16 @@ impl Model {
                 names()
             )));
         }
-        for (spec, tensor) in self.outputs.iter().zip(tensors) {
+        let first = usize::from(self.batched);
+        for (spec, tensor) in self.shown_outputs.iter().zip(tensors) {
             let got = tensor.size();
             let fits = got.len() == spec.shape.len()
-                && got[0] == rows as i64
-                && got.iter().zip(&spec.shape).skip(1).all(|(&n, &d)| d < 0 || n == d);
+                && (!self.batched || got[0] == rows as i64)
+                && got.iter().zip(&spec.shape).skip(first).all(|(&n, &d)| d < 0 || n == d);
             if !fits {
                 let why = if got.len() != spec.shape.len() {
                     "its rank differs".to_string()
-                } else if got[0] != rows as i64 {
+                } else if self.batched && got[0] != rows as i64 {
                     format!("its first dimension is not the batch's {rows} rows")
                 } else {
                     "a fixed dimension differs".to_string()
@@ -1446,6 +1550,70 @@ mod tests {
         ]);
         let err = load(entry(&path, "dict", &keys("{ name = \"scores\", shape = [-1] }"))).err().expect("no such key").to_string();
         assert!(err.contains("returned a dict without the key 'scores' (a declared output); its keys: doubled, row_sum, unused"), "{err}");
+    }
+
+    /// A module traced here from an FP32 `example`, answering `f(x)`, saved as `name`.
+    fn traced_fp32_model(name: &str, example: Tensor, f: fn(&Tensor) -> Tensor) -> std::path::PathBuf {
+        let module = CModule::create_by_tracing(name, "forward", &[example], &mut |x| vec![f(&x[0])]).expect("a traced module");
+        let path = std::env::temp_dir().join(format!("vramgate-{name}-{}.jit", std::process::id()));
+        module.save(&path).expect("the traced module saved");
+        path
+    }
+
+    /// Triton's `max_batch_size = 0`: the model takes one whole tensor (here a signal `[n]`,
+    /// answered with its running sum `[n]`); the worker adds the batch dimension to run it and
+    /// takes it off the answer, metadata and messages show the declared shapes, and each
+    /// request runs alone.
+    #[test]
+    fn a_model_without_a_batch_dimension_is_called_on_one_request_as_declared() {
+        use super::testing::entry;
+        let path = traced_fp32_model("running_sum", Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]), |x| x.cumsum(0, Kind::Float));
+        let keys = |more: &str, output: &str| {
+            format!("max_batch_size = 0\ninput = {{ name = \"signal\", shape = [-1]{more} }}\noutputs = [ {{ name = \"sum\", shape = {output} }} ]\n")
+        };
+        let model = load(entry(&path, "running_sum", &keys(", min_shape = [2]", "[-1]"))).expect("an unbatched model");
+        assert!(!model.batched());
+        assert_eq!((model.input_spec().shape.clone(), model.output_specs()[0].shape.clone()), (vec![-1], vec![-1]));
+        let input = model.accept(InputTensor::from_f32(vec![5], &[1.0, 2.0, 3.0, 4.0, 5.0])).expect("a signal of five");
+        assert_eq!(input.shape, [1, 5], "run as a batch of one");
+        let answer = model.infer(&input).expect("an answer");
+        assert_eq!((answer[0].shape.clone(), fp32(&answer[0].data).to_vec()), (vec![5], vec![1.0, 3.0, 6.0, 10.0, 15.0]));
+        for (shape, want) in [
+            (vec![1, 5], "input 'signal' must have shape [-1] (-1: any size), got [1, 5]"),
+            (vec![1], "input 'signal' must have at least shape [2] (min_shape), got [1]"),
+        ] {
+            let n = shape.iter().product();
+            let err = model.accept(InputTensor::from_f32(shape, &vec![0.5; n])).expect_err(want).to_string();
+            assert_eq!(err, want);
+        }
+        let err = model.accept(InputTensor::from_f32(vec![4], &[0.5; 3])).expect_err("3 values for 4").to_string();
+        assert_eq!(err, "shape [4] holds 4 elements but 3 were sent");
+        // Probed at batch 1 only, at three sizes; nothing to time for batch sizes.
+        let shapes = |m: &Model| m.calibration_inputs().iter().map(|p| p.shape.clone()).collect::<Vec<_>>();
+        assert_eq!(shapes(&model), [[1, 32], [1, 64], [1, 128]]);
+        assert!(model.batching_probe_sizes().is_empty());
+        let err = model.infer_batch(&[&input, &input]).expect_err("two requests in one call").to_string();
+        assert_eq!(err, "model 'running_sum' takes no batch dimension: one request per call, got 2");
+        let one_size = load(entry(&path, "running_sum", &format!("{}probe_sizes = [100]\n", keys("", "[-1]")))).expect("loads");
+        assert_eq!(shapes(&one_size), [[1, 100], [1, 200], [1, 400]], "the largest size doubled until three");
+        // A model that does not answer its declaration stops the load, in declared shapes.
+        let err = load(entry(&path, "running_sum", &keys("", "[-1, 2]"))).err().expect("rank 1 returned").to_string();
+        assert!(err.contains("returned output 'sum' of shape [32], declared [-1, 2] (-1: any size): its rank differs"), "{err}");
+
+        // A fixed shape: three probes of that one shape, and a fixed output dimension checked.
+        let path = traced_fp32_model("row_sums", Tensor::ones([2, 3], (Kind::Float, Device::Cpu)), |x| x.sum_dim_intlist(1, false, Kind::Float));
+        let fixed = |output: &str| {
+            format!("max_batch_size = 0\ninput = {{ name = \"m\", shape = [2, 3] }}\noutputs = [ {{ name = \"sums\", shape = {output} }} ]\n")
+        };
+        let model = load(entry(&path, "row_sums", &fixed("[2]"))).expect("a fixed-shape unbatched model");
+        assert_eq!(shapes(&model), [[1, 2, 3], [1, 2, 3], [1, 2, 3]]);
+        let input = model.accept(InputTensor::from_f32(vec![2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])).expect("a 2 × 3 matrix");
+        let answer = model.infer(&input).expect("an answer");
+        assert_eq!((answer[0].shape.clone(), fp32(&answer[0].data).to_vec()), (vec![2], vec![6.0, 15.0]));
+        let err = model.accept(InputTensor::from_f32(vec![3, 3], &[0.0; 9])).expect_err("3 rows").to_string();
+        assert_eq!(err, "input 'm' must have shape [2, 3] (-1: any size), got [3, 3]");
+        let err = load(entry(&path, "row_sums", &fixed("[3]"))).err().expect("2 returned").to_string();
+        assert!(err.contains("returned output 'sums' of shape [2], declared [3] (-1: any size): a fixed dimension differs"), "{err}");
     }
 
     #[test]

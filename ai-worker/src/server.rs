@@ -131,10 +131,9 @@ fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<
     for mc in &config.models {
         let m = Arc::new(Model::load(mc.clone(), device)?);
         let estimate = Arc::new(calibrate(&m, &monitor)?);
-        let sizer = Arc::new(BatchSizer::new(
-            mc.max_batch_size.or(config.batching.max_batch_size),
-            config.batching.initial_batch_size,
-        ));
+        // A model without a batch dimension (`max_batch_size = 0`) runs one request a batch.
+        let bound = if m.batched() { mc.max_batch_size.or(config.batching.max_batch_size) } else { Some(1) };
+        let sizer = Arc::new(BatchSizer::new(bound, config.batching.initial_batch_size));
         if config.batching.calibrate {
             // Batch sizes are timed only where their memory surely fits: a quarter of what is
             // free now (the budget is not set up yet), by the estimate just measured.
@@ -553,7 +552,8 @@ async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request
     let input = take_input(&model, tensors, &body)?;
     drop(body);
     drop(charge);
-    model.validate(&input)?;
+    // As the worker runs it: a model without a batch dimension gets a batch of one.
+    let input = model.accept(input)?;
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
     let outputs = engine.infer(&served, input, timeout, &mut arrival).await?;
 

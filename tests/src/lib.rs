@@ -59,6 +59,25 @@ pub fn venv_python() -> PathBuf {
     venv.join("bin").join("python")
 }
 
+/// Runs `tests/python/<script>` with `args` in the venv, asserts it succeeded (else panics with
+/// its output and `log`, the log of the service it called), and returns its stdout.
+pub fn python_check<I, S>(script: &str, args: I, log: impl FnOnce() -> String) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let path = repo_root().join("tests/python").join(script);
+    let output = std::process::Command::new(venv_python()).arg(&path).args(args).output().expect("runs python");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{script} failed:\n{stdout}\n{}\nservice log:\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        log()
+    );
+    stdout
+}
+
 /// Bootstrap servers of the test broker; starts one through `scripts/broker` if needed.
 pub fn brokers() -> String {
     static BROKERS: OnceLock<String> = OnceLock::new();

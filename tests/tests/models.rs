@@ -12,6 +12,11 @@
 //!   converter's centred frames, against `scripts/reference_pitch.py` (torchcrepe.predict) on
 //!   speech, sent as WAV, FLAC, Ogg Vorbis and MP3;
 //! - the same CREPE behind the `tensor` converter, its frames cut by the test;
+//! - the same CREPE as a model without a batch dimension (Triton's `max_batch_size = 0`: one
+//!   clip's whole signal in, framed inside) behind the `audio` converter with `batch = false`,
+//!   against torchcrepe.predict on the same four files; and called with `tritonclient` by
+//!   `tests/python/unbatched_model_check.py` (metadata, agreement, one request a batch, a
+//!   refusal);
 //! - Silero VAD behind the `audio` converter with the `speech_segments` post-processor, giving
 //!   the segments the coded `wav` task gives for the same clip;
 //! - P-Net behind the `image` converter's tensor mode with the `face_boxes` post-processor,
@@ -29,7 +34,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
 use vramgate_tests::{
-    collect, photo, producer, repo_root, request_file, request_inline, scratch_dir, send, start_gateway_config,
+    collect, photo, producer, python_check, repo_root, request_file, request_inline, scratch_dir, send, start_gateway_config,
     start_worker, unique, venv_python, TaskTopics, PNET_KEYS, VAD_KEYS,
 };
 
@@ -139,6 +144,17 @@ async fn models_added_by_configuration_agree_with_their_packages() {
          outputs = [{ name = \"pitch_hz\", shape = [-1] }, { name = \"periodicity\", shape = [-1] }]\n",
         &[],
     );
+    model_folder(
+        &repository,
+        "pitch_clip",
+        "crepe_clip",
+        "max_batch_size = 0\n\
+         max_input_elements = 480000\n\
+         input = { name = \"audio\", shape = [-1] }\n\
+         outputs = [{ name = \"pitch_hz\", shape = [-1] }, { name = \"periodicity\", shape = [-1] }]\n\
+         probe_sizes = [16000, 64000, 160000]\n",
+        &[],
+    );
     // Silero from config/worker.toml's [[models]], beside the repository's.
     let mut worker = start_worker(&format!(
         "listen = \"127.0.0.1:0\"\ndevice = \"cpu\"\ntorch_threads = 1\nmodel_repository = \"{}\"\n\n\
@@ -155,6 +171,7 @@ async fn models_added_by_configuration_agree_with_their_packages() {
     let classify = TaskTopics::create(&unique("classify"), 1).await.expect("topics");
     let pitch = TaskTopics::create(&unique("pitch"), 1).await.expect("topics");
     let frames = TaskTopics::create(&unique("frames"), 1).await.expect("topics");
+    let clip_topics = TaskTopics::create(&unique("clip"), 1).await.expect("topics");
     let speech_topics = TaskTopics::create(&unique("speech"), 1).await.expect("topics");
     let voice = TaskTopics::create(&unique("voice"), 1).await.expect("topics");
     let proposals = TaskTopics::create(&unique("proposals"), 1).await.expect("topics");
@@ -261,6 +278,23 @@ name = "pitch_hz"
 [[tasks.pitch.outputs]]
 name = "periodicity"
 
+[tasks.clip]
+converter = "audio"
+model = "pitch_clip"
+requests_topic = "{k_req}"
+results_topic = "{k_res}"
+dlq_topic = "{k_dlq}"
+
+[tasks.clip.audio]
+sample_rate_hz = 16000
+batch = false
+
+[[tasks.clip.outputs]]
+name = "pitch_hz"
+
+[[tasks.clip.outputs]]
+name = "periodicity"
+
 [tasks.frames]
 converter = "tensor"
 model = "pitch"
@@ -290,6 +324,9 @@ threshold = 0.5
             p_req = pitch.requests,
             p_res = pitch.results,
             p_dlq = pitch.dlq,
+            k_req = clip_topics.requests,
+            k_res = clip_topics.results,
+            k_dlq = clip_topics.dlq,
             f_req = frames.requests,
             f_res = frames.results,
             f_dlq = frames.dlq,
@@ -360,6 +397,9 @@ threshold = 0.5
         let id = unique("pitch");
         send(&producer, &pitch.requests, &id, &request_file(&id, "pitch", file)).await.expect("send");
         expect.push((id, "pitch", reference_file.file_name().expect("name").to_string_lossy().into_owned()));
+        let id = unique("clip");
+        send(&producer, &clip_topics.requests, &id, &request_file(&id, "clip", file)).await.expect("send");
+        expect.push((id, "clip", reference_file.file_name().expect("name").to_string_lossy().into_owned()));
     }
     // A tensor this size (1.6 MB in base64) is more than a Kafka record takes: it goes as a file.
     let frames_file = root.join("frames.json");
@@ -405,6 +445,7 @@ threshold = 0.5
 
     let topics: Vec<&str> = [
         &classify.results, &classify.dlq, &pitch.results, &pitch.dlq, &frames.results, &frames.dlq,
+        &clip_topics.results, &clip_topics.dlq,
         &voice.results, &voice.dlq, &speech_topics.results, &speech_topics.dlq,
         &proposals.results, &proposals.dlq, &boxes_topics.results, &boxes_topics.dlq,
     ]
@@ -443,6 +484,11 @@ threshold = 0.5
                 }
                 assert_eq!(result["model"], "classifier");
                 assert_eq!(result["output"]["input"]["width"], json!(image::image_dimensions(photo(what)).expect("size").0));
+            }
+            "clip" => {
+                let figures = pitch_agreement(what, &result["output"], &want_pitch[what.as_str()]);
+                assert_eq!(result["model"], "pitch_clip");
+                worst_cents.insert(format!("{what}, no batch dimension"), figures);
             }
             "pitch" => {
                 let figures = pitch_agreement(what, &result["output"], &want_pitch[what.as_str()]);
@@ -497,5 +543,10 @@ threshold = 0.5
     for (what, (cents, voiced)) in &worst_cents {
         eprintln!("pitch {what}: {voiced} voiced frames, worst {cents:.3} cents from torchcrepe");
     }
+
+    // The model without a batch dimension through tritonclient, against torchcrepe itself.
+    let host = worker.url.trim_start_matches("http://").to_string();
+    let args = [host.as_ref(), "pitch_clip".as_ref(), wav.as_os_str()];
+    eprint!("{}", python_check("unbatched_model_check.py", args, || worker.service.log_tail()));
     assert!(worker.service.is_running() && gateway.service.is_running());
 }

@@ -1,23 +1,13 @@
 //! The ai-worker speaks the Open Inference Protocol v2: the standard Python client works
 //! against it, and bad requests get a status and a message while the worker keeps serving.
 
-use std::process::Command;
-
-use vramgate_tests::{silero_worker_config, start_worker, venv_python, worker_config, ONET_MODEL};
+use vramgate_tests::{python_check, silero_worker_config, start_worker, worker_config, ONET_MODEL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tritonclient_http_talks_to_the_worker() {
     let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
-    let script = vramgate_tests::repo_root().join("tests/python/oip_client_check.py");
     let host = worker.url.trim_start_matches("http://").to_string();
-    let output = Command::new(venv_python()).arg(&script).arg(&host).output().expect("runs python");
-    assert!(
-        output.status.success(),
-        "tritonclient check failed:\n{}\n{}\nworker log:\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-        worker.service.log_tail()
-    );
+    python_check("oip_client_check.py", [&host], || worker.service.log_tail());
 }
 
 /// A model only its config entry describes (`kind = "declared"`: MTCNN's O-Net): tritonclient
@@ -25,17 +15,8 @@ async fn tritonclient_http_talks_to_the_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tritonclient_calls_a_declared_model_and_it_agrees_with_its_package() {
     let worker = start_worker(&worker_config("[batching]\ncalibrate = false", &[ONET_MODEL])).await.expect("worker starts");
-    let script = vramgate_tests::repo_root().join("tests/python/declared_model_check.py");
     let host = worker.url.trim_start_matches("http://").to_string();
-    let output = Command::new(venv_python()).arg(&script).arg(&host).output().expect("runs python");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "declared model check failed:\n{stdout}\n{}\nworker log:\n{}",
-        String::from_utf8_lossy(&output.stderr),
-        worker.service.log_tail()
-    );
-    eprintln!("{stdout}");
+    eprintln!("{}", python_check("declared_model_check.py", [&host], || worker.service.log_tail()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,6 +50,10 @@ pub struct AudioOptions {
     pub length: Option<usize>,
     /// Cut into fixed windows.
     pub frames: Option<FrameOptions>,
+    /// Whether the model input has a batch dimension: `false` for a model that takes none
+    /// (the worker's `max_batch_size = 0`), sent `[samples]` (or `[length]`) instead of
+    /// `[1, samples]`. Frames are `[n, size]` either way.
+    pub batch: bool,
     /// Most elements of the model input.
     pub max_elements: usize,
 }
@@ -73,6 +77,7 @@ impl Default for AudioOptions {
             datatype: DataType::Fp32,
             length: None,
             frames: None,
+            batch: true,
             max_elements: 1 << 24,
         }
     }
@@ -217,7 +222,8 @@ impl InputConverter for AudioInput {
             DataType::Fp16 => TensorData::Fp16(values.iter().map(|&v| F16::from_f64(f64::from(v)).unwrap_or_default()).collect()),
             _ => TensorData::Fp32(values),
         };
-        let tensor = Tensor { name: self.options.input.clone(), shape: shape.to_vec(), data };
+        let shape_sent = if self.options.batch || self.options.frames.is_some() { &shape[..] } else { &shape[1..] };
+        let tensor = Tensor { name: self.options.input.clone(), shape: shape_sent.to_vec(), data };
         let mut input = json!({
             "format": header.container.as_str(),
             "duration_seconds": (duration_seconds * 1000.0).round() / 1000.0,
@@ -314,6 +320,12 @@ mod tests {
         assert_eq!((tensor.name.as_str(), tensor.shape.clone()), ("frames", vec![1 + 16_000 / 160, 1024]));
         assert_eq!(tensor.datatype(), DataType::Fp16);
         assert!(p.probe(&wav).expect("probe") > 48_000 * 4);
+        // A model without a batch dimension takes the signal alone; frames stay [n, size].
+        let shape = |keys: serde_json::Value| plan(options(keys)).convert(&wav).expect("converts").calls[0].tensor.shape.clone();
+        assert_eq!(shape(json!({})), [1, 16_000]);
+        assert_eq!(shape(json!({"batch": false})), [16_000]);
+        assert_eq!(shape(json!({"batch": false, "length": 400})), [400]);
+        assert_eq!(shape(json!({"batch": false, "frames": {"size": 1024, "hop": 160, "center": true}})), [1 + 16_000 / 160, 1024]);
     }
 
     #[test]

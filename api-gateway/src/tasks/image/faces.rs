@@ -31,7 +31,7 @@ const CELL_STRIDE: f32 = 2.0;
 /// mapping, so
 /// apart from the clipping, suppressing in image pixels is the same as in model pixels.
 ///
-/// `prob_shape` is `[1, 2, h, w]` (P-Net's softmax over no-face, face: channel 1 is the face
+/// `prob_shape` is `[1, 2, h, w]` or, from a model without a batch dimension, `[2, h, w]` (P-Net's softmax over no-face, face: channel 1 is the face
 /// probability) and `box_offsets` holds `[1, 4, h, w]` row-major; anything else is a
 /// worker/gateway mismatch and is reported as `internal`, never a panic.
 pub fn faces(
@@ -82,7 +82,8 @@ pub fn output(faces: Vec<FaceBox>, prepared_placement: &Placement, format: &str)
 /// together.
 fn face_map<'a>(prob: &'a [f32], prob_shape: &[usize], box_offsets: &[f32]) -> Result<(usize, &'a [f32]), Failure> {
     let expected = match *prob_shape {
-        [1, 2, rows, cols] => rows.checked_mul(cols).and_then(|cells| Some((cols, cells, cells.checked_mul(4)?))),
+        // A detector without a batch dimension answers `[2, h, w]`.
+        [1, 2, rows, cols] | [2, rows, cols] => rows.checked_mul(cols).and_then(|cells| Some((cols, cells, cells.checked_mul(4)?))),
         _ => None,
     };
     match expected {
@@ -92,7 +93,7 @@ fn face_map<'a>(prob: &'a [f32], prob_shape: &[usize], box_offsets: &[f32]) -> R
             Stage::Postprocess,
             format!(
                 "model maps do not fit together: {PROB_OUTPUT} has shape {prob_shape:?} and {} values, \
-                 {BOX_OUTPUT} has {} values; expected shape [1, 2, h, w] with 2·h·w values and 4·h·w offsets",
+                 {BOX_OUTPUT} has {} values; expected shape [1, 2, h, w] (or [2, h, w]) with 2·h·w values and 4·h·w offsets",
                 prob.len(),
                 box_offsets.len()
             ),
@@ -171,6 +172,9 @@ mod tests {
         prob.extend(vec![0.0; rows * cols]);
         prob[rows * cols + 7] = 0.9;
         let found = faces(&prob, &[1, 2, rows, cols], &vec![0.0; 4 * rows * cols], &identity(40, 40), &ImageOptions::default());
+        assert_eq!(found.expect("maps fit"), [face(4.0, 2.0, 16.0, 14.0, 0.9)]);
+        // A detector without a batch dimension: the same maps as [2, h, w].
+        let found = faces(&prob, &[2, rows, cols], &vec![0.0; 4 * rows * cols], &identity(40, 40), &ImageOptions::default());
         assert_eq!(found.expect("maps fit"), [face(4.0, 2.0, 16.0, 14.0, 0.9)]);
     }
 

@@ -134,6 +134,9 @@ pub struct ImageOptions {
     pub fill: u8,
     pub channel_order: ChannelOrder,
     pub layout: Layout,
+    /// `tensor`: whether the model input has a batch dimension: `false` for a model that
+    /// takes none (the worker's `max_batch_size = 0`), sent `[3, h, w]` or `[h, w, 3]`.
+    pub batch: bool,
     /// `tensor`: FP32, FP16 or UINT8.
     pub datatype: DataType,
     /// `tensor`, FP32/FP16: `(pixel · scale − mean[c]) / std[c]`; default 1/255, 0 and 1.
@@ -165,6 +168,7 @@ impl Default for ImageOptions {
             fill: 0,
             channel_order: ChannelOrder::Rgb,
             layout: Layout::Nchw,
+            batch: true,
             datatype: DataType::Fp32,
             scale: None,
             mean: None,
@@ -218,6 +222,9 @@ impl ImageOptions {
             if !(1..=100_000).contains(&n) {
                 return Err(format!("image.{key} must be between 1 and 100000, got {n}"));
             }
+        }
+        if !self.batch && self.mode != ImageMode::Tensor {
+            return Err("image.batch = false is for mode = \"tensor\": MTCNN's networks take a batch".into());
         }
         match self.mode {
             ImageMode::Tensor => tensor::validate(self)?,

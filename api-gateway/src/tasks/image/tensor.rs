@@ -215,10 +215,14 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_js
         DataType::Fp16 => TensorData::Fp16((0..n).map(|k| F16::from_f64(f64::from(value(k))).unwrap_or_default()).collect()),
         _ => TensorData::Fp32((0..n).map(value).collect()),
     };
-    let shape = match options.layout {
+    let mut shape = match options.layout {
         Layout::Nchw => vec![1, 3, h, w],
         Layout::Nhwc => vec![1, h, w, 3],
     };
+    if !options.batch {
+        // A model without a batch dimension takes `[3, h, w]` or `[h, w, 3]`.
+        shape.remove(0);
+    }
     let input = json!({ "format": format, "width": width, "height": height });
     Ok((Tensor { name: options.input.clone(), shape, data }, input, placement(width, height, options)))
 }
@@ -278,6 +282,9 @@ mod tests {
         assert_eq!((nhwc.shape.clone(), nhwc.data), (vec![1, 1, 2, 3], TensorData::Uint8(vec![255, 0, 0, 0, 0, 255])));
         let nchw_bgr = with(json!({"layout": "nchw", "channel_order": "bgr", "datatype": "UINT8"}));
         assert_eq!((nchw_bgr.shape.clone(), nchw_bgr.data), (vec![1, 3, 1, 2], TensorData::Uint8(vec![0, 255, 0, 0, 255, 0])));
+        let unbatched = with(json!({"layout": "nhwc", "datatype": "UINT8", "batch": false}));
+        assert_eq!((unbatched.shape.clone(), unbatched.data), (vec![1, 2, 3], TensorData::Uint8(vec![255, 0, 0, 0, 0, 255])));
+        assert_eq!(with(json!({"batch": false})).shape, [3, 1, 2]);
         let normalised = with(json!({"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}));
         assert_eq!(normalised.data, TensorData::Fp32(vec![1.0, -1.0, -1.0, -1.0, -1.0, 1.0]));
     }
@@ -304,6 +311,7 @@ mod tests {
             (json!({"mode": "tensor", "std": [1.0, 0.0, 1.0]}), "image.std must be three positive numbers"),
             (json!({"mode": "tensor", "resize": "shorter_side_crop"}), "needs image.shorter_side"),
             (json!({"mode": "proposals", "resize": "shorter_side_crop", "shorter_side": 10}), "image.resize"),
+            (json!({"mode": "faces", "batch": false}), "image.batch = false is for mode = \"tensor\""),
         ] {
             let o: ImageOptions = serde_json::from_value(keys).expect("parses");
             let err = o.validate().expect_err(want);
