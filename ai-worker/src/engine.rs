@@ -23,7 +23,7 @@
 //!   burst); a lone client's requests never overlap, so only its first pays the window. A
 //!   model whose input declares `batching = "pad"` (Silero VAD) takes members of different
 //!   sizes padded to the largest (then, with `bucket`, each variable dimension rounded up to
-//!   its step: the one shape function [`Model::padded_shape`]), which costs
+//!   its step: the one shape function [`Model::padded_shapes`]), which costs
 //!   `(largest − own) × bytes_per_element` per member; a member that would make the padded
 //!   batch cost more than the members' grants, or make padding more than half of the batch's
 //!   work ([`MAX_PADDING_WORK`], against what the members cost alone, bucketed), waits for the
@@ -65,7 +65,7 @@ use crate::config::{AdmissionMode, WorkerConfig};
 use crate::estimate::MemoryEstimate;
 use crate::memory::MemoryMonitor;
 use crate::metrics::Metrics;
-use crate::model::{InputTensor, Model, ModelError, OutputTensor};
+use crate::model::{Inputs, Model, ModelError, OutputTensor};
 
 /// Why a request got no outputs.
 #[derive(Debug, thiserror::Error)]
@@ -84,7 +84,7 @@ pub enum InferError {
 }
 
 struct Job {
-    input: InputTensor,
+    input: Inputs,
     /// The request's trace, when sampled: its batch and inference are recorded in it.
     trace: Option<opentelemetry::Context>,
     /// When it was queued for a batch.
@@ -323,7 +323,7 @@ impl Engine {
     pub async fn infer(
         &self,
         served: &Served,
-        input: InputTensor,
+        input: Inputs,
         timeout: Duration,
         arrival: &mut Arrival,
     ) -> Result<Vec<OutputTensor>, InferError> {
@@ -555,13 +555,13 @@ impl Batcher {
     /// [`MAX_PADDING_WORK`], the padded batch within the learned capacity and, when admitting
     /// by bytes, within what its members were granted.
     fn fits(&self, batch: &[Job], next: &Job, cap: usize) -> bool {
-        if rows(batch) + next.input.shape[0] > cap {
+        if rows(batch) + next.input.rows() > cap {
             return false;
         }
-        if !self.model.can_pad() && next.input.shape[1..] != batch[0].input.shape[1..] {
+        if !self.model.can_share(&next.input, &batch[0].input) {
             return false;
         }
-        let mut inputs: Vec<&InputTensor> = batch.iter().map(|j| &j.input).collect();
+        let mut inputs: Vec<&Inputs> = batch.iter().map(|j| &j.input).collect();
         inputs.push(&next.input);
         let elements = self.model.padded_elements(&inputs);
         // What each member costs alone (with a bucket, its bucket's elements): only the
@@ -650,7 +650,7 @@ impl Batcher {
     }
 
     fn run_group(&self, group: &[Job], exclusive: bool) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
-        let inputs: Vec<&InputTensor> = group.iter().map(|j| &j.input).collect();
+        let inputs: Vec<&Inputs> = group.iter().map(|j| &j.input).collect();
         let elements = self.model.padded_elements(&inputs);
         let name = self.model.name();
         let (_shared_lane, _exclusive_lane);
@@ -743,8 +743,8 @@ impl Batcher {
 
     /// Elements of one item (row) of the padded (and bucketed) batch of `inputs`: what its
     /// size class is of.
-    fn item_elements(&self, inputs: &[&InputTensor]) -> u64 {
-        self.model.padded_shape(inputs).iter().skip(1).map(|&d| d as u64).product()
+    fn item_elements(&self, inputs: &[&Inputs]) -> u64 {
+        self.model.row_elements(inputs)
     }
 
     fn maybe_clean_up(&self) {
@@ -763,7 +763,7 @@ impl Batcher {
 
 /// Items (rows) in a batch.
 fn rows(batch: &[Job]) -> usize {
-    batch.iter().map(|j| j.input.shape[0]).sum()
+    batch.iter().map(|j| j.input.rows()).sum()
 }
 
 fn reply_all(group: Vec<Job>, outputs: Vec<Vec<OutputTensor>>) {

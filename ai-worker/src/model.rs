@@ -22,7 +22,7 @@ use tch::{CModule, Device, IValue, Kind, Tensor};
 use vramgate_shared::oip::{DataType, TensorData, F16};
 use vramgate_shared::telemetry::bounded;
 
-use crate::config::{Batching, ConstArg, DeclaredTensor, DeviceChoice, Follows, ModelConfig};
+use crate::config::{Batching, ConstArg, DeclaredTensor, DeviceChoice, ModelConfig};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
@@ -247,6 +247,61 @@ pub struct OutputTensor {
     pub data: TensorData,
 }
 
+/// One request's inputs: a tensor per declared input, in the declared order. As the worker runs
+/// them (after [`Model::accept`]), each has the batch (its rows) as dimension 0, and all have as
+/// many rows.
+#[derive(Debug, Clone)]
+pub struct Inputs(Vec<InputTensor>);
+
+impl Inputs {
+    pub fn new(tensors: Vec<InputTensor>) -> Inputs {
+        Inputs(tensors)
+    }
+
+    pub fn tensors(&self) -> &[InputTensor] {
+        &self.0
+    }
+
+    /// The rows (dimension 0 of the first input): how many items of a batch it is.
+    pub fn rows(&self) -> usize {
+        self.0.first().and_then(|t| t.shape.first()).copied().unwrap_or(0)
+    }
+
+    /// Its elements, all inputs together.
+    pub fn elements(&self) -> u64 {
+        self.0.iter().map(InputTensor::elements).sum()
+    }
+}
+
+impl From<InputTensor> for Inputs {
+    fn from(tensor: InputTensor) -> Inputs {
+        Inputs(vec![tensor])
+    }
+}
+
+/// A declared input as the worker runs it.
+struct InputRule {
+    /// As run: batch first (one added in front for a model without a batch dimension).
+    spec: TensorSpec,
+    /// How requests of different sizes batch, and what a padded input is filled with.
+    batching: Batching,
+    pad_value: f64,
+    /// The step every variable non-batch dimension of a batch is rounded up to (1: none).
+    bucket: usize,
+    /// The smallest request shape taken, as run (1 where unset).
+    min_shape: Vec<usize>,
+}
+
+/// An output's variable dimension's size for one request, by dimensions as run (see
+/// [`Follows`]).
+#[derive(Debug, Clone, Copy)]
+struct Rule {
+    dim: usize,
+    input: usize,
+    input_dim: usize,
+    divisor: u64,
+}
+
 pub struct Model {
     config: ModelConfig,
     device: Device,
@@ -254,34 +309,25 @@ pub struct Model {
     /// request runs alone, and the batch dimension is added before the call and taken off
     /// its answers here).
     batched: bool,
-    /// The one input and the outputs as the worker runs them: dimension 0 is the batch (one
-    /// added in front of the declared shapes of a model that takes none), in the order
-    /// [`Model::infer_batch`] returns them. Requests, batches and probes have these shapes.
-    input: TensorSpec,
+    /// The inputs, in the order the method takes them. Requests, batches and probes have
+    /// their shapes as run.
+    inputs: Vec<InputRule>,
+    /// The outputs as run (batch first), in the order [`Model::infer_batch`] returns them.
     outputs: Vec<TensorSpec>,
-    /// The input and outputs as declared, what metadata shows and answers have.
-    shown_input: TensorSpec,
+    /// The inputs and outputs as declared, what metadata shows and answers have.
+    shown_inputs: Vec<TensorSpec>,
     shown_outputs: Vec<TensorSpec>,
-    /// How requests of different sizes batch, and what a padded input is filled with.
-    batching: Batching,
-    pad_value: f64,
-    /// The step every variable non-batch input dimension of a batch is rounded up to (1: none).
-    bucket: usize,
-    /// The smallest request shape taken (rank of the input, as run; 1 where unset).
-    min_shape: Vec<usize>,
-    /// Per output, the rules of its variable dimensions (for a padded input), by the
-    /// dimensions as run.
-    follows: Vec<Vec<Follows>>,
+    /// Per output, the rules of its variable dimensions (for a padded input).
+    follows: Vec<Vec<Rule>>,
     /// One loaded copy per configured instance; a batch runs on whichever is free.
     modules: Vec<Mutex<CModule>>,
 }
 
-/// The declared input and outputs of a config entry, checked as at config load (a config
+/// The declared inputs and outputs of a config entry, checked as at config load (a config
 /// built in code is checked here too).
-fn declared(config: &ModelConfig) -> Result<(&DeclaredTensor, &[DeclaredTensor]), String> {
+fn declared(config: &ModelConfig) -> Result<(&[DeclaredTensor], &[DeclaredTensor]), String> {
     config.validate("")?;
-    let input = config.input.as_ref().ok_or("an input must be declared")?;
-    Ok((input, config.outputs.as_deref().unwrap_or_default()))
+    Ok((config.declared_inputs(), config.outputs.as_deref().unwrap_or_default()))
 }
 
 fn spec(t: &DeclaredTensor) -> TensorSpec {
@@ -305,23 +351,35 @@ impl Model {
         let started = Instant::now();
         let (name, path) = (config.name.clone(), config.path.display().to_string());
         let load_err = |message: String| ModelError::Load { name: name.clone(), path: path.clone(), message };
-        let (declared_input, declared_outputs) = declared(&config).map_err(load_err)?;
+        let (declared_inputs, declared_outputs) = declared(&config).map_err(load_err)?;
         let batched = config.batched();
-        let shown_input = spec(declared_input);
-        let shown_outputs: Vec<TensorSpec> = declared_outputs.iter().map(spec).collect();
-        let input = as_run(&shown_input, batched);
-        let outputs: Vec<TensorSpec> = shown_outputs.iter().map(|o| as_run(o, batched)).collect();
         // Dimension indices as run: one more than declared where the worker adds the batch.
         let shift = usize::from(!batched);
+        let shown_inputs: Vec<TensorSpec> = declared_inputs.iter().map(spec).collect();
+        let shown_outputs: Vec<TensorSpec> = declared_outputs.iter().map(spec).collect();
+        let inputs = declared_inputs
+            .iter()
+            .zip(&shown_inputs)
+            .map(|(declared, shown)| {
+                let spec = as_run(shown, batched);
+                let min_shape = match &declared.min_shape {
+                    Some(min) => std::iter::repeat_n(1, shift).chain(min.iter().map(|&n| n as usize)).collect(),
+                    None => vec![1; spec.shape.len()],
+                };
+                InputRule { spec, batching: declared.batching(), pad_value: declared.pad_value(), bucket: declared.bucket(), min_shape }
+            })
+            .collect();
+        let outputs = shown_outputs.iter().map(|o| as_run(o, batched)).collect();
+        let input_index = |name: &Option<String>| name.as_ref().and_then(|n| declared_inputs.iter().position(|i| &i.name == n)).unwrap_or(0);
         let follows = declared_outputs
             .iter()
-            .map(|o| o.follows().iter().map(|r| Follows { dim: r.dim + shift, input_dim: r.input_dim + shift, ..*r }).collect())
+            .map(|o| {
+                o.follows()
+                    .iter()
+                    .map(|r| Rule { dim: r.dim + shift, input: input_index(&r.input), input_dim: r.input_dim + shift, divisor: r.divisor })
+                    .collect()
+            })
             .collect();
-        let min_shape = match &declared_input.min_shape {
-            Some(min) => std::iter::repeat_n(1, shift).chain(min.iter().map(|&n| n as usize)).collect(),
-            None => vec![1; input.shape.len()],
-        };
-        let (batching, pad_value, bucket) = (declared_input.batching(), declared_input.pad_value(), declared_input.bucket());
         let mut modules = Vec::new();
         for _ in 0..config.instances.max(1) {
             let mut module = CModule::load_on_device(&config.path, device)
@@ -329,30 +387,17 @@ impl Model {
             module.set_eval();
             modules.push(Mutex::new(module));
         }
-        let model = Model {
-            config,
-            device,
-            batched,
-            input,
-            outputs,
-            shown_input,
-            shown_outputs,
-            batching,
-            pad_value,
-            bucket,
-            min_shape,
-            follows,
-            modules,
-        };
+        let model = Model { config, device, batched, inputs, outputs, shown_inputs, shown_outputs, follows, modules };
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| {
-            load_err(format!(
-                "warm-up call of method '{}' with input '{}' of datatype {} and shape {:?} failed: {e}",
-                model.method(),
-                model.input.name,
-                model.input.datatype,
-                model.shown(&probe.shape)
-            ))
+            let sent: Vec<String> = model
+                .shown_inputs
+                .iter()
+                .zip(probe.tensors())
+                .map(|(spec, t)| format!("'{}' of datatype {} and shape {:?}", spec.name, spec.datatype, model.shown(&t.shape)))
+                .collect();
+            let noun = if sent.len() == 1 { "input" } else { "inputs" };
+            load_err(format!("warm-up call of method '{}' with {noun} {} failed: {e}", model.method(), sent.join(", ")))
         })?;
         tracing::info!(
             model = %model.config.name,
@@ -379,9 +424,10 @@ impl Model {
         &self.config
     }
 
-    /// The model's one input tensor as declared: its name and OIP shape (`-1`: variable).
-    pub fn input_spec(&self) -> &TensorSpec {
-        &self.shown_input
+    /// The model's input tensors as declared, in the order its method takes them: each one's
+    /// name and OIP shape (`-1`: variable).
+    pub fn input_specs(&self) -> &[TensorSpec] {
+        &self.shown_inputs
     }
 
     /// The model's output tensors as declared, in the order [`Model::infer_batch`] returns
@@ -402,15 +448,18 @@ impl Model {
         if self.batched { shape } else { shape.get(1..).unwrap_or_default() }
     }
 
-    /// A request's input as the client sent it (the declared shape), as the worker runs it
-    /// (a batch of one added for a model without a batch dimension), checked by
-    /// [`Model::validate`].
-    pub fn accept(&self, mut input: InputTensor) -> Result<InputTensor, ModelError> {
+    /// A request's inputs as the client sent them (the declared shapes, in the declared
+    /// order), as the worker runs them (a batch of one added for a model without a batch
+    /// dimension), checked by [`Model::validate`].
+    pub fn accept(&self, mut tensors: Vec<InputTensor>) -> Result<Inputs, ModelError> {
         if !self.batched {
-            input.shape.insert(0, 1);
+            for t in &mut tensors {
+                t.shape.insert(0, 1);
+            }
         }
-        self.validate(&input)?;
-        Ok(input)
+        let inputs = Inputs(tensors);
+        self.validate(&inputs)?;
+        Ok(inputs)
     }
 
     /// The TorchScript method a batch is run through.
@@ -418,10 +467,10 @@ impl Model {
         self.config.method()
     }
 
-    /// Whether every non-batch input dimension is fixed, so that inputs differ only in rows
-    /// and a probe's size is a row multiplier.
+    /// Whether every non-batch dimension of every input is fixed, so that inputs differ only
+    /// in rows and a probe's size is a row multiplier.
     fn rows_only(&self) -> bool {
-        self.input.shape[1..].iter().all(|&d| d > 0)
+        self.inputs.iter().all(|i| i.spec.shape[1..].iter().all(|&d| d > 0))
     }
 
     /// `sizes` ascending, each once.
@@ -441,14 +490,14 @@ impl Model {
     }
 
     /// The probe inputs of the start-up memory calibration, small to large: 1, 8 and 32 rows
-    /// when the input's other dimensions are fixed, else the `probe_sizes`, each at batch 1
+    /// when the inputs' other dimensions are fixed, else the `probe_sizes`, each at batch 1
     /// and 2 (and 4 when only one size is named, as the fit needs three probes). Probes past
     /// `max_input_elements` are left out.
     ///
     /// A model without a batch dimension runs one request at a time, so it is probed at batch
     /// 1 only: at the `probe_sizes` (the largest doubled until there are three), or, when its
     /// shape is fixed, three times at that one shape (the estimate is then the largest peak).
-    pub fn calibration_inputs(&self) -> Vec<InputTensor> {
+    pub fn calibration_inputs(&self) -> Vec<Inputs> {
         let (sizes, batches): (Vec<usize>, &[usize]) = if !self.batched {
             let mut sizes = if self.rows_only() { vec![1] } else { Self::ascending(self.config.probe_sizes()) };
             while sizes.len() < 3 {
@@ -490,131 +539,191 @@ impl Model {
         sizes.into_iter().filter(|&size| self.probe_input_elements(1, size) <= self.config.max_input_elements).collect()
     }
 
-    /// How many elements [`Model::probe_input`] holds for `batch` rows of `size` (saturating:
-    /// a probe that large is never built).
+    /// How many elements [`Model::probe_input`] holds for `batch` rows of `size`, all inputs
+    /// together (saturating: a probe that large is never built).
     pub fn probe_input_elements(&self, batch: usize, size: usize) -> usize {
-        self.probe_shape(batch, size).iter().fold(1usize, |n, &d| n.saturating_mul(d))
+        self.inputs
+            .iter()
+            .map(|input| self.probe_shape(input, batch, size).iter().fold(1usize, |n, &d| n.saturating_mul(d)))
+            .fold(0usize, usize::saturating_add)
     }
 
-    /// The shape of a probe of `batch` at `size`: `batch × size` rows of the declared shape
-    /// when it is fixed, else `batch` rows with every variable dimension `size` rounded up to
-    /// the input's `bucket`: a probe is a shape the model is really called with, so the
-    /// memory fit and the batch timings see what requests of that size run as.
-    fn probe_shape(&self, batch: usize, size: usize) -> Vec<usize> {
+    /// The shape of `input`'s probe of `batch` at `size`: `batch × size` rows of the declared
+    /// shape when every input's is fixed, else `batch` rows with every variable dimension
+    /// `size` rounded up to the input's `bucket`: a probe is a shape the model is really
+    /// called with, so the memory fit and the batch timings see what requests of that size
+    /// run as.
+    fn probe_shape(&self, input: &InputRule, batch: usize, size: usize) -> Vec<usize> {
         let rows = if self.rows_only() { batch.saturating_mul(size) } else { batch };
-        let size = round_up(size, self.bucket);
-        std::iter::once(rows).chain(self.input.shape[1..].iter().map(|&d| if d > 0 { d as usize } else { size })).collect()
+        let size = round_up(size, input.bucket);
+        std::iter::once(rows).chain(input.spec.shape[1..].iter().map(|&d| if d > 0 { d as usize } else { size })).collect()
     }
 
-    /// A deterministic, non-trivial input of `batch` rows: for a float datatype a gradient
+    /// A deterministic, non-trivial request of `batch` rows: for a float datatype a gradient
     /// from 1 down to above -1 along each row, for an integer or BOOL one 0 and 1 in turn
     /// along each row (never all zeros, whatever the shape; valid as an index into anything
     /// of two entries or more).
-    pub fn probe_input(&self, batch: usize, size: usize) -> InputTensor {
-        let shape = self.probe_shape(batch, size);
-        let per_row = shape[1..].iter().product::<usize>().max(1);
-        let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
-        let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
-        let parity = at.map(|i| (i % 2) as u8);
-        let data = match self.input.datatype {
-            DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
-            DataType::Uint8 => TensorData::Uint8(parity.collect()),
-            DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
-            DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
-            DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
-            _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
-        };
-        InputTensor::from_data(shape, &data)
+    pub fn probe_input(&self, batch: usize, size: usize) -> Inputs {
+        Inputs(
+            self.inputs
+                .iter()
+                .map(|input| {
+                    let shape = self.probe_shape(input, batch, size);
+                    let per_row = shape[1..].iter().product::<usize>().max(1);
+                    let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
+                    let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
+                    let parity = at.map(|i| (i % 2) as u8);
+                    let data = match input.spec.datatype {
+                        DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
+                        DataType::Uint8 => TensorData::Uint8(parity.collect()),
+                        DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
+                        DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
+                        DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
+                        _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
+                    };
+                    InputTensor::from_data(shape, &data)
+                })
+                .collect(),
+        )
     }
 
-    /// Whether inputs of different sizes may share a batch, padded (see `engine.rs`): only
-    /// when the input declares `batching = "pad"` (Silero VAD: it runs forward in time, so
-    /// trailing silence leaves earlier windows as they were), and then each batch's variable
-    /// dimensions are also rounded up to `bucket` when it is set. Otherwise only inputs of one
-    /// shape but rows share a batch (P-Net: its ceil-mode pooling sees padding at a smaller
-    /// image's edge).
-    pub fn can_pad(&self) -> bool {
-        self.batching == Batching::Pad
+    /// Whether requests `a` and `b` may share a batch (see `engine.rs`): each input that
+    /// declares `batching = "pad"` is padded to the largest of the batch (Silero VAD: it runs
+    /// forward in time, so trailing silence leaves earlier windows as they were), and then
+    /// also rounded up to its `bucket` when set; every other input must be of one shape but
+    /// rows (P-Net: its ceil-mode pooling sees padding at a smaller image's edge).
+    pub fn can_share(&self, a: &Inputs, b: &Inputs) -> bool {
+        self.inputs
+            .iter()
+            .zip(a.tensors().iter().zip(b.tensors()))
+            .all(|(input, (x, y))| input.batching == Batching::Pad || x.shape.get(1..) == y.shape.get(1..))
     }
 
-    /// Checks an input's datatype and shape (as run: batch first) against what the model
-    /// takes, before any libtorch call. Messages show shapes as declared.
-    pub fn validate(&self, input: &InputTensor) -> Result<(), ModelError> {
-        self.input.check_datatype(&self.input.name, input.datatype)?;
-        let elements: usize = input.shape.iter().product();
-        if elements as u64 != input.elements() {
+    /// Checks a request's inputs, as run (batch first): as many as declared, each of its
+    /// datatype and shape, all of one number of rows, before any libtorch call. Messages show
+    /// shapes as declared.
+    pub fn validate(&self, inputs: &Inputs) -> Result<(), ModelError> {
+        if inputs.0.len() != self.inputs.len() {
+            let names: Vec<&str> = self.inputs.iter().map(|i| &*i.spec.name).collect();
             return Err(ModelError::BadInput(format!(
-                "shape {:?} holds {elements} elements but {} were sent",
-                self.shown(&input.shape),
-                input.elements()
+                "model '{}' takes {} input{} ({}), got {}",
+                self.config.name,
+                names.len(),
+                if names.len() == 1 { "" } else { "s" },
+                names.join(", "),
+                inputs.0.len()
             )));
         }
-        let declared = &self.input.shape;
-        let fits = input.shape.len() == declared.len()
-            && input.shape.first().is_some_and(|&rows| rows >= 1 && (self.batched || rows == 1))
-            && input.shape.iter().zip(declared).skip(1).all(|(&n, &d)| if d > 0 { n as i64 == d } else { n >= 1 });
-        if !fits {
+        let mut total = 0usize;
+        for ((rule, shown), input) in self.inputs.iter().zip(&self.shown_inputs).zip(&inputs.0) {
+            let spec = &rule.spec;
+            spec.check_datatype(&spec.name, input.datatype)?;
+            let elements: usize = input.shape.iter().product();
+            if elements as u64 != input.elements() {
+                return Err(ModelError::BadInput(format!(
+                    "input '{}' of shape {:?} holds {elements} elements but {} were sent",
+                    spec.name,
+                    self.shown(&input.shape),
+                    input.elements()
+                )));
+            }
+            let declared = &spec.shape;
+            let fits = input.shape.len() == declared.len()
+                && input.shape.first().is_some_and(|&rows| rows >= 1 && (self.batched || rows == 1))
+                && input.shape.iter().zip(declared).skip(1).all(|(&n, &d)| if d > 0 { n as i64 == d } else { n >= 1 });
+            if !fits {
+                return Err(ModelError::BadInput(format!(
+                    "input '{}' must have shape {:?} (-1: any size), got {:?}",
+                    spec.name,
+                    shown.shape,
+                    self.shown(&input.shape)
+                )));
+            }
+            if input.shape.iter().zip(&rule.min_shape).any(|(&n, &min)| n < min) {
+                return Err(ModelError::BadInput(format!(
+                    "input '{}' must have at least shape {:?} (min_shape), got {:?}",
+                    spec.name,
+                    self.shown(&rule.min_shape),
+                    self.shown(&input.shape)
+                )));
+            }
+            total = total.saturating_add(elements);
+        }
+        if let Some(other) = inputs.0.iter().position(|t| t.shape[0] != inputs.rows()) {
             return Err(ModelError::BadInput(format!(
-                "input '{}' must have shape {:?} (-1: any size), got {:?}",
-                self.input.name,
-                self.shown_input.shape,
-                self.shown(&input.shape)
+                "inputs '{}' and '{}' must have as many rows (dimension 0, the batch), got {} and {}",
+                self.inputs[0].spec.name,
+                self.inputs[other].spec.name,
+                inputs.rows(),
+                inputs.0[other].shape[0]
             )));
         }
-        if input.shape.iter().zip(&self.min_shape).any(|(&n, &min)| n < min) {
+        if total > self.config.max_input_elements {
             return Err(ModelError::BadInput(format!(
-                "input '{}' must have at least shape {:?} (min_shape), got {:?}",
-                self.input.name,
-                self.shown(&self.min_shape),
-                self.shown(&input.shape)
-            )));
-        }
-        if elements > self.config.max_input_elements {
-            return Err(ModelError::BadInput(format!(
-                "input has {elements} elements, more than this model's limit of {}",
+                "input has {total} elements, more than this model's limit of {}",
                 self.config.max_input_elements
             )));
         }
         Ok(())
     }
 
-    /// The step a padded input's variable dimensions are rounded up to (1: no bucketing).
+    /// The largest step a padded input's variable dimensions are rounded up to (1: no
+    /// bucketing).
     pub fn bucket(&self) -> usize {
-        self.bucket
+        self.inputs.iter().map(|i| i.bucket).max().unwrap_or(1)
     }
 
-    /// The shape a batch of `inputs` is run as (see [`padded_shape`]): a batch of one request
-    /// too, which bucketing may pad. What admission prices, the batch former weighs and the
-    /// model is called with.
-    pub fn padded_shape(&self, inputs: &[&InputTensor]) -> Vec<usize> {
-        padded_shape(inputs, &self.input.shape, self.bucket)
+    /// The shape each input of a batch of `requests` is run as (see [`padded_shape`]): a batch
+    /// of one request too, which bucketing may pad. What admission prices, the batch former
+    /// weighs and the model is called with.
+    pub fn padded_shapes(&self, requests: &[&Inputs]) -> Vec<Vec<usize>> {
+        self.inputs
+            .iter()
+            .enumerate()
+            .map(|(k, input)| {
+                let tensors: Vec<&InputTensor> = requests.iter().map(|r| &r.0[k]).collect();
+                padded_shape(&tensors, &input.spec.shape, input.bucket)
+            })
+            .collect()
     }
 
-    /// The elements of [`Model::padded_shape`]: what a batch of `inputs` costs. For one
-    /// request, its admission price's elements (its own, or its bucket's).
-    pub fn padded_elements(&self, inputs: &[&InputTensor]) -> u64 {
-        self.padded_shape(inputs).iter().map(|&d| d as u64).product()
+    /// The elements of [`Model::padded_shapes`], all inputs together: what a batch of
+    /// `requests` costs. For one request, its admission price's elements (its own, or its
+    /// bucket's).
+    pub fn padded_elements(&self, requests: &[&Inputs]) -> u64 {
+        self.padded_shapes(requests).iter().map(|shape| shape.iter().map(|&d| d as u64).product::<u64>()).sum()
     }
 
-    /// What one request's outputs look like for its own input shape, from the batch's
+    /// Elements of one item (row) of the padded (and bucketed) batch of `requests`, all
+    /// inputs together: what its size class is of.
+    pub fn row_elements(&self, requests: &[&Inputs]) -> u64 {
+        self.padded_shapes(requests).iter().map(|shape| shape.iter().skip(1).map(|&d| d as u64).product::<u64>()).sum()
+    }
+
+    /// What one request's outputs look like for its own input shapes, from the batch's
     /// returned tensors: its rows, each fixed dimension as returned, each variable dimension
     /// of a padded model as its rule says (`follows`), else as returned.
-    fn output_shapes(&self, input_shape: &[usize], returned: &[Tensor]) -> Result<Vec<Vec<usize>>, ModelError> {
+    fn output_shapes(&self, request: &Inputs, returned: &[Tensor]) -> Result<Vec<Vec<usize>>, ModelError> {
         let mut shapes = Vec::with_capacity(returned.len());
         for ((spec, rules), t) in self.outputs.iter().zip(&self.follows).zip(returned) {
             let size = t.size();
-            let mut shape = vec![input_shape[0]];
+            let mut shape = vec![request.rows()];
             for (dim, &got) in size.iter().enumerate().skip(1) {
                 let want = match rules.iter().find(|r| r.dim == dim) {
-                    Some(rule) if self.can_pad() => (input_shape[rule.input_dim] as u64).div_ceil(rule.divisor) as usize,
+                    Some(rule) if self.inputs[rule.input].batching == Batching::Pad => {
+                        (request.0[rule.input].shape[rule.input_dim] as u64).div_ceil(rule.divisor) as usize
+                    }
                     _ => got as usize,
                 };
                 if want as i64 > got {
+                    let own = &request.0[rules.iter().find(|r| r.dim == dim).map_or(0, |r| r.input)];
                     return Err(self.declared_error(&format!(
-                        "returned output '{}' of shape {size:?}, smaller than its follows rule makes dimension {dim} \
+                        "returned output '{}' of shape {:?}, smaller than its follows rule makes dimension {} \
                          ({want}) for a request of shape {:?}",
                         spec.name,
-                        self.shown(input_shape)
+                        self.shown(&size),
+                        dim - usize::from(!self.batched),
+                        self.shown(&own.shape)
                     )));
                 }
                 shape.push(want);
@@ -624,37 +733,37 @@ impl Model {
         Ok(shapes)
     }
 
-    /// Runs one input on its own. Blocking.
-    pub fn infer(&self, input: &InputTensor) -> Result<Vec<OutputTensor>, ModelError> {
-        self.infer_batch(&[input]).map(|mut outs| outs.remove(0))
+    /// Runs one request on its own. Blocking.
+    pub fn infer(&self, request: &Inputs) -> Result<Vec<OutputTensor>, ModelError> {
+        self.infer_batch(&[request]).map(|mut outs| outs.remove(0))
     }
 
     /// Runs several requests as one batch, padded to a common shape, and splits the outputs
     /// back per request. Blocking: call it from a blocking thread, never from an async task.
     /// A libtorch error or a panic inside the call becomes a [`ModelError`] (an allocation
     /// failure becomes [`ModelError::OutOfMemory`]); the model stays usable.
-    pub fn infer_batch(&self, inputs: &[&InputTensor]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
-        for input in inputs {
-            self.validate(input)?;
+    pub fn infer_batch(&self, requests: &[&Inputs]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
+        for request in requests {
+            self.validate(request)?;
         }
-        if !self.can_pad() && inputs.windows(2).any(|w| w[0].shape[1..] != w[1].shape[1..]) {
-            // The engine never forms such a batch (`can_pad`); outputs could not be split.
+        if requests.windows(2).any(|w| !self.can_share(w[0], w[1])) {
+            // The engine never forms such a batch (`can_share`); outputs could not be split.
             return Err(ModelError::BadInput(format!(
-                "model '{}' batches only inputs of one shape but rows alone, got {:?}",
+                "model '{}' batches only inputs of one shape but rows alone (or padded ones), got {:?}",
                 self.config.name,
-                inputs.iter().map(|i| &i.shape).collect::<Vec<_>>()
+                requests.iter().map(|r| r.0.iter().map(|t| &t.shape).collect::<Vec<_>>()).collect::<Vec<_>>()
             )));
         }
-        if !self.batched && inputs.len() > 1 {
+        if !self.batched && requests.len() > 1 {
             // The engine never forms such a batch (its batch size bound is 1): the model is
             // called on one request.
             return Err(ModelError::BadInput(format!(
                 "model '{}' takes no batch dimension: one request per call, got {}",
                 self.config.name,
-                inputs.len()
+                requests.len()
             )));
         }
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.infer_unchecked(inputs)));
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.infer_unchecked(requests)));
         match outcome {
             Ok(result) => result,
             Err(panic) => Err(ModelError::Panic {
@@ -664,7 +773,7 @@ impl Model {
         }
     }
 
-    fn infer_unchecked(&self, inputs: &[&InputTensor]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
+    fn infer_unchecked(&self, requests: &[&Inputs]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
         let failed = |e: tch::TchError| {
             let message = e.to_string();
             match out_of_memory_line(&message) {
@@ -672,30 +781,46 @@ impl Model {
                 None => ModelError::Runtime { name: self.config.name.clone(), message: error_line(&message) },
             }
         };
-        let shape = self.padded_shape(inputs);
-        let batch_input = tch::no_grad(|| pad_into_tensor(inputs, &shape, self.pad_value)).map_err(failed)?;
+        let shapes = self.padded_shapes(requests);
+        let batch_inputs = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
+            self.inputs
+                .iter()
+                .zip(&shapes)
+                .enumerate()
+                .map(|(k, (input, shape))| {
+                    let tensors: Vec<&InputTensor> = requests.iter().map(|r| &r.0[k]).collect();
+                    pad_into_tensor(&tensors, shape, input.pad_value)
+                })
+                .collect()
+        })
+        .map_err(failed)?;
+        let rows = shapes.first().and_then(|s| s.first()).copied().unwrap_or(0);
         let module = self.free_instance();
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
-            let x = batch_input.f_to_device(self.device).map_err(failed)?;
-            // A model without a batch dimension is called on the batch's one request.
-            let x = if self.batched { x } else { x.f_select(0, 0).map_err(failed)? };
+            let mut args = Vec::with_capacity(batch_inputs.len() + self.config.args().len());
+            for t in &batch_inputs {
+                let x = t.f_to_device(self.device).map_err(failed)?;
+                // A model without a batch dimension is called on the batch's one request.
+                let x = if self.batched { x } else { x.f_select(0, 0).map_err(failed)? };
+                args.push(IValue::Tensor(x));
+            }
+            args.extend(self.config.args().iter().map(ivalue));
             let method = self.method();
             let in_method = |e: ModelError| match e {
                 ModelError::Runtime { name, message } => ModelError::Runtime { name, message: format!("method '{method}': {message}") },
                 other => other,
             };
-            let args: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(self.config.args().iter().map(ivalue)).collect();
             let returned = module.method_is(method, &args).map_err(|e| in_method(failed(e)))?;
             let names: Vec<&str> = self.outputs.iter().map(|o| &*o.name).collect();
             let tensors = returned_tensors(returned, &names).map_err(|message| self.declared_error(&message))?;
-            self.check_declared_outputs(&tensors, shape[0])?;
+            self.check_declared_outputs(&tensors, rows)?;
             if self.batched {
                 return Ok(tensors);
             }
             tensors.into_iter().map(|t| t.f_unsqueeze(0).map_err(failed)).collect()
         })?;
         drop(module);
-        drop(batch_input);
+        drop(batch_inputs);
 
         // Each in its declared kind (the outputs were checked to widen into it exactly).
         let specs = &self.outputs;
@@ -706,10 +831,10 @@ impl Model {
             .collect::<Result<_, _>>()
             .map_err(failed)?;
         let mut row = 0i64;
-        let mut per_request = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            let rows = input.shape[0] as i64;
-            let wants = self.output_shapes(&input.shape, &raw)?;
+        let mut per_request = Vec::with_capacity(requests.len());
+        for request in requests {
+            let rows = request.rows() as i64;
+            let wants = self.output_shapes(request, &raw)?;
             let mut outputs = Vec::with_capacity(specs.len());
             for ((spec, tensor), want) in specs.iter().zip(&raw).zip(wants) {
                 let mut t = tensor.f_narrow(0, row, rows).map_err(failed)?;
@@ -1024,6 +1149,48 @@ pub(crate) mod testing {
     pub const DECLARED_BRIGHT: &str = "input = { name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\" }\n\
         outputs = [ { name = \"bright\", shape = [-1, -1], datatype = \"BOOL\" } ]\n";
 
+    /// One-input conveniences for the tests, whose models (but one) take one input.
+    impl Model {
+        /// The first input's spec.
+        pub fn input_spec(&self) -> &TensorSpec {
+            &self.shown_inputs[0]
+        }
+
+        /// Whether any input pads.
+        pub fn can_pad(&self) -> bool {
+            self.inputs.iter().any(|i| i.batching == Batching::Pad)
+        }
+
+        pub fn infer_one(&self, input: &InputTensor) -> Result<Vec<OutputTensor>, ModelError> {
+            self.infer(&Inputs(vec![input.clone()]))
+        }
+
+        pub fn infer_batch_one(&self, inputs: &[&InputTensor]) -> Result<Vec<Vec<OutputTensor>>, ModelError> {
+            let requests: Vec<Inputs> = inputs.iter().map(|&i| Inputs(vec![i.clone()])).collect();
+            self.infer_batch(&requests.iter().collect::<Vec<_>>())
+        }
+
+        pub fn padded_elements_one(&self, inputs: &[&InputTensor]) -> u64 {
+            self.padded_shape_one(inputs).iter().map(|&d| d as u64).product()
+        }
+
+        pub fn validate_one(&self, input: &InputTensor) -> Result<(), ModelError> {
+            self.validate(&Inputs(vec![input.clone()]))
+        }
+
+        pub fn padded_shape_one(&self, inputs: &[&InputTensor]) -> Vec<usize> {
+            let requests: Vec<Inputs> = inputs.iter().map(|&i| Inputs(vec![i.clone()])).collect();
+            self.padded_shapes(&requests.iter().collect::<Vec<_>>()).remove(0)
+        }
+    }
+
+    impl Inputs {
+        /// The first input's tensor.
+        pub fn first(&self) -> &InputTensor {
+            &self.0[0]
+        }
+    }
+
     /// Loads `config` on the CPU with the worker's libtorch settings.
     pub fn load(config: ModelConfig) -> Result<Model, ModelError> {
         let device = init_torch(DeviceChoice::Cpu, 1)?;
@@ -1090,17 +1257,17 @@ mod tests {
         assert_eq!(pnet.input_spec(), &tensor("image", &[-1, 3, -1, -1]));
         assert_eq!(pnet.output_specs(), [tensor("box_offsets", &[-1, 4, -1, -1]), tensor("face_prob", &[-1, 2, -1, -1])]);
         assert!(!pnet.can_pad(), "ceil-mode pooling sees padding: equal shapes only");
-        let calibration: Vec<Vec<usize>> = pnet.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        let calibration: Vec<Vec<usize>> = pnet.calibration_inputs().into_iter().map(|p| p.first().shape.clone()).collect();
         assert_eq!(calibration, [[1, 3, 128, 128], [2, 3, 128, 128], [1, 3, 256, 256], [2, 3, 256, 256], [1, 3, 512, 512], [2, 3, 512, 512]]);
         assert_eq!(pnet.batching_probe_sizes(), [64, 128, 256, 512]);
-        let small = pnet.probe_input(1, 24);
+        let small = pnet.probe_input(1, 24).first().clone();
         assert_eq!(small.shape, [1, 3, 24, 24]);
         let (two, wide) = (image(2, 24, 24, 1.0), image(1, 30, 40, 2.0));
         let path = model_file("mtcnn_pnet.jit");
         for batch in [vec![&small, &two], vec![&wide]] {
             // The module called on the same batch: the (boxes, probs) it returns, split by rows.
             let want = direct(&path, "forward", &[], &stacked(&batch));
-            let got = pnet.infer_batch(&batch).expect("an answer");
+            let got = pnet.infer_batch_one(&batch).expect("an answer");
             let mut row = 0;
             for (input, got) in batch.iter().zip(&got) {
                 let rows = input.shape[0];
@@ -1114,14 +1281,14 @@ mod tests {
                 row += rows;
             }
         }
-        let err = pnet.infer_batch(&[&small, &wide]).expect_err("two shapes in one batch");
+        let err = pnet.infer_batch_one(&[&small, &wide]).expect_err("two shapes in one batch");
         assert!(err.to_string().contains("batches only inputs of one shape"), "{err}");
         for shape in [[1, 3, 11, 40], [1, 3, 40, 11]] {
-            let err = pnet.validate(&image(1, shape[2], shape[3], 0.0)).expect_err("below min_shape");
+            let err = pnet.validate_one(&image(1, shape[2], shape[3], 0.0)).expect_err("below min_shape");
             let want = format!("input 'image' must have at least shape [1, 3, 12, 12] (min_shape), got {shape:?}");
             assert!(matches!(&err, ModelError::BadInput(m) if *m == want), "{err}");
         }
-        assert!(pnet.validate(&image(1, 12, 12, 0.0)).is_ok());
+        assert!(pnet.validate_one(&image(1, 12, 12, 0.0)).is_ok());
     }
 
     /// `seconds` of a tone that swells and fades, with a little noise: some windows speech-like,
@@ -1140,12 +1307,12 @@ mod tests {
     fn the_shipped_silero_pads_a_batch_without_the_padding_changing_an_answer() {
         let vad = load(shipped("silero_vad")).expect("the shipped Silero VAD");
         assert!(vad.can_pad());
-        let calibration: Vec<Vec<usize>> = vad.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        let calibration: Vec<Vec<usize>> = vad.calibration_inputs().into_iter().map(|p| p.first().shape.clone()).collect();
         assert_eq!(calibration, [[1, 16_000], [2, 16_000], [1, 64_000], [2, 64_000], [1, 256_000], [2, 256_000]]);
         assert_eq!(vad.batching_probe_sizes(), [16_000, 64_000]);
         let path = model_file("silero_vad.jit");
         let (a, b, c) = (audio(1, 16_000, 0.0), audio(2, 20_000, 0.5), audio(1, 48_000, 1.0));
-        let alone: Vec<Vec<OutputTensor>> = [&a, &b, &c].iter().map(|i| vad.infer(i).expect("alone")).collect();
+        let alone: Vec<Vec<OutputTensor>> = [&a, &b, &c].iter().map(|i| vad.infer_one(i).expect("alone")).collect();
         for (input, answer) in [&a, &b, &c].iter().zip(&alone) {
             let [prob] = &answer[..] else { panic!("one output") };
             assert_eq!((&*prob.name, prob.shape.clone()), ("speech_prob", vec![input.shape[0], input.shape[1].div_ceil(512)]));
@@ -1171,7 +1338,7 @@ mod tests {
         // batch, cut to its own windows; batch rows change the float arithmetic's order in the
         // last bits only.
         let batch = [&a, &b, &c];
-        let batched = vad.infer_batch(&batch).expect("a padded batch");
+        let batched = vad.infer_batch_one(&batch).expect("a padded batch");
         let stacked_padded = stacked(&batch.map(|i| padded(i, 48_000)).iter().collect::<Vec<_>>());
         let [(shape, values)] = &direct(&path, "audio_forward", &[16_000], &stacked_padded)[..] else { panic!("one tensor") };
         let mut row = 0;
@@ -1185,7 +1352,7 @@ mod tests {
             }
             row += input.shape[0];
         }
-        let err = vad.validate(&audio(1, 511, 0.0)).expect_err("below one window");
+        let err = vad.validate_one(&audio(1, 511, 0.0)).expect_err("below one window");
         assert_eq!(err.to_string(), "input 'audio' must have at least shape [1, 512] (min_shape), got [1, 511]");
     }
 
@@ -1204,7 +1371,7 @@ mod tests {
             InputTensor::from_data(vec![1, 5], &TensorData::Uint8(vec![1, 2, 3, 4, 5])),
         );
         let sums = |model: &Model| -> Vec<TensorData> {
-            model.infer_batch(&[&short, &long]).expect("a padded batch").into_iter().flatten().map(|o| o.data).collect()
+            model.infer_batch_one(&[&short, &long]).expect("a padded batch").into_iter().flatten().map(|o| o.data).collect()
         };
         let zero = load(entry(row_sum_model(), "sum", &sum_keys(""))).expect("padded with 0");
         assert_eq!(sums(&zero), [TensorData::Int64(vec![383]), TensorData::Int64(vec![15])]);
@@ -1215,7 +1382,7 @@ mod tests {
             outputs = [ { name = \"bright\", shape = [-1, -1], datatype = \"BOOL\", follows = [{ dim = 1, input_dim = 1 }] } ]\n";
         let bright = load(entry(bright_model(), "bright", keys)).expect("padded with 255");
         let answers: Vec<(Vec<usize>, TensorData)> =
-            bright.infer_batch(&[&short, &long]).expect("a padded batch").into_iter().flatten().map(|o| (o.shape, o.data)).collect();
+            bright.infer_batch_one(&[&short, &long]).expect("a padded batch").into_iter().flatten().map(|o| (o.shape, o.data)).collect();
         assert_eq!(answers, [
             (vec![1, 3], TensorData::Bool(vec![false, true, true])),
             (vec![1, 5], TensorData::Bool(vec![false; 5])),
@@ -1243,15 +1410,15 @@ mod tests {
         let sum_keys = "input = { name = \"pixels\", shape = [-1, -1], datatype = \"UINT8\", batching = \"pad\", pad_value = 7, bucket = 4 }\n\
             outputs = [ { name = \"total\", shape = [-1, 1], datatype = \"INT64\" } ]\n";
         let sum = load(entry(row_sum_model(), "sum", sum_keys)).expect("bucketed by 4");
-        assert_eq!((sum.bucket(), sum.padded_shape(&[&short]), sum.padded_elements(&[&short])), (4, vec![1, 4], 4));
-        assert_eq!((sum.padded_shape(&[&short, &long]), sum.padded_elements(&[&long])), (vec![2, 8], 8));
-        assert_eq!(answers(sum.infer_batch(&[&short]).expect("alone")), [(vec![1, 1], TensorData::Int64(vec![383 + 7]))]);
-        assert_eq!(answers(sum.infer_batch(&[&short, &long]).expect("a batch padded to 8")), [
+        assert_eq!((sum.bucket(), sum.padded_shape_one(&[&short]), sum.padded_elements_one(&[&short])), (4, vec![1, 4], 4));
+        assert_eq!((sum.padded_shape_one(&[&short, &long]), sum.padded_elements_one(&[&long])), (vec![2, 8], 8));
+        assert_eq!(answers(sum.infer_batch_one(&[&short]).expect("alone")), [(vec![1, 1], TensorData::Int64(vec![383 + 7]))]);
+        assert_eq!(answers(sum.infer_batch_one(&[&short, &long]).expect("a batch padded to 8")), [
             (vec![1, 1], TensorData::Int64(vec![383 + 5 * 7])),
             (vec![1, 1], TensorData::Int64(vec![210 + 3 * 7])),
         ]);
         // The probes are bucketed, so calibration measures shapes the model is called with.
-        let probes: Vec<Vec<usize>> = sum.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        let probes: Vec<Vec<usize>> = sum.calibration_inputs().into_iter().map(|p| p.first().shape.clone()).collect();
         assert_eq!(probes, [[1, 32], [2, 32], [1, 64], [2, 64], [1, 128], [2, 128]]);
 
         // An elementwise model: a request answered in a bucketed batch is bit for bit what it
@@ -1264,13 +1431,13 @@ mod tests {
         };
         let bucketed = load(entry(bright_model(), "bright", &bright_keys(", bucket = 4"))).expect("bucketed by 4");
         let plain = load(entry(bright_model(), "bright", &bright_keys(""))).expect("padded, no bucket");
-        assert_eq!((plain.bucket(), plain.padded_shape(&[&short])), (1, vec![1, 3]));
-        let in_batch = answers(bucketed.infer_batch(&[&short, &long]).expect("a batch padded to 8"));
+        assert_eq!((plain.bucket(), plain.padded_shape_one(&[&short])), (1, vec![1, 3]));
+        let in_batch = answers(bucketed.infer_batch_one(&[&short, &long]).expect("a batch padded to 8"));
         let want = [(vec![1, 3], TensorData::Bool(vec![false, true, true])), (vec![1, 5], TensorData::Bool(vec![false, false, false, false, true]))];
         assert_eq!(in_batch, want);
         for ((input, padded), want) in [(&short, uint8(&[0, 128, 255, 255])), (&long, uint8(&[1, 2, 3, 4, 200, 255, 255, 255]))].into_iter().zip(&want) {
-            assert_eq!(&answers(vec![bucketed.infer(input).expect("alone")])[0], want, "{:?} alone, bucketed", input.shape);
-            let [alone] = &plain.infer(&padded).expect("padded by hand")[..] else { panic!("one output") };
+            assert_eq!(&answers(vec![bucketed.infer_one(input).expect("alone")])[0], want, "{:?} alone, bucketed", input.shape);
+            let [alone] = &plain.infer_one(&padded).expect("padded by hand")[..] else { panic!("one output") };
             let TensorData::Bool(values) = &alone.data else { panic!("BOOL") };
             assert_eq!(TensorData::Bool(values[..input.shape[1]].to_vec()), want.1, "{:?} padded to its bucket alone", input.shape);
         }
@@ -1279,16 +1446,16 @@ mod tests {
         let mut config = shipped("silero_vad");
         config.input.as_mut().expect("an input").bucket = Some(512);
         let vad = load(config).expect("Silero VAD bucketed by 512");
-        let probes: Vec<Vec<usize>> = vad.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        let probes: Vec<Vec<usize>> = vad.calibration_inputs().into_iter().map(|p| p.first().shape.clone()).collect();
         assert_eq!(probes, [[1, 16_384], [2, 16_384], [1, 64_000], [2, 64_000], [1, 256_000], [2, 256_000]]);
         assert_eq!(vad.probe_input_elements(2, 16_000), 2 * 16_384);
         let (a, b, c) = (audio(1, 16_000, 0.0), audio(2, 20_000, 0.5), audio(1, 47_700, 1.0));
         // Admission prices a request at its bucket: what it runs as alone.
-        assert_eq!([&a, &b, &c].map(|i| vad.padded_elements(&[i])), [16_384, 2 * 20_480, 48_128]);
+        assert_eq!([&a, &b, &c].map(|i| vad.padded_elements_one(&[i])), [16_384, 2 * 20_480, 48_128]);
         let path = model_file("silero_vad.jit");
         let batch = [&a, &b, &c];
-        let batched = vad.infer_batch(&batch).expect("a bucketed batch");
-        assert_eq!(vad.padded_shape(&batch), [4, 48_128]);
+        let batched = vad.infer_batch_one(&batch).expect("a bucketed batch");
+        assert_eq!(vad.padded_shape_one(&batch), [4, 48_128]);
         let stacked_padded = stacked(&batch.map(|i| zero_padded(i, 48_128)).iter().collect::<Vec<_>>());
         let [(shape, values)] = &direct(&path, "audio_forward", &[16_000], &stacked_padded)[..] else { panic!("one tensor") };
         let mut row = 0;
@@ -1302,10 +1469,10 @@ mod tests {
             assert_eq!(bits(fp32(&prob.data)), bits(&want), "{:?} in a batch bucketed to 48128", input.shape);
             // Alone, bucketed: what the module answers for the request padded to its bucket,
             // and what the unbucketed model answers (the padding is never seen).
-            let bucket = vad.padded_shape(&[input])[1];
+            let bucket = vad.padded_shape_one(&[input])[1];
             let [(one_shape, one)] = &direct(&path, "audio_forward", &[16_000], &zero_padded(input, bucket))[..] else { panic!("one tensor") };
             let want_alone: Vec<f32> = one.chunks(one_shape[1]).flat_map(|r| &r[..windows]).copied().collect();
-            let [alone] = &vad.infer(input).expect("alone")[..] else { panic!("one output") };
+            let [alone] = &vad.infer_one(input).expect("alone")[..] else { panic!("one output") };
             assert_eq!((alone.shape.clone(), bits(fp32(&alone.data))), (prob.shape.clone(), bits(&want_alone)), "{:?} alone", input.shape);
             for (x, y) in fp32(&prob.data).iter().zip(&want_alone) {
                 assert!((x - y).abs() < 1e-5, "{:?}: {x} batched, {y} alone", input.shape);
@@ -1313,8 +1480,8 @@ mod tests {
             row += input.shape[0];
         }
         let unbucketed = load(shipped("silero_vad")).expect("the shipped Silero VAD");
-        let [alone] = &vad.infer(&a).expect("alone")[..] else { panic!("one output") };
-        let [plain_alone] = &unbucketed.infer(&a).expect("alone, unbucketed")[..] else { panic!("one output") };
+        let [alone] = &vad.infer_one(&a).expect("alone")[..] else { panic!("one output") };
+        let [plain_alone] = &unbucketed.infer_one(&a).expect("alone, unbucketed")[..] else { panic!("one output") };
         assert_eq!((alone.shape.clone(), bits(fp32(&alone.data))), (plain_alone.shape.clone(), bits(fp32(&plain_alone.data))));
     }
 
@@ -1328,7 +1495,7 @@ mod tests {
         let check = |shape: &[usize], want: Result<(), String>| {
             let elements = shape.iter().product::<usize>();
             let input = InputTensor::from_f32(shape.to_vec(), &vec![0.5; elements]);
-            match (model.validate(&input), want) {
+            match (model.validate_one(&input), want) {
                 (Ok(()), Ok(())) => {}
                 (Err(ModelError::BadInput(got)), Err(want)) => assert_eq!(got, want, "{shape:?}"),
                 (got, want) => panic!("{shape:?}: got {got:?}, want {want:?}"),
@@ -1345,36 +1512,36 @@ mod tests {
         check(&[5, 3, 24, 24], Err("input has 8640 elements, more than this model's limit of 6912".into()));
 
         // Fixed dimensions: a probe's size multiplies rows.
-        let probe = model.probe_input(2, 8);
+        let probe = model.probe_input(2, 8).first().clone();
         assert_eq!(probe.shape, [16, 3, 24, 24]);
         assert_eq!(model.probe_input_elements(2, 8), 16 * 1728);
-        let rows = |probes: Vec<InputTensor>| probes.iter().map(|p| p.shape[0]).collect::<Vec<_>>();
+        let rows = |probes: Vec<Inputs>| probes.iter().map(|p| p.rows()).collect::<Vec<_>>();
         assert_eq!(rows(model.calibration_inputs()), [1, 2], "filtered by max_input_elements (4 rows)");
         assert_eq!(model.batching_probe_sizes(), [1]);
         let unbounded = load(pnet_entry("pnet24", &keys.replace("6912", "100000000"))).expect("no limit");
-        let outputs = unbounded.infer(&probe).expect("16 rows");
+        let outputs = unbounded.infer_one(&probe).expect("16 rows");
         assert_eq!(outputs.iter().map(|o| o.shape.clone()).collect::<Vec<_>>(), [vec![16, 4, 7, 7], vec![16, 2, 7, 7]]);
         assert_eq!(rows(unbounded.calibration_inputs()), [1, 2, 8, 16, 32, 64]);
         for p in unbounded.calibration_inputs() {
-            let values: Vec<f32> = p.le_bytes().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let values: Vec<f32> = p.first().le_bytes().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
             assert!(values.iter().all(|v| (-1.0..=1.0).contains(v)) && values.iter().any(|&v| v != 0.0));
-            assert_eq!(p.elements(), unbounded.probe_input_elements(p.shape[0], 1) as u64);
+            assert_eq!(p.elements(), unbounded.probe_input_elements(p.rows(), 1) as u64);
         }
     }
 
     #[test]
     fn variable_dimensions_take_the_probe_sizes() {
         let model = load(pnet_entry("pnet", &format!("{DECLARED_PNET}probe_sizes = [48, 16]\n"))).expect("P-Net");
-        assert_eq!(model.probe_input(2, 16).shape, [2, 3, 16, 16]);
+        assert_eq!(model.probe_input(2, 16).first().clone().shape, [2, 3, 16, 16]);
         assert_eq!(model.probe_input_elements(2, 16), 2 * 3 * 256);
         assert_eq!(model.batching_probe_sizes(), [16, 48]);
-        let shapes: Vec<Vec<usize>> = model.calibration_inputs().into_iter().map(|p| p.shape).collect();
+        let shapes: Vec<Vec<usize>> = model.calibration_inputs().into_iter().map(|p| p.first().shape.clone()).collect();
         assert_eq!(shapes, [[1, 3, 16, 16], [2, 3, 16, 16], [1, 3, 48, 48], [2, 3, 48, 48]]);
         let one = load(pnet_entry("pnet", &format!("{DECLARED_PNET}probe_sizes = [20]\n"))).expect("P-Net");
-        let rows: Vec<usize> = one.calibration_inputs().iter().map(|p| p.shape[0]).collect();
+        let rows: Vec<usize> = one.calibration_inputs().iter().map(|p| p.rows()).collect();
         assert_eq!(rows, [1, 2, 4], "three probes for the fit from one size");
-        assert!(model.validate(&image(1, 12, 500, 0.0)).is_ok());
-        let err = model.validate(&image(1, 0, 12, 0.0)).expect_err("an empty dimension").to_string();
+        assert!(model.validate_one(&image(1, 12, 500, 0.0)).is_ok());
+        let err = model.validate_one(&image(1, 0, 12, 0.0)).expect_err("an empty dimension").to_string();
         assert_eq!(err, "input 'image' must have shape [-1, 3, -1, -1] (-1: any size), got [1, 3, 0, 12]");
     }
 
@@ -1539,7 +1706,7 @@ mod tests {
         let model = load(entry(&path, "dict", &keys("{ name = \"row_sum\", shape = [-1] }, { name = \"doubled\", shape = [-1, -1] }")))
             .expect("a dict model declared by two of its keys");
         let (a, b) = (InputTensor::from_f32(vec![1, 3], &[1.0, 2.0, 3.0]), InputTensor::from_f32(vec![2, 3], &[0.5, 0.5, 0.5, 4.0, 5.0, 6.0]));
-        let answers = model.infer_batch(&[&a, &b]).expect("a batch of two");
+        let answers = model.infer_batch_one(&[&a, &b]).expect("a batch of two");
         let got: Vec<Vec<(String, Vec<usize>, Vec<f32>)>> = answers
             .iter()
             .map(|outputs| outputs.iter().map(|o| (o.name.to_string(), o.shape.clone(), fp32(&o.data).to_vec())).collect())
@@ -1560,6 +1727,52 @@ mod tests {
         path
     }
 
+    /// A model of two inputs (`inputs`): each request carries both, in the declared order;
+    /// requests of different sizes share a padded batch, each input padded on its own, and an
+    /// output follows the input its rule names.
+    #[test]
+    fn a_model_of_two_inputs_takes_both_and_batches_them_together() {
+        use super::testing::entry;
+        let example = [Tensor::ones([2, 3], (Kind::Float, Device::Cpu)), Tensor::ones([2, 3], (Kind::Float, Device::Cpu))];
+        let module = CModule::create_by_tracing("product", "forward", &example, &mut |x| vec![&x[0] * &x[1]]).expect("traced");
+        let path = std::env::temp_dir().join(format!("vramgate-product-{}.jit", std::process::id()));
+        module.save(&path).expect("saved");
+        let keys = "inputs = [ { name = \"a\", shape = [-1, -1], batching = \"pad\" }, { name = \"b\", shape = [-1, -1], batching = \"pad\", pad_value = 7 } ]\n\
+                    outputs = [ { name = \"p\", shape = [-1, -1], follows = [{ input = \"b\", dim = 1, input_dim = 1 }] } ]\n";
+        let model = load(entry(&path, "product", keys)).expect("two inputs");
+        let names: Vec<&str> = model.input_specs().iter().map(|s| &*s.name).collect();
+        assert_eq!(names, ["a", "b"]);
+        let request = |a: &[f32], b: &[f32], rows: usize| {
+            model
+                .accept(vec![InputTensor::from_f32(vec![rows, a.len() / rows], a), InputTensor::from_f32(vec![rows, b.len() / rows], b)])
+                .expect("valid")
+        };
+        let (one, two) = (request(&[1.0, 2.0], &[3.0, 4.0], 1), request(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2.0; 6], 2));
+        assert!(model.can_share(&one, &two));
+        assert_eq!(model.padded_shapes(&[&one, &two]), [[3, 3], [3, 3]]);
+        assert_eq!((model.padded_elements(&[&one, &two]), model.row_elements(&[&one])), (18, 4));
+        let answers = model.infer_batch(&[&one, &two]).expect("a padded batch of two");
+        let got: Vec<(Vec<usize>, Vec<f32>)> = answers.iter().map(|a| (a[0].shape.clone(), fp32(&a[0].data).to_vec())).collect();
+        assert_eq!(got, [(vec![1, 2], vec![3.0, 8.0]), (vec![2, 3], vec![2.0, 4.0, 6.0, 8.0, 10.0, 12.0])]);
+        // Both inputs probed at each size, their elements counted together.
+        let probe = model.probe_input(2, 32);
+        assert_eq!(probe.tensors().iter().map(|t| t.shape.clone()).collect::<Vec<_>>(), [[2, 32], [2, 32]]);
+        assert_eq!(model.probe_input_elements(2, 32), 128);
+        // Mismatched requests are refused before libtorch, naming the inputs.
+        let err = model.accept(vec![InputTensor::from_f32(vec![1, 2], &[1.0, 2.0])]).expect_err("one input short").to_string();
+        assert_eq!(err, "model 'product' takes 2 inputs (a, b), got 1");
+        let err = model
+            .accept(vec![InputTensor::from_f32(vec![1, 2], &[1.0, 2.0]), InputTensor::from_f32(vec![2, 1], &[1.0, 2.0])])
+            .expect_err("rows differ")
+            .to_string();
+        assert_eq!(err, "inputs 'a' and 'b' must have as many rows (dimension 0, the batch), got 1 and 2");
+        let err = model
+            .accept(vec![InputTensor::from_f32(vec![1, 2], &[1.0, 2.0]), InputTensor::from_f32(vec![1, 0], &[])])
+            .expect_err("an empty b")
+            .to_string();
+        assert_eq!(err, "input 'b' must have shape [-1, -1] (-1: any size), got [1, 0]");
+    }
+
     /// Triton's `max_batch_size = 0`: the model takes one whole tensor (here a signal `[n]`,
     /// answered with its running sum `[n]`); the worker adds the batch dimension to run it and
     /// takes it off the answer, metadata and messages show the declared shapes, and each
@@ -1574,8 +1787,8 @@ mod tests {
         let model = load(entry(&path, "running_sum", &keys(", min_shape = [2]", "[-1]"))).expect("an unbatched model");
         assert!(!model.batched());
         assert_eq!((model.input_spec().shape.clone(), model.output_specs()[0].shape.clone()), (vec![-1], vec![-1]));
-        let input = model.accept(InputTensor::from_f32(vec![5], &[1.0, 2.0, 3.0, 4.0, 5.0])).expect("a signal of five");
-        assert_eq!(input.shape, [1, 5], "run as a batch of one");
+        let input = model.accept(vec![InputTensor::from_f32(vec![5], &[1.0, 2.0, 3.0, 4.0, 5.0])]).expect("a signal of five");
+        assert_eq!(input.first().shape, [1, 5], "run as a batch of one");
         let answer = model.infer(&input).expect("an answer");
         assert_eq!((answer[0].shape.clone(), fp32(&answer[0].data).to_vec()), (vec![5], vec![1.0, 3.0, 6.0, 10.0, 15.0]));
         for (shape, want) in [
@@ -1583,13 +1796,13 @@ mod tests {
             (vec![1], "input 'signal' must have at least shape [2] (min_shape), got [1]"),
         ] {
             let n = shape.iter().product();
-            let err = model.accept(InputTensor::from_f32(shape, &vec![0.5; n])).expect_err(want).to_string();
+            let err = model.accept(vec![InputTensor::from_f32(shape, &vec![0.5; n])]).expect_err(want).to_string();
             assert_eq!(err, want);
         }
-        let err = model.accept(InputTensor::from_f32(vec![4], &[0.5; 3])).expect_err("3 values for 4").to_string();
-        assert_eq!(err, "shape [4] holds 4 elements but 3 were sent");
+        let err = model.accept(vec![InputTensor::from_f32(vec![4], &[0.5; 3])]).expect_err("3 values for 4").to_string();
+        assert_eq!(err, "input 'signal' of shape [4] holds 4 elements but 3 were sent");
         // Probed at batch 1 only, at three sizes; nothing to time for batch sizes.
-        let shapes = |m: &Model| m.calibration_inputs().iter().map(|p| p.shape.clone()).collect::<Vec<_>>();
+        let shapes = |m: &Model| m.calibration_inputs().iter().map(|p| p.first().shape.clone()).collect::<Vec<_>>();
         assert_eq!(shapes(&model), [[1, 32], [1, 64], [1, 128]]);
         assert!(model.batching_probe_sizes().is_empty());
         let err = model.infer_batch(&[&input, &input]).expect_err("two requests in one call").to_string();
@@ -1607,10 +1820,10 @@ mod tests {
         };
         let model = load(entry(&path, "row_sums", &fixed("[2]"))).expect("a fixed-shape unbatched model");
         assert_eq!(shapes(&model), [[1, 2, 3], [1, 2, 3], [1, 2, 3]]);
-        let input = model.accept(InputTensor::from_f32(vec![2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])).expect("a 2 × 3 matrix");
+        let input = model.accept(vec![InputTensor::from_f32(vec![2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]).expect("a 2 × 3 matrix");
         let answer = model.infer(&input).expect("an answer");
         assert_eq!((answer[0].shape.clone(), fp32(&answer[0].data).to_vec()), (vec![2], vec![6.0, 15.0]));
-        let err = model.accept(InputTensor::from_f32(vec![3, 3], &[0.0; 9])).expect_err("3 rows").to_string();
+        let err = model.accept(vec![InputTensor::from_f32(vec![3, 3], &[0.0; 9])]).expect_err("3 rows").to_string();
         assert_eq!(err, "input 'm' must have shape [2, 3] (-1: any size), got [3, 3]");
         let err = load(entry(&path, "row_sums", &fixed("[3]"))).err().expect("2 returned").to_string();
         assert!(err.contains("returned output 'sums' of shape [2], declared [3] (-1: any size): a fixed dimension differs"), "{err}");
@@ -1621,7 +1834,7 @@ mod tests {
         use super::testing::{bright_model, entry, row_sum_model, DECLARED_BRIGHT};
         let bright = load(entry(bright_model(), "bright", DECLARED_BRIGHT)).expect("UINT8 in, BOOL out");
         assert_eq!((bright.input_spec().datatype, bright.output_specs()[0].datatype), (DataType::Uint8, DataType::Bool));
-        let probe = bright.probe_input(2, 4);
+        let probe = bright.probe_input(2, 4).first().clone();
         assert_eq!((probe.datatype(), probe.shape.clone(), probe.le_bytes()), (DataType::Uint8, vec![2, 4], &[0, 1, 0, 1, 0, 1, 0, 1][..]));
         let (a, b) = (
             InputTensor::from_data(vec![1, 3], &TensorData::Uint8(vec![0, 128, 255])),
@@ -1630,16 +1843,16 @@ mod tests {
         let values = |answers: Vec<Vec<OutputTensor>>| -> Vec<(Vec<usize>, TensorData)> {
             answers.into_iter().flatten().map(|o| (o.shape, o.data)).collect()
         };
-        assert_eq!(values(bright.infer_batch(&[&a, &b]).expect("a batch of two")), [
+        assert_eq!(values(bright.infer_batch_one(&[&a, &b]).expect("a batch of two")), [
             (vec![1, 3], TensorData::Bool(vec![false, true, true])),
             (vec![2, 3], TensorData::Bool(vec![false, false, false, true, false, false])),
         ]);
-        let err = bright.validate(&InputTensor::from_f32(vec![1, 3], &[0.0; 3])).expect_err("FP32 sent");
+        let err = bright.validate_one(&InputTensor::from_f32(vec![1, 3], &[0.0; 3])).expect_err("FP32 sent");
         assert_eq!(err.to_string(), "input 'pixels' must be UINT8, got FP32");
 
         let sum_keys = DECLARED_BRIGHT.replace("\"bright\", shape = [-1, -1], datatype = \"BOOL\"", "\"total\", shape = [-1, 1], datatype = \"INT64\"");
         let sum = load(entry(row_sum_model(), "sum", &sum_keys)).expect("UINT8 in, INT64 out");
-        assert_eq!(values(sum.infer_batch(&[&a, &b]).expect("a batch of two")), [
+        assert_eq!(values(sum.infer_batch_one(&[&a, &b]).expect("a batch of two")), [
             (vec![1, 1], TensorData::Int64(vec![383])),
             (vec![2, 1], TensorData::Int64(vec![130, 207])),
         ]);
@@ -1649,7 +1862,7 @@ mod tests {
         for (datatype, want) in [("UINT8", TensorData::Uint8(vec![0, 1, 1])), ("FP32", TensorData::Fp32(vec![0.0, 1.0, 1.0]))] {
             let keys = DECLARED_BRIGHT.replace("\"BOOL\"", &format!("\"{datatype}\""));
             let widened = load(entry(bright_model(), "bright", &keys)).expect(datatype);
-            assert_eq!(widened.infer(&a).expect("an answer")[0].data, want);
+            assert_eq!(widened.infer_one(&a).expect("an answer")[0].data, want);
         }
         let err = load(entry(row_sum_model(), "sum", &sum_keys.replace("INT64", "INT32"))).err().expect("INT64 as INT32");
         assert!(err.to_string().contains("method 'forward' returned output 'total' as Int64, declared INT32"), "{err}");

@@ -186,7 +186,7 @@ fn calibrate(model: &Model, monitor: &MemoryMonitor) -> anyhow::Result<MemoryEst
             scope.finish()
         };
         let Some(bytes) = peak else { continue };
-        probes.push(Probe { batch: input.shape[0], elements: input.elements(), bytes });
+        probes.push(Probe { batch: input.rows(), elements: input.elements(), bytes });
     }
     anyhow::ensure!(probes.len() >= 3, "model '{}': only {} calibration peaks could be measured", model.name(), probes.len());
     let estimate = MemoryEstimate::fitted(probes);
@@ -471,7 +471,7 @@ fn tensor_metadata(model: &Model) -> (Vec<oip::TensorMetadata>, Vec<oip::TensorM
         datatype: spec.datatype.as_str().into(),
         shape: spec.shape.clone(),
     };
-    (vec![tensor(model.input_spec())], model.output_specs().iter().map(tensor).collect())
+    (model.input_specs().iter().map(tensor).collect(), model.output_specs().iter().map(tensor).collect())
 }
 
 async fn model_metadata_versioned(
@@ -549,11 +549,11 @@ async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request
     // A binary input stays in the body's bytes until the batch copies it into its tensor: the
     // body is this request's only copy of its input (a JSON input is decoded and the body
     // freed). Its charge ends here, as it did when the body was decoded into a second copy.
-    let input = take_input(&model, tensors, &body)?;
+    let inputs = take_inputs(&model, tensors, &body)?;
     drop(body);
     drop(charge);
-    // As the worker runs it: a model without a batch dimension gets a batch of one.
-    let input = model.accept(input)?;
+    // As the worker runs them: a model without a batch dimension gets a batch of one.
+    let input = model.accept(inputs)?;
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
     let outputs = engine.infer(&served, input, timeout, &mut arrival).await?;
 
@@ -607,35 +607,49 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     response
 }
 
-/// Finds the model's input among the request's tensors, checks its datatype and values, and
-/// takes binary data as a slice of `body` (no copy).
-fn take_input(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Result<InputTensor, ApiError> {
-    let wanted = &*model.input_spec().name;
+/// Finds the model's inputs among the request's tensors, in the model's order, checks each
+/// one's datatype and values, and takes binary data as a slice of `body` (no copy). A model of
+/// one input takes a lone tensor whatever its name; a model of several takes each by name.
+fn take_inputs(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Result<Vec<InputTensor>, ApiError> {
+    let specs = model.input_specs();
     let count = tensors.len();
-    let tensor = if count == 1 {
-        tensors.into_iter().next()
-    } else {
-        tensors.into_iter().find(|t| t.name == wanted)
-    };
-    let Some(tensor) = tensor else {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!("model '{}' takes one input named '{wanted}', request had {count}", model.name()),
-        ));
-    };
-    // Named by what was sent: a lone input is taken whatever its name.
-    model.input_spec().check_datatype(&tensor.name, tensor.datatype)?;
-    let input = match tensor.data {
-        RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, tensor.datatype, body.slice(range))?,
-        RawData::Json(values) => InputTensor::from_data(tensor.shape, &values),
-    };
-    match first_invalid(input.datatype(), input.le_bytes()) {
-        None => Ok(input),
-        Some((at, what, rule)) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!("input '{}' holds {what} at element {at}: {rule}", tensor.name),
-        )),
+    let names = || specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ");
+    let refused = |message: String| ApiError::new(StatusCode::BAD_REQUEST, message);
+    let mut tensors: Vec<Option<oip::RawTensor>> = tensors.into_iter().map(Some).collect();
+    let mut taken = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let found = if specs.len() == 1 && count == 1 {
+            tensors[0].take()
+        } else {
+            tensors.iter_mut().find(|t| t.as_ref().is_some_and(|t| *t.name == *spec.name)).and_then(Option::take)
+        };
+        let Some(tensor) = found else {
+            return Err(refused(if specs.len() == 1 {
+                format!("model '{}' takes one input named '{}', request had {count}", model.name(), spec.name)
+            } else {
+                format!("model '{}' takes the inputs {}; the request has no '{}'", model.name(), names(), spec.name)
+            }));
+        };
+        // Named by what was sent: a lone input is taken whatever its name.
+        spec.check_datatype(&tensor.name, tensor.datatype)?;
+        let input = match tensor.data {
+            RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, tensor.datatype, body.slice(range))?,
+            RawData::Json(values) => InputTensor::from_data(tensor.shape, &values),
+        };
+        if let Some((at, what, rule)) = first_invalid(input.datatype(), input.le_bytes()) {
+            return Err(refused(format!("input '{}' holds {what} at element {at}: {rule}", tensor.name)));
+        }
+        taken.push(input);
     }
+    if let Some(extra) = tensors.iter().flatten().next() {
+        return Err(refused(format!(
+            "model '{}' takes {}; the request's tensor '{}' is none of them",
+            model.name(),
+            names(),
+            bounded(&extra.name, LOG_FIELD_MAX_BYTES)
+        )));
+    }
+    Ok(taken)
 }
 
 /// The first value among `le` (little-endian values of `datatype` at any alignment) that a
@@ -719,12 +733,17 @@ mod tests {
             datatype: DataType::Fp32,
             data: RawData::Json(TensorData::Fp32(vec![0.5; 3 * side * side])),
         };
-        let input = take_input(&model, vec![raw("image", 12), raw("picture", 16)], &Bytes::new()).expect("the declared input");
-        assert_eq!(input.shape, [1, 3, 16, 16]);
-        let err = take_input(&model, vec![raw("image", 12), raw("other", 16)], &Bytes::new()).expect_err("not the declared input");
+        let input = take_inputs(&model, vec![raw("picture", 16)], &Bytes::new()).expect("the declared input");
+        assert_eq!(input[0].shape, [1, 3, 16, 16]);
+        let lone = take_inputs(&model, vec![raw("image", 12)], &Bytes::new()).expect("a lone tensor, whatever its name");
+        assert_eq!(lone[0].shape, [1, 3, 12, 12]);
+        let err = take_inputs(&model, vec![raw("image", 12), raw("other", 16)], &Bytes::new()).expect_err("not the declared input");
         assert_eq!((err.status, err.message.as_str()), (StatusCode::BAD_REQUEST, "model 'pnet' takes one input named 'picture', request had 2"));
+        // As Triton: a tensor the model does not take is refused, not dropped.
+        let err = take_inputs(&model, vec![raw("image", 12), raw("picture", 16)], &Bytes::new()).expect_err("one tensor more");
+        assert_eq!(err.message, "model 'pnet' takes 'picture'; the request's tensor 'image' is none of them");
         let wrong = InputTensor::from_f32(vec![1, 3, 16], &[0.5; 48]);
-        let err = ApiError::from(model.validate(&wrong).expect_err("a rank short"));
+        let err = ApiError::from(model.accept(vec![wrong]).expect_err("a rank short"));
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
         assert_eq!(err.message, "input 'picture' must have shape [-1, 3, -1, -1] (-1: any size), got [1, 3, 16]");
     }
@@ -752,15 +771,15 @@ mod tests {
             (DataType::Int32, RawData::Binary(2..18)),
             (DataType::Int64, RawData::Json(TensorData::Int64(vec![10, 200, 30, 255]))),
         ] {
-            let err = take_input(&model, vec![raw(sent, data)], &body).expect_err("another datatype");
+            let err = take_inputs(&model, vec![raw(sent, data)], &body).expect_err("another datatype");
             assert_eq!((err.status, err.message), (StatusCode::BAD_REQUEST, format!("input 'pixels' must be UINT8, got {sent}")));
         }
         // The declared datatype, binary or JSON: the same input.
-        let binary = take_input(&model, vec![raw(DataType::Uint8, RawData::Binary(2..6))], &body).expect("binary UINT8");
-        let json = take_input(&model, vec![raw(DataType::Uint8, RawData::Json(TensorData::Uint8(vec![10, 200, 30, 255])))], &body)
+        let binary = take_inputs(&model, vec![raw(DataType::Uint8, RawData::Binary(2..6))], &body).expect("binary UINT8");
+        let json = take_inputs(&model, vec![raw(DataType::Uint8, RawData::Json(TensorData::Uint8(vec![10, 200, 30, 255])))], &body)
             .expect("JSON UINT8");
-        assert_eq!((binary.datatype(), binary.le_bytes()), (json.datatype(), json.le_bytes()));
-        let outputs = model.infer(&binary).expect("an answer");
+        assert_eq!((binary[0].datatype(), binary[0].le_bytes()), (json[0].datatype(), json[0].le_bytes()));
+        let outputs = model.infer(&model.accept(binary).expect("valid")).expect("an answer");
         let tensors: Vec<Tensor> = outputs.into_iter().map(|o| Tensor { name: o.name.to_string(), shape: o.shape, data: o.data }).collect();
         let (body, _) = oip::encode_response("bright", None, None, &tensors, |_| false);
         assert_eq!(
@@ -792,7 +811,7 @@ mod tests {
         let (engine, _) = start_engine(&config, Arc::new(Metrics::new())).expect("the engine started");
         let served = engine.served("mtcnn_onet").expect("O-Net served");
         let face: Vec<f32> = (0..3 * 48 * 48).map(|i| (i as f32 * 0.01).sin()).collect();
-        let outputs = served.model.infer(&InputTensor::from_f32(vec![1, 3, 48, 48], &face)).expect("an answer");
+        let outputs = served.model.infer_one(&InputTensor::from_f32(vec![1, 3, 48, 48], &face)).expect("an answer");
         let shapes: Vec<(&str, &[usize])> = outputs.iter().map(|o| (&*o.name, o.shape.as_slice())).collect();
         assert_eq!(shapes, [("box_offsets", &[1, 4][..]), ("landmarks", &[1, 10][..]), ("face_prob", &[1, 2][..])]);
     }

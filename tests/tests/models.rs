@@ -17,6 +17,9 @@
 //!   against torchcrepe.predict on the same four files; and called with `tritonclient` by
 //!   `tests/python/unbatched_model_check.py` (metadata, agreement, one request a batch, a
 //!   refusal);
+//! - Silero VAD's network as a streaming step of two inputs (a chunk and the state the client
+//!   carries), called with `tritonclient` by `tests/python/stream_vad_check.py` against the
+//!   silero-vad package's own stateful calls;
 //! - Silero VAD behind the `audio` converter with the `speech_segments` post-processor, giving
 //!   the segments the coded `wav` task gives for the same clip;
 //! - P-Net behind the `image` converter's tensor mode with the `face_boxes` post-processor,
@@ -153,6 +156,14 @@ async fn models_added_by_configuration_agree_with_their_packages() {
          input = { name = \"audio\", shape = [-1] }\n\
          outputs = [{ name = \"pitch_hz\", shape = [-1] }, { name = \"periodicity\", shape = [-1] }]\n\
          probe_sizes = [16000, 64000, 160000]\n",
+        &[],
+    );
+    model_folder(
+        &repository,
+        "vad_stream",
+        "silero_stream",
+        "inputs = [{ name = \"chunk\", shape = [-1, 576] }, { name = \"state\", shape = [-1, 2, 128] }]\n\
+         outputs = [{ name = \"speech_prob\", shape = [-1] }, { name = \"next_state\", shape = [-1, 2, 128] }]\n",
         &[],
     );
     // Silero from config/worker.toml's [[models]], beside the repository's.
@@ -548,5 +559,8 @@ threshold = 0.5
     let host = worker.url.trim_start_matches("http://").to_string();
     let args = [host.as_ref(), "pitch_clip".as_ref(), wav.as_os_str()];
     eprint!("{}", python_check("unbatched_model_check.py", args, || worker.service.log_tail()));
+    // The model of two inputs through tritonclient, against silero-vad's own stateful calls.
+    let args = [host.as_ref(), "vad_stream".as_ref(), wav.as_os_str()];
+    eprint!("{}", python_check("stream_vad_check.py", args, || worker.service.log_tail()));
     assert!(worker.service.is_running() && gateway.service.is_running());
 }
