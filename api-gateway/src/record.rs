@@ -528,7 +528,7 @@ async fn convert_and_call(
         let _entered = span.enter();
         let converted = plan.convert(&bytes);
         if let Ok(c) = &converted {
-            span.record("output.elements", c.calls.iter().map(|call| call.tensor.shape.iter().product::<usize>()).sum::<usize>());
+            span.record("output.elements", c.calls.iter().flat_map(|call| &call.inputs).map(|t| t.shape.iter().product::<usize>()).sum::<usize>());
         }
         converted
     })
@@ -546,7 +546,7 @@ async fn convert_and_call(
         let Converted { calls, finish } = converted;
         // One encoded body per call, which every attempt re-sends; the tensors are gone after.
         let bodies: Vec<(usize, InferCall)> =
-            calls.into_iter().map(|c| (c.stage, InferCall::new(&id, &c.tensor, c.outputs))).collect();
+            calls.into_iter().map(|c| (c.stage, InferCall::new(&id, &c.inputs, c.outputs))).collect();
         let holding = record_bytes + finish.held_bytes() + bodies.iter().map(|(_, b)| b.body_len() as u64).sum::<u64>();
         if holding > held.bytes() {
             held.grow(holding - held.bytes()).await;

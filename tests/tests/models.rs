@@ -19,7 +19,9 @@
 //!   refusal);
 //! - Silero VAD's network as a streaming step of two inputs (a chunk and the state the client
 //!   carries), called with `tritonclient` by `tests/python/stream_vad_check.py` against the
-//!   silero-vad package's own stateful calls;
+//!   silero-vad package's own stateful calls, and through Kafka behind the `tensor` converter
+//!   with `inputs = ["chunk", "state"]`: a stream stepped event by event, each event carrying
+//!   the state the last result gave back;
 //! - Silero VAD behind the `audio` converter with the `speech_segments` post-processor, giving
 //!   the segments the coded `wav` task gives for the same clip;
 //! - P-Net behind the `image` converter's tensor mode with the `face_boxes` post-processor,
@@ -183,6 +185,7 @@ async fn models_added_by_configuration_agree_with_their_packages() {
     let pitch = TaskTopics::create(&unique("pitch"), 1).await.expect("topics");
     let frames = TaskTopics::create(&unique("frames"), 1).await.expect("topics");
     let clip_topics = TaskTopics::create(&unique("clip"), 1).await.expect("topics");
+    let stream_topics = TaskTopics::create(&unique("stream"), 1).await.expect("topics");
     let speech_topics = TaskTopics::create(&unique("speech"), 1).await.expect("topics");
     let voice = TaskTopics::create(&unique("voice"), 1).await.expect("topics");
     let proposals = TaskTopics::create(&unique("proposals"), 1).await.expect("topics");
@@ -306,6 +309,23 @@ name = "pitch_hz"
 [[tasks.clip.outputs]]
 name = "periodicity"
 
+[tasks.stream]
+converter = "tensor"
+model = "vad_stream"
+requests_topic = "{st_req}"
+results_topic = "{st_res}"
+dlq_topic = "{st_dlq}"
+
+[tasks.stream.tensor]
+inputs = ["chunk", "state"]
+datatype = "FP32"
+
+[[tasks.stream.outputs]]
+name = "speech_prob"
+
+[[tasks.stream.outputs]]
+name = "next_state"
+
 [tasks.frames]
 converter = "tensor"
 model = "pitch"
@@ -335,6 +355,9 @@ threshold = 0.5
             p_req = pitch.requests,
             p_res = pitch.results,
             p_dlq = pitch.dlq,
+            st_req = stream_topics.requests,
+            st_res = stream_topics.results,
+            st_dlq = stream_topics.dlq,
             k_req = clip_topics.requests,
             k_res = clip_topics.results,
             k_dlq = clip_topics.dlq,
@@ -437,7 +460,14 @@ threshold = 0.5
          "worker_rejected", "frames"),
         (&frames, "frames", json!({"datatype": "INT64", "shape": [1, 1024], "data": vec![0; 1024]}).to_string().into_bytes(),
          "invalid_request", "this task takes FP32"),
+        (&stream_topics, "stream", json!({"inputs": [{"name": "chunk", "datatype": "FP32", "shape": [1, 576], "data": vec![0.0; 576]}]})
+            .to_string().into_bytes(), "invalid_request", "the event has no tensor 'state'"),
     ];
+    // A first step of a stream, silence from a fresh state: what follows the bad stream event.
+    let first_step = json!({"inputs": [
+        {"name": "chunk", "datatype": "FP32", "shape": [1, 576], "data": vec![0.0; 576]},
+        {"name": "state", "datatype": "FP32", "shape": [1, 2, 128], "data": vec![0.0; 256]},
+    ]});
     let mut bad_ids = Vec::new();
     for (topics, task, bytes, kind, says) in &bad {
         let id = unique("bad");
@@ -448,6 +478,7 @@ threshold = 0.5
         let (good, what) = match *task {
             "classify" => (request_file(&next, task, &photos[2]), photos[2].file_name().expect("name").to_string_lossy().into_owned()),
             "pitch" => (request_file(&next, task, &wav), "speech.wav".to_string()),
+            "stream" => (request_inline(&next, task, first_step.to_string().as_bytes()), "silence".to_string()),
             _ => (request_file(&next, task, &frames_file), "speech.wav".to_string()),
         };
         send(&producer, &topics.requests, &next, &good).await.expect("send");
@@ -456,7 +487,7 @@ threshold = 0.5
 
     let topics: Vec<&str> = [
         &classify.results, &classify.dlq, &pitch.results, &pitch.dlq, &frames.results, &frames.dlq,
-        &clip_topics.results, &clip_topics.dlq,
+        &clip_topics.results, &clip_topics.dlq, &stream_topics.results, &stream_topics.dlq,
         &voice.results, &voice.dlq, &speech_topics.results, &speech_topics.dlq,
         &proposals.results, &proposals.dlq, &boxes_topics.results, &boxes_topics.dlq,
     ]
@@ -508,6 +539,10 @@ threshold = 0.5
                     audio_answer = Some(result["output"]["outputs"].clone());
                 }
             }
+            "stream" => {
+                let prob = floats(&result["output"]["outputs"]["speech_prob"]["data"]);
+                assert!(prob.len() == 1 && prob[0] < 0.5, "silence is not speech: {result}");
+            }
             _ => frames_answer = Some(result["output"]["outputs"].clone()),
         }
     }
@@ -554,6 +589,51 @@ threshold = 0.5
     for (what, (cents, voiced)) in &worst_cents {
         eprintln!("pitch {what}: {voiced} voiced frames, worst {cents:.3} cents from torchcrepe");
     }
+
+    // The model of two inputs through Kafka: one stream stepped event by event, each event
+    // carrying the state the last result gave back, against silero-vad's own stateful calls.
+    const STEPS: usize = 6;
+    let script = "import json, sys\n\
+                  sys.path[:0] = [sys.argv[1] + '/tests/python', sys.argv[1] + '/scripts']\n\
+                  from stream_vad_check import upstream_probs\n\
+                  from reference_pitch import read_wav\n\
+                  print(json.dumps(upstream_probs(read_wav(sys.argv[2])[:int(sys.argv[3])])))\n";
+    let out = Command::new(venv_python())
+        .args(["-c", script])
+        .arg(repo_root())
+        .arg(&wav)
+        .arg((STEPS * 512).to_string())
+        .output()
+        .expect("python");
+    assert!(out.status.success(), "silero-vad reference: {}", String::from_utf8_lossy(&out.stderr));
+    let want_steps: Vec<f64> = serde_json::from_slice(&out.stdout).expect("probabilities");
+    let watch = vramgate_tests::Collector::start(&[&stream_topics.results, &stream_topics.dlq]).expect("collector");
+    let b64 = |values: &[f32]| base64::engine::general_purpose::STANDARD.encode(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+    let (mut context, mut state) = (vec![0.0f32; 64], vec![0.0f32; 256]);
+    for (step, want) in want_steps.iter().enumerate() {
+        let chunk: Vec<f32> = context.iter().chain(&pcm[step * 512..(step + 1) * 512]).copied().collect();
+        context = chunk[512..].to_vec();
+        let event = json!({"inputs": [
+            {"name": "state", "datatype": "FP32", "shape": [1, 2, 128], "data_b64": b64(&state)},
+            {"name": "chunk", "datatype": "FP32", "shape": [1, 576], "data_b64": b64(&chunk)},
+        ]});
+        let id = unique("step");
+        send(&producer, &stream_topics.requests, &id, &request_inline(&id, "stream", event.to_string().as_bytes())).await.expect("send");
+        let waited = std::time::Instant::now();
+        let result = loop {
+            if let Some(r) = watch.with(|got| got.get(&id).map(|r| r[0].value.clone())) {
+                break r;
+            }
+            assert!(waited.elapsed() < Duration::from_secs(60), "step {step} unanswered; gateway log:\n{}", gateway.log_tail());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(result["status"], "ok", "step {step}: {result}");
+        let prob = floats(&result["output"]["outputs"]["speech_prob"]["data"]);
+        assert!((prob[0] - want).abs() <= 1e-5, "step {step}: {} vs silero-vad's {want}", prob[0]);
+        assert_eq!(result["output"]["outputs"]["next_state"]["shape"], json!([1, 2, 128]));
+        state = floats(&result["output"]["outputs"]["next_state"]["data"]).iter().map(|&v| v as f32).collect();
+    }
+    eprintln!("stream of two inputs through Kafka: {STEPS} steps, each within 1e-5 of silero-vad's own: {want_steps:.3?}");
 
     // The model without a batch dimension through tritonclient, against torchcrepe itself.
     let host = worker.url.trim_start_matches("http://").to_string();

@@ -84,20 +84,20 @@ pub struct InferCall {
 }
 
 impl InferCall {
-    /// Encodes `input` with its tensor data in the binary extension, asking for the named
+    /// Encodes `inputs` with their tensor data in the binary extension, asking for the named
     /// outputs in binary too.
-    pub fn new(request_id: &str, input: &Tensor, output_names: &[&str]) -> Self {
+    pub fn new(request_id: &str, inputs: &[Tensor], output_names: &[&str]) -> Self {
         let outputs: Vec<oip::RequestOutputSpec> = output_names
             .iter()
             .map(|name| oip::RequestOutputSpec { name: name.to_string(), binary: true })
             .collect();
         let (body, header_len) =
-            oip::encode_request(Some(request_id), std::slice::from_ref(input), true, &outputs);
+            oip::encode_request(Some(request_id), inputs, true, &outputs);
         InferCall {
             body: body.into(),
             header_len,
             output_names: output_names.iter().map(|n| n.to_string()).collect(),
-            elements: input.shape.iter().map(|&d| d as u64).product(),
+            elements: inputs.iter().map(|t| t.shape.iter().map(|&d| d as u64).product::<u64>()).sum(),
         }
     }
 

@@ -236,7 +236,7 @@ impl InputConverter for AudioInput {
             input["frames"] = json!(shape[0]);
             input["hop_seconds"] = json!(f.hop as f64 / f64::from(self.options.sample_rate_hz));
         }
-        Ok(ModelInput { tensor, input, placement: None })
+        Ok(ModelInput { tensors: vec![tensor], input, placement: None })
     }
 }
 
@@ -316,12 +316,12 @@ mod tests {
         let wav = wav_bytes(SampleFormat::F32, 1, 48_000, &ramp(48_000));
         let p = plan(options(json!({"input": "frames", "frames": {"size": 1024, "hop": 160, "center": true}, "datatype": "FP16"})));
         let converted = p.convert(&wav).expect("converts");
-        let tensor = &converted.calls[0].tensor;
+        let tensor = &converted.calls[0].inputs[0];
         assert_eq!((tensor.name.as_str(), tensor.shape.clone()), ("frames", vec![1 + 16_000 / 160, 1024]));
         assert_eq!(tensor.datatype(), DataType::Fp16);
         assert!(p.probe(&wav).expect("probe") > 48_000 * 4);
         // A model without a batch dimension takes the signal alone; frames stay [n, size].
-        let shape = |keys: serde_json::Value| plan(options(keys)).convert(&wav).expect("converts").calls[0].tensor.shape.clone();
+        let shape = |keys: serde_json::Value| plan(options(keys)).convert(&wav).expect("converts").calls[0].inputs[0].shape.clone();
         assert_eq!(shape(json!({})), [1, 16_000]);
         assert_eq!(shape(json!({"batch": false})), [16_000]);
         assert_eq!(shape(json!({"batch": false, "length": 400})), [400]);

@@ -18,6 +18,6 @@ impl InputConverter for ImageInput {
 
     fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
         let (tensor, input, placement) = tensor::convert(bytes, &self.options)?;
-        Ok(ModelInput { tensor, input, placement: Some(placement) })
+        Ok(ModelInput { tensors: vec![tensor], input, placement: Some(placement) })
     }
 }

@@ -57,9 +57,14 @@ pub struct Converted {
 }
 
 impl Converted {
-    /// One call to the task's own model (stage 0).
+    /// One call to the task's own model (stage 0), of one input.
     pub fn one(tensor: Tensor, outputs: &'static [&'static str], finish: Box<dyn Finish>) -> Self {
-        Converted { calls: vec![ModelCall { stage: 0, tensor, outputs }], finish }
+        Self::call(vec![tensor], outputs, finish)
+    }
+
+    /// One call to the task's own model (stage 0), of its `inputs`, in the model's order.
+    pub fn call(inputs: Vec<Tensor>, outputs: &'static [&'static str], finish: Box<dyn Finish>) -> Self {
+        Converted { calls: vec![ModelCall { stage: 0, inputs, outputs }], finish }
     }
 }
 
@@ -67,7 +72,8 @@ impl Converted {
 pub struct ModelCall {
     /// Which of the task's models (see [`Converter::stage_models`]).
     pub stage: usize,
-    pub tensor: Tensor,
+    /// The model's input tensors, in the order it declares them (most models take one).
+    pub inputs: Vec<Tensor>,
     /// The model outputs to ask for, in the order [`Finish::output`] reads them.
     pub outputs: &'static [&'static str],
 }

@@ -476,8 +476,9 @@ fn top_k(row: &[f32], k: usize) -> Vec<(usize, f32)> {
 
 /// What a configured converter makes of an event's bytes.
 pub struct ModelInput {
-    /// The model's input tensor.
-    pub tensor: Tensor,
+    /// The model's input tensors, in the order it declares them (one but for the `tensor`
+    /// converter's `inputs`).
+    pub tensors: Vec<Tensor>,
     /// What the converter says about the input (`format`, sizes, duration), under `input`.
     pub input: Value,
     /// Where an image sits in the model input (the `image` converter's).
@@ -523,9 +524,9 @@ impl Plan for ConfiguredPlan {
     }
 
     fn convert(&self, bytes: &[u8]) -> Result<Converted, Failure> {
-        let ModelInput { tensor, input, placement } = self.input.convert(bytes)?;
+        let ModelInput { tensors, input, placement } = self.input.convert(bytes)?;
         let finish = OutputsFinish { outputs: self.outputs.clone(), input, placement };
-        Ok(Converted::one(tensor, self.outputs.names(), Box::new(finish)))
+        Ok(Converted::call(tensors, self.outputs.names(), Box::new(finish)))
     }
 }
 
