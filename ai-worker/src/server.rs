@@ -642,12 +642,12 @@ fn take_inputs(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Res
         taken.push(input);
     }
     if let Some(extra) = tensors.iter().flatten().next() {
-        return Err(refused(format!(
-            "model '{}' takes {}; the request's tensor '{}' is none of them",
-            model.name(),
-            names(),
-            bounded(&extra.name, LOG_FIELD_MAX_BYTES)
-        )));
+        let name = bounded(&extra.name, LOG_FIELD_MAX_BYTES);
+        return Err(refused(if specs.iter().any(|s| *s.name == *extra.name) {
+            format!("the request has tensor '{name}' more than once")
+        } else {
+            format!("model '{}' takes {}; the request's tensor '{name}' is none of them", model.name(), names())
+        }));
     }
     Ok(taken)
 }
@@ -742,6 +742,8 @@ mod tests {
         // As Triton: a tensor the model does not take is refused, not dropped.
         let err = take_inputs(&model, vec![raw("image", 12), raw("picture", 16)], &Bytes::new()).expect_err("one tensor more");
         assert_eq!(err.message, "model 'pnet' takes 'picture'; the request's tensor 'image' is none of them");
+        let err = take_inputs(&model, vec![raw("picture", 12), raw("picture", 16)], &Bytes::new()).expect_err("twice");
+        assert_eq!(err.message, "the request has tensor 'picture' more than once");
         let wrong = InputTensor::from_f32(vec![1, 3, 16], &[0.5; 48]);
         let err = ApiError::from(model.accept(vec![wrong]).expect_err("a rank short"));
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
