@@ -71,7 +71,7 @@ class SileroStream(torch.nn.Module):
     before, zeros at the start, then 512 new ones) and state FP32 [batch, 2, 128] (the LSTM's h
     and c, zeros at the start) → speech_prob FP32 [batch] and next_state FP32 [batch, 2, 128].
     What silero-vad's model(chunk, 16000) computes, with the state it keeps inside handed to the
-    caller instead, batch first, so that steps of many streams share a batch."""
+    caller instead, batch first, so that steps of several streams can go as rows of one batch."""
 
     def __init__(self, core):
         super().__init__()
@@ -80,6 +80,17 @@ class SileroStream(torch.nn.Module):
     def forward(self, chunk: torch.Tensor, state: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         prob, state = self.core(chunk, state.transpose(0, 1).contiguous())
         return prob[:, 0], state.transpose(0, 1)
+
+
+def silero_upstream_probs(upstream, audio):
+    """silero-vad's own model (its TorchScript, `upstream`) called chunk by chunk on one stream,
+    its state kept inside, from a fresh state: the probability per 512-sample chunk of float32
+    audio [n] (a torch tensor or numpy array; a trailing part chunk is left out)."""
+    audio = torch.as_tensor(audio)
+    upstream.reset_states()
+    with torch.no_grad():
+        return [float(upstream(audio[None, i:i + SILERO_CHUNK], 16000)[0, 0])
+                for i in range(0, len(audio) // SILERO_CHUNK * SILERO_CHUNK, SILERO_CHUNK)]
 
 
 def silero_stream_steps(model, audio, state=None):
@@ -115,10 +126,8 @@ def export_silero_stream(repository):
         for voice, text in CREPE_CHECK_SPEECH:
             audio = torch.from_numpy(espeak_16k(text, voice))
             audio = audio[:len(audio) // SILERO_CHUNK * SILERO_CHUNK]
-            upstream.reset_states()
+            want = silero_upstream_probs(upstream, audio)
             with torch.no_grad():
-                want = [float(upstream(audio[None, i:i + SILERO_CHUNK], 16000)[0, 0])
-                        for i in range(0, len(audio), SILERO_CHUNK)]
                 got = silero_stream_steps(exported, audio)
             worst = max(abs(a - b) for a, b in zip(got, want))
             speech = sum(p > 0.5 for p in want)
@@ -610,6 +619,17 @@ def espeak_16k(text, voice):
     return scipy.signal.resample_poly(audio, CREPE_SAMPLE_RATE // g, rate // g).astype(np.float32)
 
 
+def torchcrepe_predict(torchcrepe, audio):
+    """torchcrepe.predict on float32 16 kHz audio [n] (torch or numpy), as every check here and
+    scripts/reference_pitch.py call it: the tiny model, hop 160, weighted_argmax, padded, on the
+    CPU. Returns (pitch_hz [frames], periodicity [frames])."""
+    with torch.no_grad():
+        pitch, periodicity = torchcrepe.predict(
+            torch.as_tensor(audio)[None], CREPE_SAMPLE_RATE, hop_length=CREPE_HOP, model="tiny",
+            decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True, device="cpu")
+    return pitch[0], periodicity[0]
+
+
 def undithered_weighted_argmax():
     """Makes torchcrepe.decode.weighted_argmax use each bin's exact cents, without the random
     dither it draws once per process (it keeps its weights on the function; predict reuses them)."""
@@ -662,7 +682,6 @@ def _pitch_agreement(name, voice, pitch, per, want_pitch, want_per):
     """Checks a pitch track against torchcrepe.predict's for one clip: at least 20 voiced frames
     (periodicity > 0.5), pitch within 1 cent on them and periodicity within 1e-4 everywhere.
     Returns (voiced frames, worst cents on them, worst cents anywhere, worst periodicity)."""
-    want_pitch, want_per = want_pitch[0], want_per[0]
     voiced = want_per > 0.5
     cents = (1200 * torch.log2(pitch / want_pitch)).abs()
     cents_voiced = cents[voiced].max().item() if bool(voiced.any()) else 0.0
@@ -693,10 +712,8 @@ def export_crepe_clip(repository, wheel):
         torchcrepe = undithered_weighted_argmax()
         for voice, text in CREPE_CHECK_SPEECH:
             audio = torch.from_numpy(espeak_16k(text, voice))
+            want_pitch, want_per = torchcrepe_predict(torchcrepe, audio)
             with torch.no_grad():
-                want_pitch, want_per = torchcrepe.predict(
-                    audio[None], 16000, hop_length=CREPE_HOP, model="tiny",
-                    decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True)
                 pitch, per = exported(audio)
             frames = 1 + len(audio) // CREPE_HOP
             if tuple(pitch.shape) != (frames,) or tuple(per.shape) != (frames,):
@@ -732,12 +749,10 @@ def export_crepe_tiny(repository, wheel):
             with torch.no_grad():
                 ref_frames = torch.cat(list(torchcrepe.preprocess(torch.from_numpy(audio)[None], 16000,
                                                                   CREPE_HOP, pad=True)))
-                want_pitch, want_per = torchcrepe.predict(
-                    torch.from_numpy(audio)[None], 16000, hop_length=CREPE_HOP, model="tiny",
-                    decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True)
                 pitch, per = exported(frames)
                 mine = frames - frames.mean(dim=1, keepdim=True)
                 mine = mine / torch.maximum(mine.std(dim=1, keepdim=True), torch.tensor(1e-10))
+            want_pitch, want_per = torchcrepe_predict(torchcrepe, audio)
             if ref_frames.shape != frames.shape:
                 sys.exit(f"export_models: crepe_tiny: {tuple(frames.shape)} frames cut, torchcrepe "
                          f"cuts {tuple(ref_frames.shape)}")

@@ -54,25 +54,20 @@ def main():
     ap.add_argument("--dither", action="store_true", help="keep torchcrepe's random ±20 cent dither")
     args = ap.parse_args()
 
-    import torch
     import torchcrepe
 
-    if not args.dither:
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
-        from export_models import undithered_weighted_argmax
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from export_models import torchcrepe_predict, undithered_weighted_argmax
 
+    if not args.dither:
         undithered_weighted_argmax()
 
     for path in args.wavs:
-        audio = torch.from_numpy(read_wav(path))[None]
-        with torch.no_grad():
-            pitch, periodicity = torchcrepe.predict(
-                audio, 16000, hop_length=160, model="tiny", decoder=torchcrepe.decode.weighted_argmax,
-                return_periodicity=True, pad=True, device="cpu")
+        pitch, periodicity = torchcrepe_predict(torchcrepe, read_wav(path))
         print(json.dumps({
             "file": os.path.basename(path),
-            "pitch_hz": [float(p) for p in pitch[0]],
-            "periodicity": [float(p) for p in periodicity[0]],
+            "pitch_hz": [float(p) for p in pitch],
+            "periodicity": [float(p) for p in periodicity],
         }), flush=True)
 
 

@@ -254,10 +254,6 @@ pub struct OutputTensor {
 pub struct Inputs(Vec<InputTensor>);
 
 impl Inputs {
-    pub fn new(tensors: Vec<InputTensor>) -> Inputs {
-        Inputs(tensors)
-    }
-
     pub fn tensors(&self) -> &[InputTensor] {
         &self.0
     }
@@ -564,27 +560,25 @@ impl Model {
     /// along each row (never all zeros, whatever the shape; valid as an index into anything
     /// of two entries or more).
     pub fn probe_input(&self, batch: usize, size: usize) -> Inputs {
-        Inputs(
-            self.inputs
-                .iter()
-                .map(|input| {
-                    let shape = self.probe_shape(input, batch, size);
-                    let per_row = shape[1..].iter().product::<usize>().max(1);
-                    let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
-                    let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
-                    let parity = at.map(|i| (i % 2) as u8);
-                    let data = match input.spec.datatype {
-                        DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
-                        DataType::Uint8 => TensorData::Uint8(parity.collect()),
-                        DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
-                        DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
-                        DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
-                        _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
-                    };
-                    InputTensor::from_data(shape, &data)
-                })
-                .collect(),
-        )
+        Inputs(self.inputs.iter().map(|input| self.probe_tensor(input, batch, size)).collect())
+    }
+
+    /// `input`'s tensor of [`Model::probe_input`].
+    fn probe_tensor(&self, input: &InputRule, batch: usize, size: usize) -> InputTensor {
+        let shape = self.probe_shape(input, batch, size);
+        let per_row = shape[1..].iter().product::<usize>().max(1);
+        let at = (0..shape.iter().product::<usize>()).map(|i| i % per_row);
+        let gradient = at.clone().map(|i| 1.0 - 2.0 * i as f64 / per_row as f64);
+        let parity = at.map(|i| (i % 2) as u8);
+        let data = match input.spec.datatype {
+            DataType::Bool => TensorData::Bool(parity.map(|p| p == 1).collect()),
+            DataType::Uint8 => TensorData::Uint8(parity.collect()),
+            DataType::Int32 => TensorData::Int32(parity.map(i32::from).collect()),
+            DataType::Int64 => TensorData::Int64(parity.map(i64::from).collect()),
+            DataType::Fp16 => TensorData::Fp16(gradient.map(|x| F16::from_f64(x).unwrap_or_default()).collect()),
+            _ => TensorData::Fp32(gradient.map(|x| x as f32).collect()),
+        };
+        InputTensor::from_data(shape, &data)
     }
 
     /// Whether requests `a` and `b` may share a batch (see `engine.rs`): each input that

@@ -18,17 +18,17 @@ Exits non-zero with a message on the first check that fails. Used by tests/tests
 
 import os
 import sys
-import urllib.request
 
 import numpy as np
-import torch
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+from export_models import silero_upstream_probs  # noqa: E402
 from reference_pitch import read_wav  # noqa: E402
+from unbatched_model_check import batch_sizes  # noqa: E402
 
 CHUNK, CONTEXT = 512, 64
 # Steps that share a batch with other rows may differ from a lone call in the last bits of the
@@ -49,14 +49,10 @@ def request(chunk, state=None):
 
 
 def upstream_probs(audio):
-    """silero-vad's own model called chunk by chunk on one stream (its state kept inside)."""
+    """silero-vad's own model (as the package loads it) called chunk by chunk on one stream."""
     import silero_vad
 
-    model = silero_vad.load_silero_vad()
-    model.reset_states()
-    with torch.no_grad():
-        return [float(model(torch.from_numpy(audio[None, i:i + CHUNK]), 16000)[0, 0])
-                for i in range(0, len(audio), CHUNK)]
+    return silero_upstream_probs(silero_vad.load_silero_vad(), audio)
 
 
 def refused(client, model, chunk, state, needles):
@@ -125,10 +121,8 @@ def main(url, model, wav):
     print(refused(client, model, chunk, np.zeros((1, 2, 128), np.float32),
                   ["400", "'chunk'", "'state'", "as many rows", "2 and 1"]))
     print(refused(client, model, chunk, None, ["400", "'state'"]))
-    text = urllib.request.urlopen(f"http://{url}/metrics").read().decode()
-    sizes = {k: float(line.split()[-1]) for line in text.splitlines() for k in ("sum", "count")
-             if line.startswith(f'inference_batch_size_{k}{{model="{model}"}}')}
-    print(f"batches of this model: {int(sizes['count'])}, {sizes['sum'] / sizes['count']:.2f} rows on average")
+    rows, batches = batch_sizes(url, model)
+    print(f"batches of this model: {int(batches)}, {rows / batches:.2f} rows on average")
     print("model of two inputs: metadata, three streams at once and two as rows, refusals")
 
 

@@ -19,14 +19,13 @@ import sys
 import urllib.request
 
 import numpy as np
-import torch
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from export_models import undithered_weighted_argmax  # noqa: E402
+from export_models import torchcrepe_predict, undithered_weighted_argmax  # noqa: E402
 from reference_pitch import read_wav  # noqa: E402
 
 MAX_CENTS = 25.0
@@ -47,7 +46,7 @@ def infer(client, model, audio, binary=True):
 
 
 def batch_sizes(url, model):
-    """The worker's batch-size histogram for `model`: (sum, count)."""
+    """The worker's batch-size histogram for `model`: (sum of rows, batches)."""
     text = urllib.request.urlopen(f"http://{url}/metrics").read().decode()
     found = {}
     for line in text.splitlines():
@@ -67,12 +66,7 @@ def main(url, model, wav):
     assert outputs == [("pitch_hz", "FP32", [-1]), ("periodicity", "FP32", [-1])], meta
 
     audio = read_wav(wav)
-    torchcrepe = undithered_weighted_argmax()
-    with torch.no_grad():
-        want_pitch, want_per = torchcrepe.predict(
-            torch.from_numpy(audio)[None], 16000, hop_length=160, model="tiny",
-            decoder=torchcrepe.decode.weighted_argmax, return_periodicity=True, pad=True, device="cpu")
-    want_pitch, want_per = want_pitch[0].numpy(), want_per[0].numpy()
+    want_pitch, want_per = (t.numpy() for t in torchcrepe_predict(undithered_weighted_argmax(), audio))
     voiced = want_per > VOICED
     assert voiced.sum() > 50, f"only {voiced.sum()} voiced frames in {wav}"
     for binary in (True, False):

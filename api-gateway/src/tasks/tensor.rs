@@ -330,6 +330,7 @@ mod tests {
         check(json!({"datatype": "FP32", "shape": [2], "data_b64": "AAAA"}), ErrorKind::InvalidRequest, "tensor:");
         check(json!({"datatype": "FP32", "shape": [1], "data_b64": "%%"}), ErrorKind::InvalidRequest, "not base64");
         check(json!({"dtype": "FP32"}), ErrorKind::InvalidRequest, "input is not a tensor");
+        check(json!({"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}), ErrorKind::InvalidRequest, "has no name");
         for garbage in [&b"\xff\xfe"[..], b"[1,2]", b"", &[b'['; 10_000][..]] {
             assert!(p.convert(garbage).is_err());
         }
