@@ -101,6 +101,13 @@ pub struct WorkerConfig {
     /// CPU only: the memory admission may hand out. Unset: what the kernel reports available
     /// (`MemAvailable`) after start-up. Either way capped by `memory_limit_bytes`.
     pub memory_budget_bytes: Option<u64>,
+    /// For testing recovery only, never in service: admission hands out exactly this many
+    /// bytes, whatever the device has free and whatever `memory_limit_bytes` says, and no
+    /// reserve is kept. Set above what the card (or the cap) can hold, it lets more work run
+    /// at once than fits, so that real out-of-memory errors happen and the worker's recovery
+    /// (empty the cache, halve the batch, serialise, answer 507) is what keeps requests
+    /// answered. The GPU kit's OOM check sets it; start-up logs a warning when it is set.
+    pub memory_budget_override_bytes: Option<u64>,
     /// Kept out of the budget as a margin against estimates that are a little low and memory
     /// that is not any request's (allocator slack, threads, HTTP buffers): the larger of
     /// `memory_reserve_fraction` of the initial headroom and `memory_reserve_bytes`.
@@ -218,6 +225,7 @@ impl Default for WorkerConfig {
             memory_limit_bytes: None,
             memory_host_allowance_bytes: 512 * 1024 * 1024,
             memory_budget_bytes: None,
+            memory_budget_override_bytes: None,
             memory_reserve_fraction: 0.05,
             memory_reserve_bytes: 32 * 1024 * 1024,
             memory_resample_ms: 1000,

@@ -1,5 +1,6 @@
 //! What the worker knows about its device memory: how much there is, how much it uses, the
-//! peak of one batch, and the cap it must stay under.
+//! peak of one batch, and the cap it must stay under. Beside them, from the same NVML handle,
+//! how busy the device is.
 //!
 //! | | CUDA | CPU |
 //! |---|---|---|
@@ -8,6 +9,7 @@
 //! | peak of a batch | allocator's peak allocated, after a reset | `VmHWM`, after `malloc_trim(0)` and writing `5` to `/proc/self/clear_refs` |
 //! | cap (`memory_limit_bytes`) | allocator's per-process memory fraction | `RLIMIT_AS` |
 //! | give cache back | `emptyCache()` | `malloc_trim(0)` (also before each measured batch) |
+//! | utilisation (share of time a kernel ran) | NVML | none |
 //!
 //! A peak is a process-wide quantity, so a batch's peak is attributable to it only when no
 //! other batch ran at any moment during it; [`PeakScope`] knows whether that was so.
@@ -114,6 +116,30 @@ impl MemoryMonitor {
                     None => Snapshot { total: 0, free: 0, ours },
                 }
             }
+        }
+    }
+
+    /// The share of NVML's last sample period (1/6 s to 1 s, by product) in which a kernel ran
+    /// on the device, 0 to 1. `None` without a reading: on CPU, without NVML, or where NVML
+    /// does not give one (a MIG instance, a device lost), so that no gauge shows a made-up
+    /// figure.
+    pub fn gpu_utilization(&self) -> Option<f64> {
+        match &self.backend {
+            Backend::Cpu { .. } => None,
+            Backend::Cuda { index, nvml } => {
+                let rates = nvml.as_ref()?.device_by_index(*index as u32).ok()?.utilization_rates().ok()?;
+                Some((f64::from(rates.gpu) / 100.0).clamp(0.0, 1.0))
+            }
+        }
+    }
+
+    /// CUDA: the bytes the caching allocator has handed to tensors now, of what it has
+    /// reserved from the device (the snapshot's `ours`); the difference is its cache. `None` on
+    /// CPU or without the allocator shim.
+    pub fn allocated(&self) -> Option<u64> {
+        match &self.backend {
+            Backend::Cpu { .. } => None,
+            Backend::Cuda { index, .. } => cuda_memory::stats(*index).ok().map(|s| s.allocated),
         }
     }
 
@@ -283,6 +309,8 @@ pub struct Budget {
     pub reserve: u64,
     /// What this process held when the budget was set up (models loaded and warmed).
     pub baseline_ours: u64,
+    /// `memory_budget_override_bytes`: handed out whatever memory says (recovery tests only).
+    pub fixed: Option<u64>,
 }
 
 impl Budget {
@@ -296,11 +324,23 @@ impl Budget {
             cap = cap.min(configured);
         }
         let reserve = ((cap as f64 * reserve_fraction.clamp(0.0, 1.0)) as u64).max(reserve_bytes).min(cap);
-        Budget { cap, reserve, baseline_ours: snap.ours }
+        Budget { cap, reserve, baseline_ours: snap.ours, fixed: None }
+    }
+
+    /// The same budget, except that it always hands out `bytes` (`memory_budget_override_bytes`):
+    /// free memory, the cap and the reserve no longer bound it.
+    pub fn overridden(self, bytes: Option<u64>) -> Self {
+        match bytes {
+            Some(bytes) => Budget { cap: bytes, reserve: 0, fixed: Some(bytes), ..self },
+            None => self,
+        }
     }
 
     /// The bytes admission may hand out now.
     pub fn available(&self, snap: Snapshot) -> u64 {
+        if let Some(fixed) = self.fixed {
+            return fixed;
+        }
         let ours = snap.ours.saturating_sub(self.baseline_ours);
         // Without a reading of free memory (no NVML) the cap is all we know.
         let room = if snap.free == 0 && snap.total == 0 { self.cap } else { self.cap.min(snap.free.saturating_add(ours)) };
@@ -389,6 +429,10 @@ mod tests {
         let budget = Budget::new(start, None, Some(20_000), 0.0, 3_000);
         assert_eq!(budget.cap, 20_000);
         assert_eq!(budget.available(start), 17_000);
+        let forced = budget.overridden(Some(1_000_000));
+        assert_eq!((forced.cap, forced.reserve), (1_000_000, 0));
+        assert_eq!(forced.available(Snapshot { total: 100_000, free: 0, ours: 90_000 }), 1_000_000);
+        assert_eq!(budget.overridden(None).available(start), 17_000);
     }
 
     #[test]
@@ -406,5 +450,11 @@ mod tests {
         if let Some(peak) = scope.finish() {
             assert!(peak >= 60 << 20, "peak {peak} misses a 64 MiB allocation");
         }
+    }
+
+    #[test]
+    fn cpu_has_no_gpu_utilization() {
+        // No reading, so the gauge stays absent rather than showing an idle card.
+        assert_eq!(MemoryMonitor::new(ComputeDevice::Cpu).gpu_utilization(), None);
     }
 }

@@ -1,7 +1,8 @@
 //! The worker's Prometheus metrics, served as text at `GET /metrics`.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -24,6 +25,12 @@ pub struct Metrics {
     pub queued_requests: IntGauge,
     /// The batch size the worker chose by measurement, by model and size class.
     pub batch_size_limit: IntGaugeVec,
+    /// NVML's utilisation of the device, 0 to 1: a family without labels whose one series exists
+    /// only while there is a reading (see [`Metrics::set_gpu_utilization`]).
+    gpu_utilization: GaugeVec,
+    /// CUDA: the caching allocator's bytes in tensors, beside `memory_used` (reserved); absent
+    /// on CPU, where the resident set has no such split.
+    memory_allocated: IntGaugeVec,
 }
 
 impl Metrics {
@@ -68,6 +75,26 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(batch_size_limit.clone())).expect("unique metric");
+        let gpu_utilization = GaugeVec::new(
+            Opts::new(
+                "vramgate_worker_gpu_utilization_ratio",
+                "Share of NVML's last sample period in which a kernel ran on the device, 0 to 1 \
+                 (CUDA with NVML only: absent on CPU and where NVML gives no reading)",
+            ),
+            &[],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(gpu_utilization.clone())).expect("unique metric");
+        let memory_allocated = IntGaugeVec::new(
+            Opts::new(
+                "gpu_memory_allocated_bytes",
+                "CUDA only: bytes the caching allocator has handed to tensors, of gpu_memory_used_bytes reserved \
+                 (the rest is its cache)",
+            ),
+            &[],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(memory_allocated.clone())).expect("unique metric");
         Metrics {
             memory_used: gauge("gpu_memory_used_bytes", "Device memory held by this worker (CUDA: allocator reserved; CPU: resident set)"),
             memory_available: gauge("gpu_memory_available_bytes", "Device memory free (CUDA: NVML; CPU: MemAvailable)"),
@@ -105,7 +132,27 @@ impl Metrics {
             estimate_ratio,
             queued_requests: gauge("admission_queued_requests", "Requests waiting for memory now"),
             batch_size_limit,
+            gpu_utilization,
+            memory_allocated,
             registry,
+        }
+    }
+
+    /// Sets the device's utilisation, or removes the gauge when there is no reading: a plain
+    /// gauge would show 0 on CPU, which an alert or a dashboard would read as an idle card.
+    pub fn set_gpu_utilization(&self, ratio: Option<f64>) {
+        match ratio {
+            Some(ratio) => self.gpu_utilization.with_label_values::<&str>(&[]).set(ratio),
+            None => self.gpu_utilization.reset(),
+        }
+    }
+
+    /// Sets the allocator's allocated bytes, or removes the gauge where there is no allocator
+    /// (CPU), as [`Metrics::set_gpu_utilization`] does.
+    pub fn set_memory_allocated(&self, bytes: Option<u64>) {
+        match bytes {
+            Some(bytes) => self.memory_allocated.with_label_values::<&str>(&[]).set(bytes as i64),
+            None => self.memory_allocated.reset(),
         }
     }
 
@@ -136,6 +183,7 @@ mod tests {
         m.retry_attempts.with_label_values(&["m"]).inc();
         m.estimate_ratio.with_label_values(&["m"]).set(0.9);
         m.batch_size_limit.with_label_values(&["m", "16384"]).set(8);
+        m.set_gpu_utilization(Some(0.75));
         let text = m.render();
         for name in [
             "gpu_memory_used_bytes",
@@ -151,8 +199,21 @@ mod tests {
             "inference_batch_size_bucket",
             "memory_estimate_ratio{model=\"m\"} 0.9",
             "vramgate_worker_batch_size_limit{item_elements=\"16384\",model=\"m\"} 8",
+            "vramgate_worker_gpu_utilization_ratio 0.75",
         ] {
             assert!(text.contains(name), "{name} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn gpu_utilization_is_absent_without_a_reading() {
+        let m = Metrics::new();
+        // CPU, or CUDA without NVML: never set, so never rendered (not a 0 that looks idle).
+        assert!(!m.render().contains("vramgate_worker_gpu_utilization_ratio"));
+        m.set_gpu_utilization(Some(1.0));
+        assert!(m.render().contains("vramgate_worker_gpu_utilization_ratio 1\n"));
+        // A reading that stops (a MIG instance, a lost device) takes the series away again.
+        m.set_gpu_utilization(None);
+        assert!(!m.render().contains("vramgate_worker_gpu_utilization_ratio"));
     }
 }

@@ -150,7 +150,15 @@ fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<
         config.memory_budget_bytes,
         config.memory_reserve_fraction,
         config.memory_reserve_bytes,
-    );
+    )
+    .overridden(config.memory_budget_override_bytes);
+    if let Some(bytes) = config.memory_budget_override_bytes {
+        tracing::warn!(
+            budget_bytes = bytes,
+            free_bytes = snap.free,
+            "memory_budget_override_bytes is set: admission ignores free memory (out-of-memory recovery tests only)"
+        );
+    }
     let capacity = match config.admission.mode {
         AdmissionMode::Bytes => budget.available(snap),
         AdmissionMode::Count => config.admission.max_concurrent,
@@ -199,7 +207,8 @@ fn calibrate(model: &Model, monitor: &MemoryMonitor) -> anyhow::Result<MemoryEst
     Ok(estimate)
 }
 
-/// Re-reads free memory, resizes the admission budget, and refreshes the memory gauges.
+/// Re-reads free memory, resizes the admission budget, and refreshes the memory gauges and the
+/// device's utilisation (NVML; absent where there is no reading).
 async fn resample_memory(engine: Arc<Engine>, budget: Budget, every: Duration) {
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -213,6 +222,8 @@ async fn resample_memory(engine: Arc<Engine>, budget: Budget, every: Duration) {
         let m = &engine.metrics;
         m.memory_used.set(snap.ours as i64);
         m.memory_available.set(snap.free as i64);
+        m.set_gpu_utilization(engine.monitor.gpu_utilization());
+        m.set_memory_allocated(engine.monitor.allocated());
     }
 }
 
