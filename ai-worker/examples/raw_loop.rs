@@ -19,6 +19,10 @@
 //! input, else a gradient), `--threads N` (default 1), `--seconds S` (how long to time,
 //! default 5), `--warmup N` (calls before timing, default 5), `--json` (one JSON object instead of text),
 //! `--no-profiling` (turn TorchScript's profiling executor off, as the worker does),
+//! `--device cpu|cuda` (default cpu; on CUDA each call copies its input from host memory to
+//! the card and its outputs back, as a loop serving requests must, so the rate counts the
+//! same transfers the worker makes), `--dtype f32|u8` (the input's element type, default f32;
+//! u8 for a model that takes bytes, as MobileNetV2 in the model repository does),
 //! `--busy-cpus N` (default 0: N more threads spin on one counter each, nothing beyond L1,
 //! from before the warm-up to the end, standing for a server's request path on the other
 //! CPUs; where CPUs share a physical core or a clock, as the vCPUs of the project's machine
@@ -51,6 +55,8 @@ struct Args {
     json: bool,
     profiling: bool,
     busy_cpus: usize,
+    device: Device,
+    bytes: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -66,6 +72,8 @@ fn parse_args() -> anyhow::Result<Args> {
         json: false,
         profiling: true,
         busy_cpus: 0,
+        device: Device::Cpu,
+        bytes: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -86,6 +94,20 @@ fn parse_args() -> anyhow::Result<Args> {
             "--json" => args.json = true,
             "--no-profiling" => args.profiling = false,
             "--busy-cpus" => args.busy_cpus = value()?.parse()?,
+            "--device" => {
+                args.device = match value()?.as_str() {
+                    "cpu" => Device::Cpu,
+                    "cuda" => Device::Cuda(0),
+                    other => bail!("--device {other}: cpu or cuda"),
+                }
+            }
+            "--dtype" => {
+                args.bytes = match value()?.as_str() {
+                    "f32" => false,
+                    "u8" => true,
+                    other => bail!("--dtype {other}: f32 or u8"),
+                }
+            }
             other => bail!("unknown argument {other}"),
         }
     }
@@ -113,10 +135,31 @@ fn item_data(args: &Args) -> anyhow::Result<Vec<f32>> {
 }
 
 fn call(module: &CModule, args: &Args, x: &Tensor) -> anyhow::Result<()> {
-    let inputs: Vec<IValue> = std::iter::once(IValue::Tensor(x.shallow_clone())).chain(args.call_args.iter().map(|&n| IValue::Int(n))).collect();
+    // On CUDA the input starts in host memory and the outputs end there, as a request's do.
+    let x = if args.device == Device::Cpu { x.shallow_clone() } else { x.to_device(args.device) };
+    let inputs: Vec<IValue> = std::iter::once(IValue::Tensor(x)).chain(args.call_args.iter().map(|&n| IValue::Int(n))).collect();
     let out = module.method_is(&args.method, &inputs)?;
+    if args.device != Device::Cpu {
+        to_host(&out);
+    }
     std::hint::black_box(out);
     Ok(())
+}
+
+/// Copies every tensor of a method's answer (a tensor, or tuples, lists and dicts of them) to
+/// host memory, which also waits for the card to finish computing them.
+fn to_host(value: &IValue) {
+    match value {
+        IValue::Tensor(t) => {
+            let _ = std::hint::black_box(t.to_device(Device::Cpu));
+        }
+        IValue::Tuple(items) | IValue::GenericList(items) => items.iter().for_each(to_host),
+        IValue::TensorList(items) => items.iter().for_each(|t| {
+            let _ = std::hint::black_box(t.to_device(Device::Cpu));
+        }),
+        IValue::GenericDict(pairs) => pairs.iter().for_each(|(_, v)| to_host(v)),
+        _ => {}
+    }
 }
 
 /// This thread's `/proc/thread-self/schedstat`: nanoseconds on a CPU and waiting on a runqueue
@@ -133,14 +176,24 @@ fn main() -> anyhow::Result<()> {
     if !args.profiling {
         tch::jit::set_profiling_mode(false);
     }
-    let mut module = CModule::load_on_device(&args.model, Device::Cpu).with_context(|| format!("loading {}", args.model))?;
+    if args.device != Device::Cpu && !tch::Cuda::is_available() {
+        bail!("--device cuda: libtorch sees no CUDA device");
+    }
+    let mut module = CModule::load_on_device(&args.model, args.device).with_context(|| format!("loading {}", args.model))?;
     module.set_eval();
     let item = item_data(&args)?;
     let batch = args.shape[0];
-    let per_item = Tensor::from_slice(&item).reshape(&args.shape[1..]);
+    let per_item = if args.bytes {
+        // Bytes for a model that takes UINT8 (an image): the values scaled to 0..=255.
+        let bytes: Vec<u8> = item.iter().map(|v| ((v + 0.5).clamp(0.0, 1.0) * 255.0) as u8).collect();
+        Tensor::from_slice(&bytes).reshape(&args.shape[1..])
+    } else {
+        Tensor::from_slice(&item).reshape(&args.shape[1..])
+    };
     let mut sched_before = (0, 0);
     let items: Vec<Tensor> = (0..batch).map(|_| per_item.shallow_clone()).collect();
-    let x = Tensor::stack(&items, 0).to_kind(Kind::Float).contiguous();
+    let kind = if args.bytes { Kind::Uint8 } else { Kind::Float };
+    let x = Tensor::stack(&items, 0).to_kind(kind).contiguous();
     let stop = Arc::new(AtomicBool::new(false));
     let spinners: Vec<_> = (0..args.busy_cpus)
         .map(|_| {
@@ -183,7 +236,8 @@ fn main() -> anyhow::Result<()> {
     let shape = args.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
     if args.json {
         println!(
-            "{{\"method\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"busy_cpus\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
+            "{{\"device\":\"{:?}\",\"method\":\"{}\",\"shape\":\"{shape}\",\"batch\":{batch},\"threads\":{},\"busy_cpus\":{},\"calls\":{calls},\"seconds\":{:.3},\"items_per_s\":{items_per_s:.3},\"ms_per_call\":{ms_per_call:.3},\"on_cpu_ms_per_item\":{on_cpu_ms:.3},\"runqueue_ms_per_item\":{waiting_ms:.3}}}",
+            args.device,
             args.method,
             args.threads,
             args.busy_cpus,
