@@ -1,8 +1,10 @@
 """The checks scripts/compose-test runs against the compose stack, static and live.
 
-    compose_checks.py static ROOT                      the dashboard and Grafana's provisioning
+    compose_checks.py static ROOT                      the dashboard and Grafana's provisioning;
+                                                       Prometheus' rule files mounted
     compose_checks.py outputs FILE N STATUS [KIND]     `vramgate-cli watch --json` output
-    compose_checks.py prometheus URL JOB...            every job scraped, `up` == 1
+    compose_checks.py prometheus URL JOB...            every job scraped, `up` == 1; the alerting
+                                                       rules loaded and evaluated without error
     compose_checks.py metrics ROOT URL...              dashboard metrics exist in live /metrics
     compose_checks.py jaeger URL [SERVICE]             Jaeger's API answers (and has SERVICE)
     compose_checks.py load FILE N KIND FOLDER          `vramgate-cli load --json` output: N events,
@@ -90,6 +92,16 @@ def static(root):
         if f"./deploy/grafana/dashboards:{path}:ro" not in mounts:
             fail(f"the dashboard provider reads {path}, which docker-compose.yml does not mount")
     say(f"{DASHBOARD} parses: {len(dashboard['panels'])} panels, {len(exprs)} queries; provisioning matches")
+    # Prometheus reads its rule files at the paths prometheus.yml names, inside the container.
+    config = yaml.safe_load((root / "deploy/prometheus/prometheus.yml").read_text())
+    prometheus_mounts = compose["services"]["prometheus"]["volumes"]
+    rule_files = config.get("rule_files") or []
+    if not rule_files:
+        fail("deploy/prometheus/prometheus.yml loads no rule files (deploy/prometheus/alerts.yml)")
+    for path in rule_files:
+        if f"./deploy/prometheus/{Path(path).name}:{path}:ro" not in prometheus_mounts:
+            fail(f"prometheus.yml reads rules from {path}, which docker-compose.yml does not mount")
+    say(f"prometheus.yml's rule files are mounted: {', '.join(rule_files)}")
     # The CUDA worker image cannot be built here (no registry for its base, no GPU); it must do
     # exactly what the CPU image, which is built and run, does.
     stages = dockerfile_stages(root / DOCKERFILE)
@@ -162,6 +174,22 @@ def prometheus(url, jobs):
 
     up = poll(f"Prometheus did not report up == 1 for {', '.join(jobs)}", 90, scraped)
     say(f"Prometheus scrapes {', '.join(f'{job} (up {up[job]})' for job in jobs)}")
+
+    # The alerting rules: loaded from the mounted file, and each evaluated at least once without
+    # an error (a query that fails only on live series, such as a many-to-many match, shows
+    # here and nowhere else).
+    def evaluated():
+        _, body = get(f"{url}/api/v1/rules")
+        rules = [r for g in json.loads(body)["data"]["groups"] for r in g["rules"]]
+        failing = [f"{r['name']}: {r.get('lastError')}" for r in rules if r.get("health") == "err"]
+        if failing:
+            fail(f"Prometheus fails to evaluate rules: {'; '.join(failing)}")
+        return rules and all(r.get("health") == "ok" for r in rules) and rules
+
+    rules = poll("Prometheus did not load and evaluate the alerting rules", 60, evaluated)
+    firing = [r["name"] for r in rules if r.get("state") == "firing"]
+    say(f"Prometheus evaluates {len(rules)} alerting rules without error"
+        f"{' (firing: ' + ', '.join(firing) + ')' if firing else ', none firing'}")
 
 
 def metrics(root, urls):
