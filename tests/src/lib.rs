@@ -10,6 +10,7 @@ pub mod ceiling;
 pub mod chaos;
 pub mod dns;
 pub mod fleet;
+pub mod gpu_kit;
 pub mod images;
 pub mod jaeger;
 pub mod metrics;
@@ -643,26 +644,42 @@ pub async fn start_worker(config: &str) -> anyhow::Result<Worker> {
 pub async fn start_worker_on(config: &str, listen: &str) -> anyhow::Result<Worker> {
     let config_path = std::env::temp_dir().join(format!("{}.toml", unique("worker-config")));
     std::fs::write(&config_path, config)?;
-    let log = log_path("worker");
-    let mut child = Command::new(binary("ai-worker"))
-        .arg("--config")
-        .arg(&config_path)
-        .env("VRAMGATE_WORKER_LISTEN", listen)
-        .current_dir(repo_root())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log)?)
-        .spawn()
-        .context("starting ai-worker")?;
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let service = Service { name: "ai-worker", child, log };
-    let first = first_line(stdout, Duration::from_secs(120)).await;
-    let Some(addr) = first.as_deref().and_then(|l| l.trim().strip_prefix("listening on ")) else {
-        bail!("ai-worker did not report its address (got {first:?}); log:\n{}", service.log_tail());
-    };
-    let url = format!("http://{addr}");
-    let mut worker = Worker { service, url };
-    wait_ready(&mut worker, Duration::from_secs(120)).await?;
-    Ok(worker)
+    let launch = WorkerLaunch { binary: binary("ai-worker"), dir: repo_root(), log: log_path("worker") };
+    launch.start(&config_path, listen, Duration::from_secs(120)).await
+}
+
+/// Where a worker process comes from: its binary, the folder it runs in and its log file.
+/// The tests take the workspace's build; the GPU kit ([`gpu_kit`]) its own copy.
+pub struct WorkerLaunch {
+    pub binary: PathBuf,
+    pub dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl WorkerLaunch {
+    /// Starts the worker on the config file at `config`, listening on `listen`, and waits until
+    /// it is ready, at most `timeout` for each of its first line and its readiness.
+    pub async fn start(self, config: &Path, listen: &str, timeout: Duration) -> anyhow::Result<Worker> {
+        let mut child = Command::new(&self.binary)
+            .arg("--config")
+            .arg(config)
+            .env("VRAMGATE_WORKER_LISTEN", listen)
+            .current_dir(&self.dir)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&self.log).with_context(|| format!("creating {}", self.log.display()))?)
+            .spawn()
+            .with_context(|| format!("starting {}", self.binary.display()))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let service = Service { name: "ai-worker", child, log: self.log };
+        let first = first_line(stdout, timeout).await;
+        let Some(addr) = first.as_deref().and_then(|l| l.trim().strip_prefix("listening on ")) else {
+            bail!("ai-worker did not report its address (got {first:?}); log:\n{}", service.log_tail());
+        };
+        let url = format!("http://{addr}");
+        let mut worker = Worker { service, url };
+        wait_ready(&mut worker, timeout).await?;
+        Ok(worker)
+    }
 }
 
 impl Worker {

@@ -38,8 +38,25 @@ pub async fn infer(
     data: Vec<f32>,
     timeout_ms: Option<u64>,
 ) -> anyhow::Result<Answer> {
-    let tensor = Tensor::new(input, shape, data);
-    let (body, header_len) = oip::encode_request(None, &[tensor], true, &[] as &[RequestOutputSpec]);
+    let (body, header_len) = encode(&[Tensor::new(input, shape, data)]);
+    infer_body(http, url, model, body, header_len, timeout_ms).await
+}
+
+/// A binary OIP request body of `inputs` and its JSON header's length, asking for every output
+/// as a binary tensor (as the gateway asks).
+pub fn encode(inputs: &[Tensor]) -> (Vec<u8>, Option<usize>) {
+    oip::encode_request(None, inputs, true, &[] as &[RequestOutputSpec])
+}
+
+/// Sends a request body made by [`encode`] (any datatype, several inputs) to `model`.
+pub async fn infer_body(
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    body: Vec<u8>,
+    header_len: Option<usize>,
+    timeout_ms: Option<u64>,
+) -> anyhow::Result<Answer> {
     let mut request = http.post(format!("{url}/v2/models/{model}/infer")).body(body).timeout(Duration::from_secs(300));
     if let Some(len) = header_len {
         request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len.to_string());

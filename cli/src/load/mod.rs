@@ -32,7 +32,8 @@ use kafka::{Follower, Sender, TaskTopics};
 use sample::Sampler;
 use tally::Tally;
 
-pub use plot::DEFAULT_FONT;
+pub use plot::{write_panels, Panel, DEFAULT_FONT};
+pub use sample::Series;
 
 /// Most events one run may send.
 pub const MAX_EVENTS: u64 = 1_000_000;

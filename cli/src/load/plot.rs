@@ -29,10 +29,11 @@ const COLOURS: [RGBColor; 8] = [
 ];
 
 /// One panel: a title, a unit divisor and the columns drawn in it.
-struct Panel {
-    title: &'static str,
-    divisor: f64,
-    columns: Vec<String>,
+pub struct Panel {
+    pub title: String,
+    /// Each value is divided by this before it is drawn (1048576 for MiB).
+    pub divisor: f64,
+    pub columns: Vec<String>,
 }
 
 fn panels(series: &Series) -> Vec<Panel> {
@@ -46,16 +47,16 @@ fn panels(series: &Series) -> Vec<Panel> {
     held.extend(["gateway_uncommitted", "consumer_lag"].map(String::from));
     vec![
         Panel {
-            title: "Memory (MiB): worker budget, admitted estimate, used; gateway payload held",
+            title: "Memory (MiB): worker budget, admitted estimate, used; gateway payload held".into(),
             divisor: 1048576.0,
             columns: ["worker_budget_bytes", "worker_admitted_bytes", "worker_used_bytes", "gateway_held_bytes"]
                 .map(String::from)
                 .into(),
         },
-        Panel { title: "Concurrency: worker calls and permit limits per task, batch size, queue, OOMs", divisor: 1.0, columns: concurrency },
-        Panel { title: "Records held: gateway in flight per task, uncommitted, consumer lag", divisor: 1.0, columns: held },
+        Panel { title: "Concurrency: worker calls and permit limits per task, batch size, queue, OOMs".into(), divisor: 1.0, columns: concurrency },
+        Panel { title: "Records held: gateway in flight per task, uncommitted, consumer lag".into(), divisor: 1.0, columns: held },
         Panel {
-            title: "Throughput (records/s finished: results + dead letters)",
+            title: "Throughput (records/s finished: results + dead letters)".into(),
             divisor: 1.0,
             columns: vec!["done_per_s".into()],
         },
@@ -83,19 +84,23 @@ fn load_font(path: &Path) -> anyhow::Result<()> {
 
 /// Draws `series` into a PNG at `out`, with text in the font at `font`.
 pub fn write_png(series: &Series, out: &Path, font: &Path) -> anyhow::Result<()> {
+    write_panels(series, &panels(series), out, font)
+}
+
+/// Draws `panels` of `series` (its first column is the time in seconds) into a PNG at `out`,
+/// one above the other, with text in the font at `font`.
+pub fn write_panels(series: &Series, panels: &[Panel], out: &Path, font: &Path) -> anyhow::Result<()> {
     load_font(font)?;
     let mut pixels = vec![255u8; (SIZE.0 * SIZE.1 * 3) as usize];
-    draw(series, &mut pixels).map_err(|e| anyhow!("drawing the plot: {e}"))?;
+    draw(series, panels, &mut pixels).map_err(|e| anyhow!("drawing the plot: {e}"))?;
     image::save_buffer(out, &pixels, SIZE.0, SIZE.1, image::ExtendedColorType::Rgb8)
         .with_context(|| format!("writing {}", out.display()))
 }
 
-fn draw(series: &Series, pixels: &mut [u8]) -> Result<(), Box<dyn std::error::Error>> {
+fn draw(series: &Series, panels: &[Panel], pixels: &mut [u8]) -> Result<(), Box<dyn std::error::Error>> {
     let root = BitMapBackend::with_buffer(pixels, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
-    let t_max = series.points("t_s").iter().map(|(t, _)| *t).fold(1.0, f64::max);
-    let panels = panels(series);
-    let areas = root.split_evenly((panels.len(), 1));
+    let areas = root.split_evenly((panels.len().max(1), 1));
     for (panel, area) in panels.iter().zip(&areas) {
         let lines: Vec<(String, Vec<(f64, f64)>)> = panel
             .columns
@@ -104,8 +109,10 @@ fn draw(series: &Series, pixels: &mut [u8]) -> Result<(), Box<dyn std::error::Er
             .filter(|(_, p)| !p.is_empty())
             .collect();
         let y_max = lines.iter().flat_map(|(_, p)| p.iter().map(|(_, v)| *v)).fold(1.0, f64::max) * 1.1;
+        // Each panel spans its own points' time (a load run's columns share one clock).
+        let t_max = lines.iter().flat_map(|(_, p)| p.iter().map(|(t, _)| *t)).fold(1.0, f64::max);
         let mut chart = ChartBuilder::on(area)
-            .caption(panel.title, ("sans-serif", 20))
+            .caption(panel.title.as_str(), ("sans-serif", 20))
             .margin(12)
             .x_label_area_size(36)
             .y_label_area_size(80)

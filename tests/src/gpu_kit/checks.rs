@@ -1,0 +1,662 @@
+//! The kit's checks. Each takes its figures beside its baseline in the same run, writes them
+//! as it goes ([`Check`]), and stops starting new steps when its deadline nears.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use super::client::{self, budget, burst, metric_samples, metric_sum, metrics, price, saturate, state, Encoded, Tally};
+use super::report::Check;
+use super::smi;
+use super::{Device, Kit, KitModel};
+
+const GIB: u64 = 1 << 30;
+const MIB: f64 = 1048576.0;
+
+/// Runs check `name`; its file says how it ended even when it fails.
+pub async fn run(kit: &Kit, name: &str) -> anyhow::Result<()> {
+    let mut check = Check::new(kit, name)?;
+    let result = match name {
+        "preflight" => preflight(kit, &mut check).await,
+        "budget" => budget_check(kit, &mut check).await,
+        "p1" => p1(kit, &mut check).await,
+        "p3" => p3(kit, &mut check).await,
+        "oom" => oom(kit, &mut check).await,
+        "batching" => batching(kit, &mut check).await,
+        "cards" => cards(kit, &mut check).await,
+        other => bail!("no check named {other}"),
+    };
+    match result {
+        Ok(status) => {
+            check.finish(status);
+            Ok(())
+        }
+        Err(e) => {
+            check.line(format!("failed: {}", format!("{e:#}").chars().take(4000).collect::<String>()));
+            check.finish("failed");
+            Err(e)
+        }
+    }
+}
+
+fn skip_without_cuda(kit: &Kit, check: &mut Check) -> bool {
+    if kit.device == Device::Cuda {
+        return false;
+    }
+    check.line("skipped: no CUDA device");
+    true
+}
+
+fn mib(bytes: f64) -> String {
+    format!("{:.0} MiB", bytes / MIB)
+}
+
+/// The statuses of a tally in a few words: `0 failed` or `2 failed (507: 2)`.
+fn failures(t: &Tally) -> String {
+    if t.failed() == 0 {
+        return "0 failed".into();
+    }
+    let by: Vec<String> = t.statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect();
+    let transport = if t.transport > 0 { format!(", no answer: {}", t.transport) } else { String::new() };
+    format!("{} failed ({}{transport})", t.failed(), by.join(", "))
+}
+
+/// Preflight: a worker with every model of the kit starts on the device, answers metadata and
+/// one inference per model.
+async fn preflight(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    let started = Instant::now();
+    let worker = kit.worker("preflight", "", &KitModel::ALL).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    check.line(format!("- the worker started on `{}` with {} models in {seconds:.1} s (loaded, probed, calibrated)", kit.device.name(), KitModel::ALL.len()));
+    let st = state(&worker.url).await;
+    check.line(format!("- admission budget {}; `/vramgate/state`: `{}`", mib(budget(&st) as f64), st["admission"]));
+    check.figure("startup_seconds", json!(seconds));
+    check.figure("state", st);
+    for model in KitModel::ALL {
+        let (size, label) = match model {
+            KitModel::Pnet => (320, "320x320"),
+            KitModel::Silero => (5, "5 s"),
+            KitModel::MobileNet => (4, "4 images"),
+            KitModel::Crepe => (100, "100 frames"),
+        };
+        let t = burst(&worker.url, model, &[Encoded::new(model, size, 1)], 1).await;
+        check.line(format!("- {} ({label}): {} in {:.1} ms", model.name(), if t.ok == 1 { "answered" } else { "FAILED" }, t.seconds * 1e3));
+        if t.ok != 1 {
+            bail!("{} did not answer: {:?}; worker log:\n{}", model.name(), t.examples, worker.service.log_tail());
+        }
+    }
+    if let Some(s) = smi::once() {
+        check.line(format!("- nvidia-smi with the worker up: {:.0} MiB used of {:.0} MiB", s.used_mib, s.total_mib));
+    }
+    Ok("ok")
+}
+
+/// Another process that holds `bytes` of device (CUDA) or host (CPU) memory until dropped.
+struct Hog {
+    child: Child,
+}
+
+impl Hog {
+    /// Starts it and waits until it holds the memory.
+    fn start(kit: &Kit, bytes: u64) -> anyhow::Result<Hog> {
+        let code = match kit.device {
+            Device::Cuda => {
+                "import sys, torch\nx = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda')\nx.fill_(1)\n\
+                 torch.cuda.synchronize()\nprint('held', flush=True)\nsys.stdin.read()\n"
+            }
+            Device::Cpu => "import sys\nx = b'\\x01' * int(sys.argv[1])\nprint('held', flush=True)\nsys.stdin.read()\n",
+        };
+        let python = if kit.device == Device::Cuda { kit.python.as_str() } else { "python3" };
+        let mut child = Command::new(python)
+            .args(["-c", code, &bytes.to_string(), "vramgate-kit-hog"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {python} to hold memory"))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).context("reading the holder's first line")?;
+        if line.trim() != "held" {
+            let _ = child.kill();
+            bail!("the process that should hold {} did not (said {line:?})", mib(bytes as f64));
+        }
+        Ok(Hog { child })
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.child.stdin.take().map(|mut s| s.flush());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The budget follows free memory: another process takes memory while the worker serves, the
+/// budget must drop by about as much within `memory_resample_ms` (and no request fail), and
+/// come back when it is freed.
+async fn budget_check(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    let hog_bytes = match (kit.device, kit.quick) {
+        (Device::Cuda, _) => 20 * GIB,
+        (Device::Cpu, true) => GIB,
+        (Device::Cpu, false) => 4 * GIB,
+    };
+    let resample_ms = 1000;
+    let worker = kit.worker("budget", &format!("memory_resample_ms = {resample_ms}\n"), &[KitModel::Pnet]).await?;
+    let t0 = Instant::now();
+    let mut timeline: Vec<(f64, f64, f64, f64, f64)> = Vec::new(); // t, budget, admitted, free, held
+    let sample = |held: f64| {
+        let url = worker.url.clone();
+        async move {
+            let st = state(&url).await;
+            let text = metrics(&url).await;
+            let free = metric_sum(&text, "gpu_memory_available_bytes");
+            (budget(&st) as f64, st["admission"]["admitted"].as_f64().unwrap_or(0.0), free, held)
+        }
+    };
+    let idle_end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < idle_end {
+        let (b, a, f, h) = sample(0.0).await;
+        timeline.push((t0.elapsed().as_secs_f64(), b, a, f, h));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let idle_budget = timeline.iter().map(|r| r.1).sum::<f64>() / timeline.len().max(1) as f64;
+    let idle_free = timeline.iter().map(|r| r.3).sum::<f64>() / timeline.len().max(1) as f64;
+    let smi_idle = smi::once();
+    check.line(format!(
+        "- idle: budget {}, free {} (the worker's reading: {}){}; kept out of the budget: {} ({:.1}% of the free memory)",
+        mib(idle_budget),
+        mib(idle_free),
+        if kit.device == Device::Cuda { "NVML" } else { "MemAvailable, on the CPU" },
+        smi_idle.map(|s| format!(", nvidia-smi free {:.0} MiB of {:.0} MiB", s.free_mib, s.total_mib)).unwrap_or_default(),
+        mib(idle_free - idle_budget),
+        100.0 * (idle_free - idle_budget) / idle_free.max(1.0)
+    ));
+    let hog_started = t0.elapsed().as_secs_f64();
+    let hog = Hog::start(kit, hog_bytes)?;
+    let held_at = t0.elapsed().as_secs_f64();
+    check.line(format!("- another process took {} ({:.2} s to allocate)", mib(hog_bytes as f64), held_at - hog_started));
+    // Load while the memory is held: P-Net images sent all along.
+    let load = {
+        let url = worker.url.clone();
+        let requests: Vec<Encoded> = (0..kit.pick(64, 8)).map(|i| Encoded::new(KitModel::Pnet, 320 + (i % 4) * 160, i)).collect();
+        tokio::spawn(async move { burst(&url, KitModel::Pnet, &requests, 8).await })
+    };
+    let hold_end = Instant::now() + Duration::from_secs(kit.pick(5, 3));
+    let mut followed_at = None;
+    while Instant::now() < hold_end {
+        let (b, a, f, h) = sample(hog_bytes as f64).await;
+        let t = t0.elapsed().as_secs_f64();
+        timeline.push((t, b, a, f, h));
+        if followed_at.is_none() && b <= idle_budget - 0.8 * hog_bytes as f64 {
+            followed_at = Some(t);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let held_budget = timeline.last().map(|r| r.1).unwrap_or(0.0);
+    let released_at = t0.elapsed().as_secs_f64();
+    drop(hog);
+    let loaded = load.await.unwrap_or_default();
+    let back_end = Instant::now() + Duration::from_secs(3);
+    let mut back_at = None;
+    while Instant::now() < back_end {
+        let (b, a, f, h) = sample(0.0).await;
+        let t = t0.elapsed().as_secs_f64();
+        timeline.push((t, b, a, f, h));
+        // Back once at least half of what it lost has returned: host memory on a shared
+        // machine (the self-test) moves by hundreds of MiB with other tenants' work.
+        if back_at.is_none() && b >= held_budget + 0.5 * (idle_budget - held_budget) {
+            back_at = Some(t);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ooms = metric_sum(&metrics(&worker.url).await, "inference_oom_errors_total");
+    let follow = followed_at.map(|t| t - held_at);
+    let back = back_at.map(|t| t - released_at);
+    check.line(format!(
+        "- while held: budget {} (dropped by {}, {:.0}% of what was taken), followed within {} (memory_resample_ms = {resample_ms})",
+        mib(held_budget),
+        mib(idle_budget - held_budget),
+        100.0 * (idle_budget - held_budget) / hog_bytes as f64,
+        follow.map(|s| format!("{:.0} ms", s * 1e3)).unwrap_or_else(|| "— it did not drop by 80% of it".into())
+    ));
+    check.line(format!(
+        "- released: budget back (half of the drop or more) within {}, at {} after 3 s; P-Net requests meanwhile: {} ok, {}; OOMs {ooms}",
+        back.map(|s| format!("{:.0} ms", s * 1e3)).unwrap_or_else(|| "— not back within 3 s".into()),
+        mib(timeline.last().map(|r| r.1).unwrap_or(0.0)),
+        loaded.ok,
+        failures(&loaded)
+    ));
+    check.figure(
+        "budget",
+        json!({"hog_bytes": hog_bytes, "idle_budget": idle_budget, "idle_free": idle_free, "held_budget": held_budget,
+               "follow_seconds": follow, "back_seconds": back, "resample_ms": resample_ms, "load": loaded.json(), "ooms": ooms}),
+    );
+    for (i, key) in ["budget", "admitted", "free", "other_process"].iter().enumerate() {
+        let points: Vec<(f64, f64)> = timeline.iter().map(|r| (r.0, [r.1, r.2, r.3, r.4][i])).collect();
+        check.series(key, &points);
+    }
+    let good = follow.is_some_and(|s| s <= 2.0 * resample_ms as f64 / 1e3 + 0.5) && back.is_some() && loaded.failed() == 0 && ooms == 0.0;
+    Ok(if good { "ok" } else { "failed" })
+}
+
+/// One run of a burst on a fresh worker: the tally, the OOMs it met, and the worker's budget.
+struct Run {
+    label: String,
+    tally: Tally,
+    ooms: f64,
+    retries: f64,
+    budget: u64,
+    alive: bool,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        json!({"label": self.label, "tally": self.tally.json(), "ooms": self.ooms, "retries": self.retries, "budget": self.budget, "alive": self.alive})
+    }
+
+    fn row(&self, unit: &str) -> String {
+        format!(
+            "| {} | {:.2} | {:.1} {unit}/s | {} | {} | {} | {} |",
+            self.label,
+            self.tally.seconds,
+            self.tally.per_s(),
+            self.tally.ok,
+            failures(&self.tally),
+            self.ooms,
+            if self.alive { "yes" } else { "**no**" }
+        )
+    }
+}
+
+async fn run_burst(kit: &Kit, label: &str, extra: &str, model: KitModel, requests: &[Encoded], in_flight: usize) -> anyhow::Result<(Run, Value)> {
+    let mut worker = kit.worker(&format!("{}-{}", model.name(), label.replace([' ', '(', ')', '×'], "")), extra, &[model]).await?;
+    let st = state(&worker.url).await;
+    let tally = burst(&worker.url, model, requests, in_flight).await;
+    let text = metrics(&worker.url).await;
+    let alive = worker.service.is_running();
+    let run = Run {
+        label: label.to_string(),
+        tally,
+        ooms: metric_sum(&text, "inference_oom_errors_total"),
+        retries: metric_sum(&text, "inference_retry_attempts_total"),
+        budget: budget(&st),
+        alive,
+    };
+    Ok((run, st))
+}
+
+/// A P1 workload: a model's requests of mixed sizes.
+fn workload(kit: &Kit, model: KitModel) -> (Vec<Encoded>, String) {
+    match model {
+        KitModel::Pnet => {
+            let (count, lo, span) = kit.pick((192, 160, 1041), (16, 160, 321));
+            let requests = (0..count).map(|i| Encoded::new(model, lo + (i * 7919 + 13) % span, i)).collect();
+            (requests, format!("{count} P-Net images, sides {lo}..{} px", lo + span - 1))
+        }
+        KitModel::MobileNet => {
+            let (count, most) = kit.pick((128, 64), (12, 8));
+            let requests = (0..count).map(|i| Encoded::new(model, 1 + (i * 7919 + 13) % most, i)).collect();
+            (requests, format!("{count} MobileNetV2 requests of 1..{most} images each"))
+        }
+        KitModel::Silero => {
+            let (count, most) = kit.pick((128, 30), (12, 8));
+            let requests = (0..count).map(|i| Encoded::new(model, 1 + (i * 7919 + 13) % most, i)).collect();
+            (requests, format!("{count} Silero clips of 1..{most} s"))
+        }
+        KitModel::Crepe => {
+            let requests = (0..kit.pick(128, 12)).map(|i| Encoded::new(model, 100 * (1 + i % 10), i)).collect();
+            (requests, "CREPE requests of 100..1000 frames".into())
+        }
+    }
+}
+
+/// P1: the same burst of mixed sizes under a cap that makes the card small, admitted by bytes,
+/// by the static count safe for the largest request, and by larger static counts; real OOMs
+/// counted for each.
+async fn p1(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    let plan: Vec<(u64, KitModel, Vec<u64>)> = if kit.quick {
+        vec![(340 << 20, KitModel::Pnet, vec![1, 2])]
+    } else if kit.device == Device::Cuda {
+        vec![(4 * GIB, KitModel::Pnet, vec![1, 2, 4, 8]), (4 * GIB, KitModel::MobileNet, vec![1, 4]), (16 * GIB, KitModel::Pnet, vec![1, 4])]
+    } else {
+        vec![(340 << 20, KitModel::Pnet, vec![1, 2, 4])]
+    };
+    let in_flight = kit.pick(128, 4);
+    let host = if kit.device == Device::Cpu { "memory_host_allowance_bytes = 268435456\n" } else { "" };
+    let mut all_good = true;
+    let mut results = Vec::new();
+    for (cap, model, multiples) in plan {
+        let (requests, what) = workload(kit, model);
+        let largest = requests.iter().map(|r| r.elements).max().unwrap_or(1);
+        let base = format!("memory_limit_bytes = {cap}\n{host}");
+        let queue = "max_queue_wait_ms = 600000\nmax_queued_requests = 4096\n";
+        check.line(format!("\n### {what}, memory cap {} ({in_flight} requests in flight)\n", mib(cap as f64)));
+        if !kit.fits(Duration::from_secs(20)) {
+            check.line("- skipped: the check's time limit is near");
+            return Ok("partial");
+        }
+        let (bytes, st) = run_burst(kit, "bytes", &format!("{base}[admission]\nmode = \"bytes\"\n{queue}"), model, &requests, in_flight).await?;
+        let largest_price = price(&st, model, largest);
+        let safe = (bytes.budget / largest_price.max(1)).max(1);
+        check.line(format!(
+            "- byte admission's budget {}; the largest request priced {}: the static count safe for it is {safe}",
+            mib(bytes.budget as f64),
+            mib(largest_price as f64)
+        ));
+        check.line(format!("\n| run | seconds | throughput | ok | failed | OOMs | worker alive |\n|---|---|---|---|---|---|---|\n{}", bytes.row(model.unit())));
+        let mut runs = vec![bytes];
+        for k in multiples {
+            if !kit.fits(Duration::from_secs(15)) {
+                check.line("- the remaining static counts skipped: the check's time limit is near");
+                break;
+            }
+            let count = safe * k;
+            let label = if k == 1 { format!("count {count} (safe)") } else { format!("count {count} ({k}× safe)") };
+            let extra = format!("{base}[admission]\nmode = \"count\"\nmax_concurrent = {count}\n{queue}");
+            // At least as many in flight as the count admits, or the client would be the limit.
+            let (run, _) = run_burst(kit, &label, &extra, model, &requests, in_flight.max(count as usize).min(1024)).await?;
+            check.line(run.row(model.unit()));
+            runs.push(run);
+        }
+        let bytes = &runs[0];
+        let safe_run = runs.iter().find(|r| r.label.ends_with("(safe)"));
+        let best = runs[1..].iter().filter(|r| r.tally.failed() == 0 && r.alive).max_by(|a, b| a.tally.per_s().total_cmp(&b.tally.per_s()));
+        let mut summary = format!("\nbytes: {}, {} OOMs", failures(&bytes.tally), bytes.ooms);
+        if let Some(s) = safe_run {
+            summary.push_str(&format!("; bytes / safe count = **{:.2}×** (goal ≥ 2)", bytes.tally.per_s() / s.tally.per_s().max(1e-9)));
+        }
+        match best {
+            Some(b) => summary.push_str(&format!(
+                "; bytes / best lossless count ({}) = **{:.2}×** (goal ≥ 1)",
+                b.label,
+                bytes.tally.per_s() / b.tally.per_s().max(1e-9)
+            )),
+            None => summary.push_str("; no static count ran without losing requests"),
+        }
+        let static_ooms: f64 = runs[1..].iter().map(|r| r.ooms).sum();
+        summary.push_str(&format!("; OOMs under static counts: {static_ooms}"));
+        check.line(summary);
+        all_good &= bytes.tally.failed() == 0 && bytes.ooms == 0.0 && bytes.alive;
+        results.push(json!({"cap": cap, "model": model.name(), "workload": what, "safe_count": safe, "largest_price": largest_price,
+                            "runs": runs.iter().map(Run::json).collect::<Vec<_>>()}));
+        check.figure("p1", json!(results));
+    }
+    Ok(if all_good { "ok" } else { "failed" })
+}
+
+/// `raw_loop` on the device for `seconds`: items per second, or the reason it failed.
+fn raw_loop(kit: &Kit, model: KitModel, size: usize, rows: usize, seconds: f64) -> anyhow::Result<f64> {
+    let path = kit.dir.join(model.file());
+    let mut command = Command::new(kit.bin("raw_loop"));
+    command
+        .args(["--model", &path.to_string_lossy(), "--device", kit.device.name(), "--seconds", &seconds.to_string(), "--json"])
+        .args(model.raw_loop_args(size, rows))
+        .args(["--threads", "1"]);
+    let output = command.output().context("running raw_loop")?;
+    if !output.status.success() {
+        bail!("raw_loop failed: {}", String::from_utf8_lossy(&output.stderr).chars().take(2000).collect::<String>());
+    }
+    let line = String::from_utf8_lossy(&output.stdout).lines().last().unwrap_or_default().to_string();
+    let value: Value = serde_json::from_str(&line).with_context(|| format!("raw_loop printed {line:?}"))?;
+    value["items_per_s"].as_f64().context("raw_loop gave no items_per_s")
+}
+
+/// The mean batch size between two scrapes of `inference_batch_size` (requests per batch).
+fn mean_batch(before: &str, after: &str, model: KitModel) -> f64 {
+    let label = format!("model=\"{}\"", model.name());
+    let pick = |text: &str, name: &str| metric_samples(text, name).into_iter().filter(|(l, _)| l.contains(&label)).map(|(_, v)| v).sum::<f64>();
+    let sum = pick(after, "inference_batch_size_sum") - pick(before, "inference_batch_size_sum");
+    let count = pick(after, "inference_batch_size_count") - pick(before, "inference_batch_size_count");
+    if count > 0.0 {
+        sum / count
+    } else {
+        0.0
+    }
+}
+
+/// The request each model is saturated with in P3 and in the batching check.
+fn p3_size(model: KitModel) -> (usize, &'static str) {
+    match model {
+        KitModel::Pnet => (480, "480×480 image"),
+        KitModel::Silero => (5, "5 s clip"),
+        KitModel::MobileNet => (1, "1 image"),
+        KitModel::Crepe => (100, "100 frames"),
+    }
+}
+
+/// P3: each model saturates the worker (many requests in flight) while the card's utilisation
+/// is sampled; then a plain libtorch loop on the same card at batch 1 and at the batch size
+/// the worker reached.
+async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    let seconds = kit.pick(5.0, 1.0);
+    let in_flight = kit.pick(64, 2);
+    let worker = kit.worker("p3", "", &KitModel::ALL).await?;
+    check.line(format!("{in_flight} requests in flight, {seconds} s a figure; utilisation from nvidia-smi every 100 ms\n"));
+    check.line("| model | request | worker | mean batch | raw loop, batch 1 | raw loop, worker's batch | worker / raw (batch 1) | worker / raw (same batch) | GPU util worker | GPU util raw | failed |");
+    check.line("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let mut good = true;
+    let mut offset = 0.0;
+    for model in KitModel::ALL {
+        if !kit.fits(Duration::from_secs_f64(3.0 * seconds + 8.0)) {
+            check.line("- the remaining models skipped: the check's time limit is near");
+            return Ok("partial");
+        }
+        let (size, what) = p3_size(model);
+        let request = Encoded::new(model, size, 1);
+        let before = metrics(&worker.url).await;
+        let sampler = smi::Sampler::start();
+        let t = saturate(&worker.url, model, &request, in_flight, seconds).await;
+        let worker_samples = sampler.map(smi::Sampler::stop).unwrap_or_default();
+        let after = metrics(&worker.url).await;
+        let batch = mean_batch(&before, &after, model);
+        let rows_per_request = request.items;
+        let raw1 = raw_loop(kit, model, size, 1, seconds);
+        let same = (batch.round() as usize).max(1);
+        let sampler = smi::Sampler::start();
+        let raw_b = if same > 1 { raw_loop(kit, model, size, same, seconds) } else { raw1.as_ref().map(|r| *r).map_err(|e| anyhow::anyhow!("{e}")) };
+        let raw_samples = sampler.map(smi::Sampler::stop).unwrap_or_default();
+        let (util_w, used_w) = smi::summary(&worker_samples).unwrap_or((f64::NAN, f64::NAN));
+        let (util_r, _) = smi::summary(&raw_samples).unwrap_or((f64::NAN, f64::NAN));
+        let fmt = |r: &anyhow::Result<f64>| match r {
+            Ok(v) => format!("{v:.1}"),
+            Err(e) => format!("failed: {}", e.to_string().chars().take(120).collect::<String>()),
+        };
+        let ratio = |r: &anyhow::Result<f64>| r.as_ref().map(|v| format!("{:.2}", t.per_s() / v)).unwrap_or_else(|_| "—".into());
+        check.line(format!(
+            "| {} | {what} | {:.1} {}/s | {:.1} requests ({:.1} {}) | {} | {} | {} | **{}** | {} | {} | {} |",
+            model.name(),
+            t.per_s(),
+            model.unit(),
+            batch,
+            batch * rows_per_request as f64,
+            model.unit(),
+            fmt(&raw1),
+            fmt(&raw_b),
+            ratio(&raw1),
+            ratio(&raw_b),
+            if util_w.is_nan() { "—".into() } else { format!("{util_w:.0}%") },
+            if util_r.is_nan() { "—".into() } else { format!("{util_r:.0}%") },
+            failures(&t)
+        ));
+        good &= t.failed() == 0;
+        let worker_points: Vec<(f64, f64)> = worker_samples.iter().map(|s| (offset + s.t, s.util)).collect();
+        let raw_points: Vec<(f64, f64)> = raw_samples.iter().map(|s| (offset + seconds + 2.0 + s.t, s.util)).collect();
+        if !worker_points.is_empty() {
+            check.series(&format!("{}_worker_util", model.name()), &worker_points);
+            check.series(&format!("{}_raw_util", model.name()), &raw_points);
+        }
+        offset += 2.0 * seconds + 6.0;
+        rows.push(json!({"model": model.name(), "request": what, "worker": t.json(), "mean_batch_requests": batch,
+                          "raw_batch1_per_s": raw1.ok(), "raw_same_batch_per_s": raw_b.ok(), "raw_same_batch_rows": same,
+                          "gpu_util_worker": util_w, "gpu_util_raw": util_r, "used_mib_worker": used_w}));
+        check.figure("p3", json!(rows));
+    }
+    let st = state(&worker.url).await;
+    if let Some(s) = smi::once() {
+        let free = s.free_mib * MIB;
+        let reserve = free - budget(&st) as f64;
+        check.line(format!(
+            "\nmemory left idle as reserve after the runs: {} of the card's {:.0} MiB free, outside a budget of {} (**{:.1}% of the card**, goal ≤ 5%)",
+            mib(reserve),
+            s.free_mib,
+            mib(budget(&st) as f64),
+            100.0 * reserve / (s.total_mib * MIB)
+        ));
+        check.figure("reserve", json!({"free_bytes": free, "budget": budget(&st), "total_mib": s.total_mib}));
+    }
+    Ok(if good { "ok" } else { "failed" })
+}
+
+/// OOM recovery: a budget far above the card (`memory_budget_override_bytes`) under a cap, so
+/// that admission lets in more than fits and real CUDA OOMs happen; every request must still
+/// be answered.
+async fn oom(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    if skip_without_cuda(kit, check) {
+        return Ok("skipped");
+    }
+    let card = smi::once().map(|s| (s.total_mib * MIB) as u64).unwrap_or(80 * GIB);
+    let cap = 2 * GIB;
+    let extra = format!(
+        "memory_limit_bytes = {cap}\nmemory_budget_override_bytes = {}\n[admission]\nmax_queue_wait_ms = 600000\nmax_queued_requests = 4096\n",
+        4 * card
+    );
+    let mut worker = kit.worker("oom", &extra, &[KitModel::Pnet]).await?;
+    let requests: Vec<Encoded> = (0..96).map(|i| Encoded::new(KitModel::Pnet, 900 + (i * 7919) % 700, i)).collect();
+    check.line(format!(
+        "96 P-Net images of 900..1599 px, 64 in flight, allocator capped at {} (its memory fraction) while admission hands out {} (4× the card)",
+        mib(cap as f64),
+        mib(4.0 * card as f64)
+    ));
+    let t = burst(&worker.url, KitModel::Pnet, &requests, 64).await;
+    let text = metrics(&worker.url).await;
+    let alive = worker.service.is_running();
+    let ooms = metric_sum(&text, "inference_oom_errors_total");
+    let retries = metric_sum(&text, "inference_retry_attempts_total");
+    // The gauges are re-read every memory_resample_ms (1 s): wait for a reading after the burst.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let after = metrics(&worker.url).await;
+    let (reserved, allocated) = (metric_sum(&after, "gpu_memory_used_bytes"), metric_sum(&after, "gpu_memory_allocated_bytes"));
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let later = metrics(&worker.url).await;
+    let (reserved_later, allocated_later) = (metric_sum(&later, "gpu_memory_used_bytes"), metric_sum(&later, "gpu_memory_allocated_bytes"));
+    let meta = client::model_metadata(&worker.url, KitModel::Pnet).await;
+    check.line(format!(
+        "- answered: {} ok, {} in {:.1} s; worker alive: {alive}; no answer at all: {}",
+        t.ok,
+        failures(&t),
+        t.seconds,
+        t.transport
+    ));
+    check.line(format!("- real OOMs caught: **{ooms}**, retries after them: {retries}"));
+    check.line(format!(
+        "- the allocator after the burst: {} reserved, {} allocated; 2 s later: {} reserved, {} allocated",
+        mib(reserved),
+        mib(allocated),
+        mib(reserved_later),
+        mib(allocated_later)
+    ));
+    check.line(format!("- P-Net's estimate after: `{}`", meta["parameters"]["memory_estimate"]));
+    for e in &t.examples {
+        check.line(format!("- e.g. `{e}`"));
+    }
+    check.figure("oom", json!({"tally": t.json(), "ooms": ooms, "retries": retries, "alive": alive, "reserved": reserved, "allocated": allocated, "reserved_later": reserved_later, "allocated_later": allocated_later, "estimate": meta["parameters"]["memory_estimate"]}));
+    // Every request answered: a result or a clear 507, never a dropped connection or a crash.
+    let answered = t.transport == 0 && t.statuses.keys().all(|s| *s == 507);
+    Ok(if alive && answered && ooms > 0.0 {
+        "ok"
+    } else if ooms == 0.0 {
+        check.line("- no OOM happened: the check proves nothing on this card (raise the load or lower the cap)");
+        "failed"
+    } else {
+        "failed"
+    })
+}
+
+/// Batching: the batch-size limits the worker measured per model and size class, and the
+/// throughput of its choice against batch 1, side by side.
+async fn batching(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    let models = [KitModel::Silero, KitModel::MobileNet, KitModel::Pnet];
+    let seconds = kit.pick(4.0, 1.0);
+    let in_flight = kit.pick(64, 4);
+    let mut figures = Vec::new();
+    let chosen = kit.worker("batching", "", &models).await?;
+    let limits = metric_samples(&metrics(&chosen.url).await, "vramgate_worker_batch_size_limit");
+    check.line("batch-size limits measured at start-up (`vramgate_worker_batch_size_limit`):\n");
+    check.line("| model, size class | items a batch |\n|---|---|");
+    for (labels, v) in &limits {
+        check.line(format!("| {labels} | {v} |"));
+    }
+    let mut chosen_rates = Vec::new();
+    for model in models {
+        let (size, _) = p3_size(model);
+        chosen_rates.push(saturate(&chosen.url, model, &Encoded::new(model, size, 1), in_flight, seconds).await);
+    }
+    drop(chosen);
+    let one = kit.worker("batching-1", "[batching]\nmax_batch_size = 1\n", &models).await?;
+    check.line(format!("\n{in_flight} requests in flight, {seconds} s each:\n\n| model | request | batch 1 | worker's choice | ratio |\n|---|---|---|---|---|"));
+    for (model, chosen) in models.into_iter().zip(chosen_rates) {
+        let (size, what) = p3_size(model);
+        let single = saturate(&one.url, model, &Encoded::new(model, size, 1), in_flight, seconds).await;
+        check.line(format!(
+            "| {} | {what} | {:.1} {unit}/s | {:.1} {unit}/s | **{:.2}×** |",
+            model.name(),
+            single.per_s(),
+            chosen.per_s(),
+            chosen.per_s() / single.per_s().max(1e-9),
+            unit = model.unit()
+        ));
+        figures.push(json!({"model": model.name(), "batch1": single.json(), "chosen": chosen.json()}));
+        check.figure("throughput", json!(figures));
+    }
+    check.figure("limits", json!(limits));
+    Ok("ok")
+}
+
+/// Card sizes: 8, 16 and 24 GB each emulated on the one card by `memory_limit_bytes`; per
+/// model the safe static concurrency, throughput by bytes and OOMs.
+async fn cards(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
+    if skip_without_cuda(kit, check) {
+        check.line("(the CPU-emulated table is in docs/performance.md, from the `cards` bench)");
+        return Ok("skipped");
+    }
+    let models = [KitModel::Pnet, KitModel::Silero, KitModel::MobileNet];
+    check.line("A card of N GB: `memory_limit_bytes` = N × 10⁹ beyond the worker's start-up footprint. Byte admission, 128 requests in flight.\n");
+    check.line("| card | model | workload | budget | largest request priced | safe static count | throughput | failed | OOMs |\n|---|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let mut good = true;
+    for gb in [8u64, 16, 24] {
+        if !kit.fits(Duration::from_secs(20)) {
+            check.line("- the remaining cards skipped: the check's time limit is near");
+            return Ok("partial");
+        }
+        let worker = kit.worker(&format!("card-{gb}"), &format!("memory_limit_bytes = {}\n", gb * 1_000_000_000), &models).await?;
+        for model in models {
+            let (requests, what) = workload(kit, model);
+            let st = state(&worker.url).await;
+            let largest = price(&st, model, requests.iter().map(|r| r.elements).max().unwrap_or(1));
+            let before = metric_sum(&metrics(&worker.url).await, "inference_oom_errors_total");
+            let t = burst(&worker.url, model, &requests, 128).await;
+            let ooms = metric_sum(&metrics(&worker.url).await, "inference_oom_errors_total") - before;
+            let safe = budget(&st) / largest.max(1);
+            check.line(format!(
+                "| {gb} GB | {} | {what} | {} | {} | {safe} | {:.1} {}/s | {} | {ooms} |",
+                model.name(),
+                mib(budget(&st) as f64),
+                mib(largest as f64),
+                t.per_s(),
+                model.unit(),
+                failures(&t)
+            ));
+            good &= t.failed() == 0 && ooms == 0.0;
+            rows.push(json!({"card_gb": gb, "model": model.name(), "budget": budget(&st), "largest_price": largest, "safe_count": safe, "tally": t.json(), "ooms": ooms}));
+            check.figure("cards", json!(rows));
+        }
+    }
+    Ok(if good { "ok" } else { "failed" })
+}
