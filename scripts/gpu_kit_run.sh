@@ -54,9 +54,9 @@ if [ "$self_test" -eq 0 ]; then
     say "nvidia-smi finds no GPU: run with --self-test on a machine without one"
     note "- nvidia-smi finds no GPU"
   fi
-  torch_info="$("$python" -c 'import torch, os; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), os.path.dirname(torch.__file__))' 2>&1)"
-  if [ $? -ne 0 ]; then
-    say "$python cannot import torch: $torch_info"
+  torch_info="$("$python" -c 'import torch, os; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), os.path.dirname(torch.__file__))' 2>"$work/torch.err" | tail -n1)"
+  if [ -z "$torch_info" ]; then
+    say "$python cannot import torch: $(tail -n 5 "$work/torch.err")"
     say "set VRAMGATE_KIT_PYTHON to the python whose torch is 2.11 (the worker links its libraries)"
     note "- preflight stopped: $python cannot import torch"
     report; exit 1
@@ -67,11 +67,15 @@ if [ "$self_test" -eq 0 ]; then
   case "$torch_version" in 2.11.*) ;; *) say "warning: the worker was built against torch 2.11, this is $torch_version" ;; esac
   site="$(dirname "$torch_dir")"
   libs="$torch_dir/lib"
-  for d in "$site"/nvidia/*/lib "$site"/nvidia/cu*/lib; do [ -d "$d" ] && libs="$libs:$d"; done
+  for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && libs="$libs:$d"; done
   # nvml-wrapper opens libnvidia-ml.so; a driver mount may have only libnvidia-ml.so.1.
   nvml="$( (ldconfig -p 2>/dev/null | awk '/libnvidia-ml\.so/ {print $NF}'; \
     ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so* /usr/lib64/libnvidia-ml.so* /usr/local/nvidia/lib64/libnvidia-ml.so* \
-       /usr/lib/wsl/lib/libnvidia-ml.so* /usr/local/cuda/lib64/stubs/libnvidia-ml.so* 2>/dev/null) | grep -v stubs | head -n1)"
+       /usr/lib/wsl/lib/libnvidia-ml.so* 2>/dev/null) | grep -v stubs | head -n1)"
+  if [ -z "$nvml" ]; then
+    # A driver mounted somewhere the loader's cache does not list.
+    nvml="$(timeout 20 find /usr /opt /run /lib /lib64 /var/lib /host -name 'libnvidia-ml.so.1' -not -path '*/stubs/*' 2>/dev/null | head -n1)"
+  fi
   if [ -n "$nvml" ]; then
     mkdir -p "$work/lib"
     ln -sf "$nvml" "$work/lib/libnvidia-ml.so"
@@ -109,6 +113,7 @@ check() {
   left=$(( total - ($(date +%s) - started) - 15 ))
   if [ "$left" -lt 20 ]; then
     say "$name: not run, the run's time is spent"; note "- $name: not run, the run's time was spent"
+    failed+=("$name")
     return
   fi
   [ "$limit" -gt "$left" ] && limit="$left"

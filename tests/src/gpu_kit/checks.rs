@@ -16,8 +16,9 @@ use super::{Device, Kit, KitModel};
 const GIB: u64 = 1 << 30;
 const MIB: f64 = 1048576.0;
 
-/// Runs check `name`; its file says how it ended even when it fails.
-pub async fn run(kit: &Kit, name: &str) -> anyhow::Result<()> {
+/// Runs check `name`; its file says how it ended even when it fails. Returns its status:
+/// `ok`, `failed` (a goal missed), `partial` (its time ran out) or `skipped`.
+pub async fn run(kit: &Kit, name: &str) -> anyhow::Result<&'static str> {
     let mut check = Check::new(kit, name)?;
     let result = match name {
         "preflight" => preflight(kit, &mut check).await,
@@ -32,7 +33,7 @@ pub async fn run(kit: &Kit, name: &str) -> anyhow::Result<()> {
     match result {
         Ok(status) => {
             check.finish(status);
-            Ok(())
+            Ok(status)
         }
         Err(e) => {
             check.line(format!("failed: {}", format!("{e:#}").chars().take(4000).collect::<String>()));
@@ -59,9 +60,11 @@ fn failures(t: &Tally) -> String {
     if t.failed() == 0 {
         return "0 failed".into();
     }
-    let by: Vec<String> = t.statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect();
-    let transport = if t.transport > 0 { format!(", no answer: {}", t.transport) } else { String::new() };
-    format!("{} failed ({}{transport})", t.failed(), by.join(", "))
+    let mut by: Vec<String> = t.statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect();
+    if t.transport > 0 {
+        by.push(format!("no answer: {}", t.transport));
+    }
+    format!("{} failed ({})", t.failed(), by.join(", "))
 }
 
 /// Preflight: a worker with every model of the kit starts on the device, answers metadata and
@@ -198,9 +201,8 @@ async fn budget_check(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static s
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let held_budget = timeline.last().map(|r| r.1).unwrap_or(0.0);
-    let released_at = t0.elapsed().as_secs_f64();
     drop(hog);
-    let loaded = load.await.unwrap_or_default();
+    let released_at = t0.elapsed().as_secs_f64();
     let back_end = Instant::now() + Duration::from_secs(3);
     let mut back_at = None;
     while Instant::now() < back_end {
@@ -214,6 +216,7 @@ async fn budget_check(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static s
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let loaded = load.await.unwrap_or_default();
     let ooms = metric_sum(&metrics(&worker.url).await, "inference_oom_errors_total");
     let follow = followed_at.map(|t| t - held_at);
     let back = back_at.map(|t| t - released_at);
@@ -433,7 +436,7 @@ fn p3_size(model: KitModel) -> (usize, &'static str) {
 /// is sampled; then a plain libtorch loop on the same card at batch 1 and at the batch size
 /// the worker reached.
 async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
-    let seconds = kit.pick(5.0, 1.0);
+    let seconds = kit.pick(3.0, 1.0);
     let in_flight = kit.pick(64, 2);
     let worker = kit.worker("p3", "", &KitModel::ALL).await?;
     check.line(format!("{in_flight} requests in flight, {seconds} s a figure; utilisation from nvidia-smi every 100 ms\n"));
@@ -582,7 +585,7 @@ async fn oom(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
 /// throughput of its choice against batch 1, side by side.
 async fn batching(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
     let models = [KitModel::Silero, KitModel::MobileNet, KitModel::Pnet];
-    let seconds = kit.pick(4.0, 1.0);
+    let seconds = kit.pick(3.0, 1.0);
     let in_flight = kit.pick(64, 4);
     let mut figures = Vec::new();
     let chosen = kit.worker("batching", "", &models).await?;
