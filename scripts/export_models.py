@@ -327,8 +327,8 @@ class RangeCheckedVad(torch.nn.Module):
     """A test fixture for the worker's error paths, not a detector: a voice-activity-shaped
     model (`audio_forward(x, sr)` → [batch, ceil(n / 512)]) that answers the clip's RMS per
     window and raises, as real models do on out-of-contract input, when a sample lies outside
-    [-1, 1]. The tests use it to check that a model's own error becomes a 500 for that request
-    alone while the worker keeps serving."""
+    [-1, 1]. The tests use it to check that a model's own error becomes a 400 (the input's
+    fault) for that request alone while the worker keeps serving."""
 
     def audio_forward(self, x: torch.Tensor, sr: int) -> torch.Tensor:
         if bool((x.abs() > 1.0).any()):

@@ -40,7 +40,10 @@
 //!   halve the batch and run the halves. A single request that fails runs again in the serial
 //!   lane (an exclusive lock every other model's batch also takes, shared), alone on the
 //!   device; if it fails there too it gets 507. Any other error in a batch of several is
-//!   isolated by running its members one by one, so only the bad request gets the 500.
+//!   isolated by running its members one by one, so only the bad request gets an error: 400
+//!   when the model itself raised on it alone (the input's fault, `ModelError::Raised`:
+//!   retrying cannot help), 500 when the device failed (a CUDA error: another worker may
+//!   serve it).
 //! * **Deadlines.** Work whose deadline passed (or whose client left) is not started. A
 //!   handler stops waiting at its deadline and its bytes return to the pool then; a batch
 //!   already running on the device cannot be interrupted (neither libtorch nor CUDA can
@@ -625,7 +628,7 @@ impl Batcher {
                         work.push_front((vec![job], false));
                     }
                 }
-                Err(e) => reply_all_err(group, |_| InferError::Model(e.clone())),
+                Err(e) => self.fail_alone(group, e),
             }
         }
     }
@@ -645,8 +648,18 @@ impl Batcher {
                 );
                 reply_all_err(group, |_| InferError::OutOfMemory { message: text.clone() });
             }
-            Err(e) => reply_all_err(group, |_| InferError::Model(e.clone())),
+            Err(e) => self.fail_alone(group, e),
         }
+    }
+
+    /// Answers a request whose model call failed with it alone (not for want of memory). The
+    /// model's own error on it ([`ModelError::Raised`]) is the input's fault: counted, and
+    /// answered so (400) that nobody retries it; any other error stays the worker's (500).
+    fn fail_alone(&self, group: Vec<Job>, e: ModelError) {
+        if matches!(e, ModelError::Raised { .. }) {
+            self.shared.metrics.model_errors.with_label_values(&[self.model.name()]).inc();
+        }
+        reply_all_err(group, |_| InferError::Model(e.clone()));
     }
 
     fn run_group(&self, group: &[Job], exclusive: bool) -> Result<Vec<Vec<OutputTensor>>, ModelError> {

@@ -15,6 +15,9 @@ pub struct Metrics {
     pub memory_admitted: IntGauge,
     pub memory_admitted_peak: IntGauge,
     pub oom_errors: IntCounterVec,
+    /// Requests the model itself raised on, run alone, by model: answered 400 as the input's
+    /// fault.
+    pub model_errors: IntCounterVec,
     pub retry_attempts: IntCounterVec,
     pub inference_duration: HistogramVec,
     pub concurrent_tasks: IntGauge,
@@ -105,6 +108,12 @@ impl Metrics {
                 "Most estimated bytes ever admitted at once (high-water mark)",
             ),
             oom_errors: counter("inference_oom_errors_total", "Allocation failures while running a batch", &["model"]),
+            model_errors: counter(
+                "inference_model_errors_total",
+                "Requests the model raised an error on when run alone (not an OOM, not a device fault), \
+                 answered 400 as the input's fault",
+                &["model"],
+            ),
             retry_attempts: counter(
                 "inference_retry_attempts_total",
                 "Batches run again after an OOM (halved, or alone in the serial lane)",
@@ -177,6 +186,7 @@ mod tests {
     fn renders_the_names_operators_query() {
         let m = Metrics::new();
         m.oom_errors.with_label_values(&["m"]).inc();
+        m.model_errors.with_label_values(&["m"]).inc();
         m.batch_size.with_label_values(&["m"]).observe(3.0);
         m.inference_duration.with_label_values(&["m"]).observe(0.01);
         m.admission_rejections.with_label_values(&["queue_full"]).inc();
@@ -191,6 +201,7 @@ mod tests {
             "gpu_memory_budget_bytes",
             "gpu_memory_admitted_bytes",
             "inference_oom_errors_total{model=\"m\"} 1",
+            "inference_model_errors_total{model=\"m\"} 1",
             "inference_retry_attempts_total",
             "inference_duration_seconds_bucket",
             "concurrent_inference_tasks",

@@ -37,6 +37,11 @@ pub enum ModelError {
     OutOfMemory { name: String, message: String },
     #[error("model '{name}' failed: {message}")]
     Runtime { name: String, message: String },
+    /// The model's own method raised on this input: neither an allocation failure nor a
+    /// fault of the device ([`method_error`]). Run alone, the same input raises again on any
+    /// worker: the input's fault, not the worker's.
+    #[error("model '{name}' raised an error on this input: {message}")]
+    Raised { name: String, message: String },
     #[error("model '{name}' panicked: {message}")]
     Panic { name: String, message: String },
 }
@@ -800,11 +805,8 @@ impl Model {
             }
             args.extend(self.config.args().iter().map(ivalue));
             let method = self.method();
-            let in_method = |e: ModelError| match e {
-                ModelError::Runtime { name, message } => ModelError::Runtime { name, message: format!("method '{method}': {message}") },
-                other => other,
-            };
-            let returned = module.method_is(method, &args).map_err(|e| in_method(failed(e)))?;
+            let returned =
+                module.method_is(method, &args).map_err(|e| method_error(&self.config.name, method, &e.to_string()))?;
             let names: Vec<&str> = self.outputs.iter().map(|o| &*o.name).collect();
             let tensors = returned_tensors(returned, &names).map_err(|message| self.declared_error(&message))?;
             self.check_declared_outputs(&tensors, rows)?;
@@ -1050,6 +1052,53 @@ pub fn out_of_memory_line(message: &str) -> Option<String> {
         .lines()
         .find(|l| MARKERS.iter().any(|m| l.contains(m)))
         .map(|l| l.trim().trim_start_matches("RuntimeError: ").to_string())
+}
+
+/// Longest stretch of a model's own error message that goes into an answer: its error line,
+/// never a whole traceback.
+pub const MODEL_MESSAGE_MAX_BYTES: usize = 512;
+
+/// What the error `message` of the model's method `method` says about the request: an
+/// allocation failure ([`ModelError::OutOfMemory`]), a fault of the device
+/// ([`ModelError::Runtime`]: the request is not to blame, and another worker may serve it), or
+/// the model's own refusal of this input ([`ModelError::Raised`]), its line bounded by
+/// [`MODEL_MESSAGE_MAX_BYTES`].
+fn method_error(name: &str, method: &str, message: &str) -> ModelError {
+    let name = name.to_string();
+    if let Some(line) = out_of_memory_line(message) {
+        return ModelError::OutOfMemory { name, message: line };
+    }
+    let line = format!("method '{method}': {}", error_line(message));
+    if is_device_fault(message) {
+        ModelError::Runtime { name, message: line }
+    } else {
+        ModelError::Raised { name, message: bounded(&line, MODEL_MESSAGE_MAX_BYTES).to_string() }
+    }
+}
+
+/// Whether a libtorch error is the device's (or its libraries') rather than the model's: CUDA
+/// errors (a device-side assert, an illegal memory access, a launch failure; ROCm's HIP errors),
+/// cuDNN, cuBLAS and the other CUDA libraries, NCCL. Such an error can follow any input (a CUDA error is sticky:
+/// the context may fail every later call), so it is never the request's fault. Looked for
+/// anywhere in the message, as TorchScript puts the error after its traceback.
+pub fn is_device_fault(message: &str) -> bool {
+    const MARKERS: [&str; 13] = [
+        "cuda error",
+        "cuda driver error",
+        "cuda kernel errors",
+        "device-side assert",
+        "illegal memory access",
+        "hip error",
+        "misaligned address",
+        "unspecified launch failure",
+        "cudnn",
+        "cublas",
+        "cusolver",
+        "cufft",
+        "nccl",
+    ];
+    let lower = message.to_ascii_lowercase();
+    MARKERS.iter().any(|m| lower.contains(m))
 }
 
 /// The useful line of a libtorch error: TorchScript puts "The following operation failed"
@@ -1642,6 +1691,57 @@ mod tests {
         assert!(out_of_memory_line("\n  CUDA out of memory. Tried to allocate 2.00 GiB\nframe #0").is_some());
         assert!(out_of_memory_line("Expected 4D input").is_none());
         assert_eq!(error_line(msg.replace("can't allocate memory", "bad shape").as_str()).split(':').next(), Some("RuntimeError"));
+    }
+
+    #[test]
+    fn a_method_error_is_the_input_s_fault_unless_memory_or_the_device_failed() {
+        let traceback = |error: &str| {
+            format!(
+                "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript, serialized code \
+                 (most recent call last):\n  File \"code/__torch__/torch/nn/modules/sparse.py\", line 12, in forward\n    \
+                 _0 = torch.embedding(weight, input)\n{error}\n"
+            )
+        };
+        let check = |message: &str, want: &str| {
+            let got = match method_error("m", "forward", message) {
+                ModelError::OutOfMemory { .. } => "oom",
+                ModelError::Runtime { .. } => "device",
+                ModelError::Raised { .. } => "input",
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(got, want, "{message}");
+        };
+        for input_fault in [
+            traceback("RuntimeError: index out of range in self"),
+            traceback("builtins.ValueError: audio samples must lie in [-1, 1]"),
+            "Expected 4D input for 4D weight [10, 3, 3, 3], but got 3D input\nException raised from ...".to_string(),
+        ] {
+            check(&input_fault, "input");
+        }
+        for device_fault in [
+            "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported at some other API call",
+            "CUDA error: an illegal memory access was encountered",
+            "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
+            "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k)`",
+            "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:219, unhandled cuda error",
+            "CUDA error: misaligned address",
+            "CUDA error: unspecified launch failure",
+        ] {
+            check(&traceback(&format!("RuntimeError: {device_fault}")), "device");
+        }
+        check(&traceback("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"), "oom");
+        check(&traceback("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 5 bytes"), "oom");
+
+        // The model's line, bounded, named by its method: never the traceback.
+        match method_error("m", "forward", &traceback("RuntimeError: index out of range in self")) {
+            ModelError::Raised { message, .. } => assert_eq!(message, "method 'forward': RuntimeError: index out of range in self"),
+            other => panic!("{other:?}"),
+        }
+        let long = traceback(&format!("RuntimeError: {}", "é".repeat(2 * MODEL_MESSAGE_MAX_BYTES)));
+        match method_error("m", "forward", &long) {
+            ModelError::Raised { message, .. } => assert!(message.len() <= MODEL_MESSAGE_MAX_BYTES && message.len() > 500, "{}", message.len()),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -28,6 +28,7 @@ use bytes::Bytes;
 use vramgate_shared::oip::{self, DataType, RawData, Tensor, F16};
 use vramgate_shared::telemetry::context::Carried;
 use vramgate_shared::telemetry::{bounded, LOG_FIELD_MAX_BYTES};
+use vramgate_shared::worker_state;
 
 use crate::config::{AdmissionMode, Secret, WorkerConfig};
 use crate::batching::BatchSizer;
@@ -323,11 +324,16 @@ impl IntoResponse for ApiError {
 
 impl From<ModelError> for ApiError {
     fn from(e: ModelError) -> Self {
-        let status = match e {
-            ModelError::BadInput(_) => StatusCode::BAD_REQUEST,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError::new(status, e.to_string())
+        match e {
+            ModelError::BadInput(_) => ApiError::new(StatusCode::BAD_REQUEST, e.to_string()),
+            // The model refused this input (as Triton and KServe answer it): 400, marked so
+            // that a caller can tell it from a malformed request and need not retry it.
+            ModelError::Raised { .. } => ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).with_header(
+                HeaderName::from_static(worker_state::HEADER_ERROR_KIND),
+                HeaderValue::from_static(worker_state::ERROR_KIND_MODEL),
+            ),
+            _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
     }
 }
 
@@ -707,6 +713,20 @@ mod tests {
 
     fn le(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn the_model_s_own_error_is_a_marked_400_and_a_device_fault_a_500() {
+        let answer = |e: ModelError| {
+            let response = ApiError::from(InferError::Model(e)).into_response();
+            let kind = response.headers().get(worker_state::HEADER_ERROR_KIND).map(|v| v.to_str().expect("ascii").to_string());
+            (response.status().as_u16(), kind)
+        };
+        let (name, message) = ("m".to_string(), "method 'forward': RuntimeError: index out of range in self".to_string());
+        assert_eq!(answer(ModelError::Raised { name: name.clone(), message: message.clone() }), (400, Some("model_error".into())));
+        assert_eq!(answer(ModelError::Runtime { name: name.clone(), message }), (500, None));
+        assert_eq!(answer(ModelError::Panic { name, message: "boom".into() }), (500, None));
+        assert_eq!(answer(ModelError::BadInput("input 'x' must be FP32".into())), (400, None));
     }
 
     #[test]

@@ -11,6 +11,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Most seconds `worker.model_check_wait_seconds` may say (`crate::model_check` waits that long).
+pub const MAX_MODEL_CHECK_WAIT_SECONDS: f64 = 600.0;
+
 use serde::{Deserialize, Serialize};
 
 use vramgate_shared::config::Secret;
@@ -116,6 +119,13 @@ impl GatewayConfig {
         }
         if self.worker.dns.is_some() && !self.worker.urls.is_empty() {
             return Err("worker.dns and worker.urls are both set; keep one".into());
+        }
+        let max_wait = MAX_MODEL_CHECK_WAIT_SECONDS;
+        if !(0.0..=max_wait).contains(&self.worker.model_check_wait_seconds) {
+            return Err(format!(
+                "worker.model_check_wait_seconds must be 0 to {max_wait}, got {}",
+                self.worker.model_check_wait_seconds
+            ));
         }
         if self.delivery == Delivery::ExactlyOnce {
             let id = self.kafka.transactional_id();
@@ -323,6 +333,19 @@ pub struct WorkerEndpoint {
     /// Bearer token sent to workers that require one (`Authorization: Bearer …`; the worker's
     /// `auth_token`). Never printed. Env: `VRAMGATE_GATEWAY_WORKER__AUTH_TOKEN`.
     pub auth_token: Option<Secret>,
+    /// At start-up, how long the gateway waits for a worker of each model a task calls to
+    /// answer with the model's metadata before it consumes (0 to 600). A task whose converter or
+    /// `[[outputs]]` rows do not fit its model stops the gateway. Past the wait the gateway
+    /// consumes without the check, says so in a warning, and checks at the first answer (a
+    /// misfit then stops it too); 0: no wait, the check only in the background
+    /// (`crate::model_check`).
+    pub model_check_wait_seconds: f64,
+}
+
+impl WorkerEndpoint {
+    pub fn model_check_wait(&self) -> Duration {
+        seconds(self.model_check_wait_seconds)
+    }
 }
 
 impl Default for WorkerEndpoint {
@@ -334,6 +357,7 @@ impl Default for WorkerEndpoint {
             routing: Routing::Memory,
             request_timeout_seconds: 60.0,
             auth_token: None,
+            model_check_wait_seconds: 30.0,
         }
     }
 }
@@ -826,6 +850,12 @@ mod tests {
             task.enabled = false;
         }
         assert!(config.validate().is_err());
+
+        for wait in [-1.0, 600.5, f64::NAN] {
+            let mut config = GatewayConfig::default();
+            config.worker.model_check_wait_seconds = wait;
+            assert!(config.validate().expect_err("out of bounds").contains("worker.model_check_wait_seconds must be 0 to 600"), "{wait}");
+        }
     }
 
     #[test]

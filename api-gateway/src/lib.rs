@@ -13,6 +13,7 @@ pub mod failure;
 pub mod health;
 pub mod input;
 pub mod metrics;
+pub mod model_check;
 pub mod pipeline;
 pub mod produce;
 pub mod record;

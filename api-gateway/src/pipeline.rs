@@ -31,6 +31,7 @@ use crate::consume::rebalance::RebalanceContext;
 use crate::input::InputSource;
 use crate::produce::{Outputs, Producer};
 use crate::metrics::Metrics;
+use crate::model_check;
 use crate::record::{Output, Shared};
 use crate::task::Task;
 
@@ -131,14 +132,6 @@ pub async fn run(
     // The one line on stdout: how a supervisor or test finds the metrics port when it was 0.
     println!("metrics on {addr}");
     let _ = std::io::stdout().flush();
-    tracing::info!(
-        topics = ?topics,
-        group = %config.kafka.group_id,
-        input_root = %shared.input.root().display(),
-        metrics = %addr,
-        "api-gateway consuming"
-    );
-
     let consumer = Arc::new(consumer);
     let checks = {
         let mut topics: Vec<String> = Vec::new();
@@ -152,6 +145,33 @@ pub async fn run(
         .iter()
         .map(|t| tokio::spawn(crate::call::discovery::maintain(t.stages.clone(), t.worker_source.clone())))
         .collect();
+    // Nothing is consumed before the tasks are checked against their models (or the wait for
+    // the workers' answers is over): a task that does not fit stops the gateway here.
+    tokio::pin!(shutdown);
+    let unchecked = tokio::select! {
+        checked = model_check::at_start(model_check::pending(&tasks), config.worker.model_check_wait()) => checked,
+        () = &mut shutdown => {
+            checks.abort();
+            discovery.iter().for_each(|d| d.abort());
+            return Ok(());
+        }
+    };
+    let unchecked = match unchecked {
+        Ok(unchecked) => unchecked,
+        Err(misfits) => {
+            tracing::error!(misfits = %misfits, "tasks do not fit their models; stopping");
+            anyhow::bail!("tasks do not fit their models:\n{misfits}");
+        }
+    };
+    let (misfit_found, mut misfit) = tokio::sync::oneshot::channel();
+    let later_checks = tokio::spawn(model_check::later(unchecked, misfit_found));
+    tracing::info!(
+        topics = ?topics,
+        group = %config.kafka.group_id,
+        input_root = %shared.input.root().display(),
+        metrics = %addr,
+        "api-gateway consuming"
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let stop_commits = Arc::new(AtomicBool::new(false));
     let committer = {
@@ -174,7 +194,16 @@ pub async fn run(
             })
             .context("starting the fetch thread")?
     };
-    shutdown.await;
+    // A task checked late (no worker answered at start-up) that does not fit stops the
+    // gateway like a signal, then fails it.
+    let misfits = tokio::select! {
+        () = &mut shutdown => None,
+        Ok(misfits) = &mut misfit => {
+            tracing::error!(misfits = %misfits, "tasks do not fit their models; stopping");
+            Some(misfits)
+        }
+    };
+    later_checks.abort();
     tracing::info!("shutting down: fetching stops, in-flight records finish");
     stop.store(true, Ordering::SeqCst);
     tokio::task::spawn_blocking(move || fetcher.join())
@@ -188,7 +217,10 @@ pub async fn run(
         .await
         .context("joining the commit thread")?
         .map_err(|_| anyhow::anyhow!("the commit thread panicked"))?;
-    Ok(())
+    match misfits {
+        Some(misfits) => anyhow::bail!("tasks do not fit their models:\n{misfits}"),
+        None => Ok(()),
+    }
 }
 
 fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {

@@ -145,6 +145,10 @@ pub enum ErrorKind {
     FetchFailed,
     /// The worker refused the request as invalid (HTTP 4xx).
     WorkerRejected,
+    /// The model itself raised an error on this input, run alone on the worker (a token id
+    /// past an embedding's size, a value out of the model's range): not retried, as it would
+    /// raise again. The message is the model's.
+    ModelError,
     /// The worker could not be reached or kept failing after all retries.
     WorkerUnavailable,
     /// The request did not finish within its deadline.
@@ -171,6 +175,7 @@ impl ErrorKind {
             ErrorKind::InputOutsideRoot => "input_outside_root",
             ErrorKind::FetchFailed => "fetch_failed",
             ErrorKind::WorkerRejected => "worker_rejected",
+            ErrorKind::ModelError => "model_error",
             ErrorKind::WorkerUnavailable => "worker_unavailable",
             ErrorKind::Timeout => "timeout",
             ErrorKind::OutputRejected => "output_rejected",
@@ -395,6 +400,7 @@ mod tests {
             ErrorKind::InputOutsideRoot,
             ErrorKind::FetchFailed,
             ErrorKind::WorkerRejected,
+            ErrorKind::ModelError,
             ErrorKind::WorkerUnavailable,
             ErrorKind::Timeout,
             ErrorKind::OutputRejected,

@@ -6,6 +6,9 @@
 //! In `bytes` admission the figures are bytes of the worker's memory budget; in `count`
 //! admission they are requests (every request costs 1). A model's estimate is the worker's
 //! current fit `bytes ≈ base + per_element × elements` of one request's peak.
+//!
+//! Beside them, on error answers, the kind of error where the status does not tell it
+//! ([`HEADER_ERROR_KIND`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -24,6 +27,13 @@ pub const HEADER_QUEUED: &str = "x-vramgate-queued";
 pub const HEADER_QUEUED_REQUESTS: &str = "x-vramgate-queued-requests";
 /// The model's estimate, `<base bytes>;<bytes per element>`, on answers about one model.
 pub const HEADER_ESTIMATE: &str = "x-vramgate-estimate";
+/// On an error answer whose status alone does not say what failed: the kind of error. Only
+/// [`ERROR_KIND_MODEL`] so far.
+pub const HEADER_ERROR_KIND: &str = "x-vramgate-error-kind";
+/// [`HEADER_ERROR_KIND`] on a 400 for a request the model itself raised an error on, run alone
+/// (neither out of memory nor a device fault): the input's fault, so retrying it (here or on
+/// another worker) cannot help.
+pub const ERROR_KIND_MODEL: &str = "model_error";
 
 /// The unit of a worker's admission figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

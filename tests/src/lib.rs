@@ -435,16 +435,26 @@ impl Service {
     pub async fn terminate(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
         let sent = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status()?;
         anyhow::ensure!(sent.success(), "kill -TERM {} failed", self.pid());
+        self.wait_exit(timeout).await.with_context(|| "after SIGTERM")
+    }
+
+    /// Waits up to `timeout` for the process to exit of itself; returns its status.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait()? {
                 return Ok(status);
             }
             if Instant::now() > deadline {
-                bail!("{} still running {timeout:?} after SIGTERM; log:\n{}", self.name, self.log_tail());
+                bail!("{} still running after {timeout:?}; log:\n{}", self.name, self.log_tail());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// The whole log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
 

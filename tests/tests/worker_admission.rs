@@ -168,7 +168,7 @@ async fn a_real_oom_is_recovered_by_halving_and_not_repeated() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn oversized_is_413_full_queue_is_503_and_a_model_error_is_500() {
+async fn oversized_is_413_full_queue_is_503_and_a_model_error_is_400() {
     let extra = "memory_budget_bytes = 120000000\n[admission]\nmax_queued_requests = 1\nmax_queue_wait_ms = 200\n";
     let checked = ("range_checked", "range_checked_vad.jit", VAD_KEYS, "");
     let worker = start_worker(&worker_config(extra, &[PNET, checked])).await.expect("worker starts");
@@ -194,8 +194,8 @@ async fn oversized_is_413_full_queue_is_503_and_a_model_error_is_500() {
     assert!(odd.is_empty(), "{odd:?}");
     assert!(burst.iter().any(|a| a.status == 200));
 
-    // The model itself refuses samples outside [-1, 1]: that request gets 500, its batch mates
-    // and later requests are served.
+    // The model itself refuses samples outside [-1, 1]: that request, run alone, gets 400 (the
+    // input's fault, counted), its batch mates and later requests are served.
     let http = Arc::new(http);
     let mixed = join_all((0..4).map(|i| {
         let (http, url) = (http.clone(), worker.url.clone());
@@ -210,7 +210,7 @@ async fn oversized_is_413_full_queue_is_503_and_a_model_error_is_500() {
     .await;
     for (i, a) in mixed.iter().enumerate() {
         if i == 2 {
-            assert_eq!(a.status, 500, "{a:?}");
+            assert_eq!(a.status, 400, "{a:?}");
             assert!(a.error.as_deref().unwrap_or("").contains("[-1, 1]"), "{a:?}");
         } else {
             assert_eq!(a.status, 200, "request {i} failed with its bad batch mate: {a:?}");
@@ -219,6 +219,8 @@ async fn oversized_is_413_full_queue_is_503_and_a_model_error_is_500() {
     let after = infer(&http, &worker.url, "range_checked", "audio", vec![1, 1024], vec![0.1; 1024], None).await.expect("sent");
     assert_eq!(after.status, 200);
     assert_eq!(after.output("speech_prob").shape, vec![1, 2]);
+    let text = metrics_text(&http, &worker.url).await.expect("metrics");
+    assert_eq!(metric(&text, "inference_model_errors_total{model=\"range_checked\"}"), 1.0, "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

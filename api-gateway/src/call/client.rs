@@ -1,14 +1,23 @@
 //! Calls the ai-worker over the Open Inference Protocol v2, with tensors in the binary
-//! extension (raw little-endian f32 after the JSON header), and classifies each failure as
-//! worth retrying or not.
+//! extension (raw little-endian values after the JSON header), and classifies each failure as
+//! worth retrying or not; reads a model's metadata (`GET /v2/models/{name}`) for the start-up
+//! check of the task rows (`crate::tasks::fit`).
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use tracing::Instrument;
-use vramgate_shared::telemetry::context;
+use vramgate_shared::telemetry::{bounded, context};
+use vramgate_shared::worker_state;
 use vramgate_shared::config::Secret;
-use vramgate_shared::oip::{self, Tensor, TensorData};
+use vramgate_shared::events::{ErrorKind, Stage};
+use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
+
+use crate::failure::Failure;
+
+/// Largest model metadata read (a model declares at most a few dozen tensors).
+const MAX_METADATA_BYTES: u64 = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
@@ -16,6 +25,11 @@ pub enum CallError {
     /// fit even alone"): don't retry.
     #[error("worker rejected the request with {status}: {message}")]
     Rejected { status: u16, message: String },
+    /// The model itself raised an error on this input, run alone (a 400 marked
+    /// `x-vramgate-error-kind: model_error`): it would raise again anywhere, so don't retry.
+    /// `message` is the worker's, bounded by [`MODEL_MESSAGE_MAX_BYTES`].
+    #[error("{message}")]
+    ModelFailed { message: String },
     /// Healthy but full (503, 429): come back after `retry_after` when it gave one.
     #[error("worker busy ({status}): {message}")]
     Throttled { status: u16, message: String, retry_after: Option<Duration> },
@@ -38,12 +52,18 @@ impl CallError {
     pub fn kind(&self) -> &'static str {
         match self {
             CallError::Rejected { .. } => "rejected",
+            CallError::ModelFailed { .. } => "model_error",
             CallError::Throttled { .. } => "throttled",
             CallError::TimedOut { .. } => "timeout",
             CallError::Failed { .. } => "unavailable",
             CallError::Unreachable { .. } => "unreachable",
             CallError::BadResponse(_) => "bad_response",
         }
+    }
+
+    /// [`CallError::ModelFailed`] with the worker's `message`, bounded.
+    fn model_failed(message: &str) -> CallError {
+        CallError::ModelFailed { message: bounded(message, MODEL_MESSAGE_MAX_BYTES).to_string() }
     }
 
     pub fn is_retryable(&self) -> bool {
@@ -67,11 +87,34 @@ pub struct ModelOutput {
     pub tensors: Vec<OutputTensor>,
 }
 
+/// One output as the worker answered it: any datatype the worker serves (BOOL, UINT8, INT32,
+/// INT64, FP16, FP32), as it came; what reads it says which it takes.
 #[derive(Debug, Clone)]
 pub struct OutputTensor {
     pub name: String,
     pub shape: Vec<usize>,
-    pub data: Vec<f32>,
+    pub data: TensorData,
+}
+
+impl OutputTensor {
+    pub fn datatype(&self) -> DataType {
+        self.data.datatype()
+    }
+
+    /// The values of a floating-point output as `f32` (FP16 widened, exactly), for the steps
+    /// that compute with probabilities or coordinates; another datatype is a failure naming
+    /// the output.
+    pub fn floats(&self) -> Result<Cow<'_, [f32]>, Failure> {
+        match &self.data {
+            TensorData::Fp32(values) => Ok(Cow::Borrowed(values)),
+            TensorData::Fp16(values) => Ok(Cow::Owned(values.iter().map(|v| v.to_f32()).collect())),
+            other => Err(Failure::new(
+                ErrorKind::Internal,
+                Stage::Postprocess,
+                format!("output '{}' is {}; this step needs a floating-point output (FP16, FP32)", self.name, other.datatype().as_str()),
+            )),
+        }
+    }
 }
 
 /// One inference request, encoded once so that retries re-send it without re-encoding.
@@ -184,6 +227,23 @@ impl WorkerClient {
         result
     }
 
+    /// `GET /v2/models/{model}`: the model's declared inputs and outputs, within `timeout`,
+    /// with this client's token and TLS. A 404 (a model the worker does not serve) is
+    /// [`CallError::Rejected`]; a model still loading (503) or no answer is retryable.
+    pub async fn metadata(&self, model: &str, timeout: Duration) -> Result<oip::ModelMetadata, CallError> {
+        let url = format!("{}/v2/models/{model}", self.base);
+        let response = self.http.get(&url).timeout(timeout).send().await.map_err(|e| transport(&url, "asking", &e))?;
+        let status = response.status();
+        if response.content_length().is_some_and(|n| n > MAX_METADATA_BYTES) {
+            return Err(CallError::BadResponse(format!("{url}: metadata of more than {MAX_METADATA_BYTES} bytes")));
+        }
+        let body = response.bytes().await.map_err(|e| transport(&url, "reading the answer from", &e))?;
+        if !status.is_success() {
+            return Err(classify(status, error_message(&body), None));
+        }
+        serde_json::from_slice(&body).map_err(|e| CallError::BadResponse(format!("{url}: not OIP model metadata: {e}")))
+    }
+
     async fn send(
         &self,
         url: &str,
@@ -217,6 +277,7 @@ impl WorkerClient {
             .and_then(|v| v.trim().parse::<f64>().ok())
             .filter(|s| s.is_finite() && *s >= 0.0)
             .map(Duration::from_secs_f64);
+        let model_failed = is_model_error(status, response.headers());
         let header_len = response
             .headers()
             .get(oip::INFERENCE_HEADER_CONTENT_LENGTH)
@@ -224,9 +285,10 @@ impl WorkerClient {
             .and_then(|v| v.parse::<usize>().ok());
         let body = response.bytes().await.map_err(|e| transport(url, "reading the answer from", &e))?;
         if !status.is_success() {
-            let message = serde_json::from_slice::<oip::ErrorBody>(&body)
-                .map(|b| b.error)
-                .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned());
+            let message = error_message(&body);
+            if model_failed {
+                return Err(CallError::model_failed(&message));
+            }
             return Err(classify(status, message, retry_after));
         }
         let (header, tensors) =
@@ -239,18 +301,17 @@ impl WorkerClient {
                 .find(|t| t.as_ref().is_some_and(|t| &t.name == name))
                 .and_then(Option::take)
                 .ok_or_else(|| CallError::BadResponse(format!("no output named '{name}'")))?;
-            match tensor.data {
-                TensorData::Fp32(data) => outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data }),
-                other => {
-                    return Err(CallError::BadResponse(format!(
-                        "output '{name}' is {}, expected FP32",
-                        other.datatype().as_str()
-                    )))
-                }
-            }
+            outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data: tensor.data });
         }
         Ok(ModelOutput { model: header.model_name, tensors: outputs })
     }
+}
+
+/// The `{"error": …}` of a failed answer, or the start of its body.
+fn error_message(body: &[u8]) -> String {
+    serde_json::from_slice::<oip::ErrorBody>(body)
+        .map(|b| b.error)
+        .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned())
 }
 
 fn transport(url: &str, doing: &str, e: &reqwest::Error) -> CallError {
@@ -278,6 +339,19 @@ fn classify(status: StatusCode, message: String, retry_after: Option<Duration>) 
         s if s.is_server_error() => CallError::Failed { message: format!("{status}: {message}") },
         _ => CallError::Rejected { status: code, message },
     }
+}
+
+/// Longest stretch of a model's error message that goes into a dead letter.
+pub const MODEL_MESSAGE_MAX_BYTES: usize = 1024;
+
+/// Whether an error answer is the worker's "the model itself raised on this input, run alone":
+/// a 400 carrying [`worker_state::HEADER_ERROR_KIND`] `model_error` (any other 4xx stays a
+/// plain rejection, any 5xx a failure worth retrying, whatever it carries).
+fn is_model_error(status: StatusCode, headers: &reqwest::header::HeaderMap) -> bool {
+    status == StatusCode::BAD_REQUEST
+        && headers
+            .get(worker_state::HEADER_ERROR_KIND)
+            .is_some_and(|v| v.as_bytes() == worker_state::ERROR_KIND_MODEL.as_bytes())
 }
 
 /// reqwest's top-level message is often just "error sending request"; the cause is below it.
@@ -313,5 +387,28 @@ mod tests {
         let overload = |code: u16| classify(StatusCode::from_u16(code).expect("valid"), "m".into(), None).is_overload();
         assert!(overload(503) && overload(429) && overload(504));
         assert!(!overload(500) && !overload(400));
+    }
+
+    #[test]
+    fn only_a_marked_400_is_the_model_s_error() {
+        let check = |code: u16, kind: Option<&str>, want: bool| {
+            let mut headers = reqwest::header::HeaderMap::new();
+            if let Some(kind) = kind {
+                headers.insert(worker_state::HEADER_ERROR_KIND, kind.parse().expect("a header value"));
+            }
+            let status = StatusCode::from_u16(code).expect("valid code");
+            assert_eq!(is_model_error(status, &headers), want, "{code} {kind:?}");
+        };
+        check(400, Some("model_error"), true);
+        check(400, None, false);
+        check(400, Some("something_else"), false);
+        // The marker on another status is no verdict on the input: a 5xx stays retryable.
+        check(500, Some("model_error"), false);
+        check(422, Some("model_error"), false);
+        let failed = CallError::model_failed("model 'm' raised an error on this input: boom");
+        assert!(!failed.is_retryable() && !failed.is_overload());
+        assert_eq!((failed.kind(), failed.to_string().as_str()), ("model_error", "model 'm' raised an error on this input: boom"));
+        let long = CallError::model_failed(&"é".repeat(MODEL_MESSAGE_MAX_BYTES));
+        assert_eq!(long.to_string().len(), MODEL_MESSAGE_MAX_BYTES);
     }
 }

@@ -5,7 +5,8 @@
 //! - 503/429 (throttled): after the worker's `Retry-After` (or the backoff), without using up
 //!   attempts, for up to `max_retry_seconds` in all;
 //! - 5xx, timeouts, connection errors: exponential backoff with jitter, `max_attempts` calls;
-//! - anything else (4xx, 507, an unusable answer): not at all.
+//! - anything else (4xx, the model's own error on the input, 507, an unusable answer): not at
+//!   all.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -75,6 +76,7 @@ pub fn call_failure(error: CallError) -> Failure {
     let kind = match &error {
         CallError::Rejected { status: 413 | 507, .. } => ErrorKind::InputTooLarge,
         CallError::Rejected { .. } => ErrorKind::WorkerRejected,
+        CallError::ModelFailed { .. } => ErrorKind::ModelError,
         CallError::TimedOut { .. } => ErrorKind::Timeout,
         CallError::Throttled { .. } | CallError::Failed { .. } | CallError::Unreachable { .. } => {
             ErrorKind::WorkerUnavailable
@@ -130,6 +132,7 @@ mod tests {
     fn worker_errors_map_to_dead_letter_kinds() {
         let check = |e: CallError, kind: ErrorKind| assert_eq!(call_failure(e).kind, kind);
         check(CallError::Rejected { status: 400, message: "m".into() }, ErrorKind::WorkerRejected);
+        check(CallError::ModelFailed { message: "m".into() }, ErrorKind::ModelError);
         check(CallError::Rejected { status: 413, message: "m".into() }, ErrorKind::InputTooLarge);
         check(CallError::Failed { message: "m".into() }, ErrorKind::WorkerUnavailable);
         check(CallError::TimedOut { message: "m".into() }, ErrorKind::Timeout);
@@ -159,9 +162,15 @@ mod tests {
             Decision::GiveUp(f) => assert!(f.message.contains("still busy"), "{}", f.message),
             d => panic!("{d:?}"),
         }
-        // A 4xx is never retried.
+        // A 4xx is never retried; nor is the model's own error on the input, which is
+        // dead-lettered after its one call with the model's message.
         let mut policy = RetryPolicy::new(&config, t0);
         let rejected = CallError::Rejected { status: 400, message: "bad".into() };
         assert!(matches!(policy.next(rejected, 1, t0), Decision::GiveUp(_)));
+        let raised = "model 'm' raised an error on this input: method 'forward': RuntimeError: index out of range in self";
+        match policy.next(CallError::ModelFailed { message: raised.into() }, 1, t0) {
+            Decision::GiveUp(f) => assert_eq!((f.kind, f.attempts, f.message.as_str()), (ErrorKind::ModelError, 1, raised)),
+            d => panic!("{d:?}"),
+        }
     }
 }

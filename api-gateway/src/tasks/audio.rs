@@ -23,6 +23,7 @@ use serde_json::json;
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{DataType, Tensor, TensorData, F16};
 
+use super::fit::{Dim, Sent, SentTensor};
 use super::outputs::{InputConverter, ModelInput};
 use crate::audio::decode::{self, DecodeError, Header};
 use crate::audio::resample;
@@ -132,6 +133,22 @@ impl AudioOptions {
         }
     }
 
+    /// Dimensions of [`shape`](Self::shape) not sent: the leading 1 for a model without a
+    /// batch dimension (frames keep theirs: it is the frame count).
+    fn unbatched(&self) -> usize {
+        usize::from(!self.batch && self.frames.is_none())
+    }
+
+    /// The model input's shape as far as the settings fix it (the samples or frames vary).
+    fn sent_shape(&self) -> Vec<Dim> {
+        let shape = match (self.length, self.frames) {
+            (Some(length), _) => [Dim::Fixed(1), Dim::Fixed(length)],
+            (None, Some(f)) => [Dim::Any, Dim::Fixed(f.size)],
+            (None, None) => [Dim::Fixed(1), Dim::Any],
+        };
+        shape[self.unbatched()..].to_vec()
+    }
+
     /// Samples at the model's rate for `frames` frames at `rate`.
     fn resampled_len(&self, frames: u64, rate: u32) -> u64 {
         (u128::from(frames) * u128::from(self.sample_rate_hz)).div_ceil(u128::from(rate.max(1))).min(u128::from(u64::MAX)) as u64
@@ -189,6 +206,11 @@ impl AudioInput {
 }
 
 impl InputConverter for AudioInput {
+    fn sends(&self) -> Sent {
+        let o = &self.options;
+        Sent::One(SentTensor::new("audio.input", &o.input, Some(o.datatype), Some(o.sent_shape())))
+    }
+
     fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
         let header = self.checked_header(bytes)?;
         // A length the container does not state is counted at the limit.
@@ -222,8 +244,7 @@ impl InputConverter for AudioInput {
             DataType::Fp16 => TensorData::Fp16(values.iter().map(|&v| F16::from_f64(f64::from(v)).unwrap_or_default()).collect()),
             _ => TensorData::Fp32(values),
         };
-        let shape_sent = if self.options.batch || self.options.frames.is_some() { &shape[..] } else { &shape[1..] };
-        let tensor = Tensor { name: self.options.input.clone(), shape: shape_sent.to_vec(), data };
+        let tensor = Tensor { name: self.options.input.clone(), shape: shape[self.options.unbatched()..].to_vec(), data };
         let mut input = json!({
             "format": header.container.as_str(),
             "duration_seconds": (duration_seconds * 1000.0).round() / 1000.0,

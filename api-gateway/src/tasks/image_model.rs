@@ -3,6 +3,7 @@
 //! Apart from `image` so that `outputs` may read `image` (face boxes) without a circle.
 
 use super::image::{tensor, ImageOptions};
+use super::fit::{Dim, Sent, SentTensor};
 use super::outputs::{InputConverter, ModelInput};
 use crate::failure::Failure;
 
@@ -19,5 +20,10 @@ impl InputConverter for ImageInput {
     fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
         let (tensor, input, placement) = tensor::convert(bytes, &self.options)?;
         Ok(ModelInput { tensors: vec![tensor], input, placement: Some(placement) })
+    }
+
+    fn sends(&self) -> Sent {
+        let shape = tensor::shape(&self.options).into_iter().map(Dim::Fixed).collect();
+        Sent::One(SentTensor::new("image.input", &self.options.input, Some(self.options.datatype), Some(shape)))
     }
 }

@@ -15,6 +15,7 @@
 //!    workers and permits ([`Converter::stage_models`]).
 
 pub mod audio;
+pub mod fit;
 pub mod image;
 pub mod image_model;
 pub mod outputs;
@@ -36,6 +37,13 @@ pub trait Converter: Send + Sync {
     /// The models its later calls go to, by name: stage 0 is the task's `model`, stage `i` is
     /// this list's `i - 1`th. Each gets its own workers and GPU permits.
     fn stage_models(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// What it sends each of its models and asks of them, by stage (as
+    /// [`stage_models`](Self::stage_models) counts them), for the start-up check against the
+    /// models' metadata ([`fit`]); empty: nothing to check.
+    fn uses(&self) -> Vec<fit::ModelUse> {
         Vec::new()
     }
 }

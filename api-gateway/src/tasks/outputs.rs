@@ -23,11 +23,20 @@
 //!   "x2", "y2", "score"}, ...]}` in the input image's pixels, through `threshold`, `nms_iou` and
 //!   `max_faces`: what the image task's `proposals` mode answers, on the configured path.
 //!
+//! Datatypes ([`READ`]: every one the worker serves): raw values go out as they are, integers as
+//! exact JSON integers (an INT64 is never rounded through a float), BOOL as booleans, FP16
+//! widened to FP32 exactly. A step takes the datatypes it makes sense for ([`PostOp::fits`]):
+//! softmax, sigmoid, speech segments and face boxes floating point; argmax and top-k any (BOOL
+//! as `false < true`); threshold any number (an integer compared exactly). The start-up check
+//! ([`super::fit`]) refuses a row whose output's datatype its steps do not take; an answer that
+//! still comes in such a datatype fails its event (`internal`), never guessed at.
+//!
 //! Bounds: at most [`MAX_OUTPUT_RULES`] rows; a model output holding more than the task's
 //! `max_output_elements` values is a dead letter (`output_rejected`) naming the output and the
 //! limit, before any post-processing; `top_k` at most [`MAX_TOP_K`]; a labels file at most
 //! [`MAX_LABELS_BYTES`] and [`MAX_LABELS`] lines, each label cut to [`MAX_LABEL_BYTES`].
 
+use std::cmp::Ordering;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -37,8 +46,9 @@ use vramgate_shared::events::{ErrorKind, Stage};
 
 use super::image::{faces, ImageOptions, Placement};
 use super::voice::SegmentConfig;
-use vramgate_shared::oip::Tensor;
+use vramgate_shared::oip::{DataType, Tensor, TensorData};
 
+use super::fit::{Asked, ModelUse, Sent, Takes};
 use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::audio::segments::{speech_segments, SegmentParams};
 use crate::call::client::OutputTensor;
@@ -83,7 +93,44 @@ impl PostOp {
     fn is_terminal(self) -> bool {
         matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments | PostOp::FaceBoxes)
     }
+
+    /// Its name in a row's `post`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PostOp::Softmax => "softmax",
+            PostOp::Sigmoid => "sigmoid",
+            PostOp::Argmax => "argmax",
+            PostOp::TopK => "top_k",
+            PostOp::Threshold => "threshold",
+            PostOp::SpeechSegments => "speech_segments",
+            PostOp::FaceBoxes => "face_boxes",
+        }
+    }
+
+    /// Whether this step takes an output of `datatype` (one the gateway reads, [`READ`]); why
+    /// not when it does not. Arithmetic on probabilities and coordinates needs floating point;
+    /// ranking and comparing take integers too; ranking takes booleans (`false < true`), whose
+    /// threshold is already decided.
+    pub fn fits(self, datatype: DataType) -> Result<(), String> {
+        let floating = matches!(datatype, DataType::Fp16 | DataType::Fp32);
+        let integer = matches!(datatype, DataType::Uint8 | DataType::Int32 | DataType::Int64);
+        let (fits, needs) = match self {
+            PostOp::Softmax | PostOp::Sigmoid | PostOp::SpeechSegments | PostOp::FaceBoxes => {
+                (floating, "a floating-point output (FP16, FP32)")
+            }
+            PostOp::Argmax | PostOp::TopK => (floating || integer || datatype == DataType::Bool, "a numeric or BOOL output"),
+            PostOp::Threshold => (floating || integer, "a numeric output (a BOOL output is already decided)"),
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(format!("{} needs {needs}", self.as_str()))
+        }
+    }
 }
+
+/// The output datatypes the gateway reads: every one the worker serves.
+pub const READ: [DataType; 6] = [DataType::Bool, DataType::Uint8, DataType::Int32, DataType::Int64, DataType::Fp16, DataType::Fp32];
 
 /// One `[[tasks.<name>.outputs]]` row: a model output to ask for and what to do with it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -142,6 +189,19 @@ fn default_threshold() -> f32 {
 }
 
 impl OutputRule {
+    /// The row as its TOML says it, for messages: `name = "length", post = ["softmax"]`.
+    pub fn describe(&self) -> String {
+        let mut text = format!("name = {:?}", self.name);
+        if !self.post.is_empty() {
+            let post: Vec<String> = self.post.iter().map(|op| format!("{:?}", op.as_str())).collect();
+            text.push_str(&format!(", post = [{}]", post.join(", ")));
+        }
+        if let Some(boxes) = &self.boxes {
+            text.push_str(&format!(", boxes = {boxes:?}"));
+        }
+        text
+    }
+
     /// Checks what the types cannot; `at` is the row's key (`outputs[0]`).
     fn validate(&self, at: &str) -> Result<(), String> {
         if self.name.is_empty() || self.name.len() > 128 {
@@ -192,6 +252,31 @@ impl OutputRule {
         }
         Ok(())
     }
+}
+
+/// The outputs a task's `[[outputs]]` rows ask for (`super::fit` compares them with the
+/// model's declaration): each row's, and the box regressions a `face_boxes` row reads.
+pub fn asked<'a>(rules: impl IntoIterator<Item = &'a OutputRule>) -> Vec<Asked> {
+    let mut all = Vec::new();
+    for (i, rule) in rules.into_iter().enumerate() {
+        let by = format!("[[outputs]] row {} ({})", i + 1, rule.describe());
+        let takes = Takes::Steps(DataType::ALL.iter().map(|&d| (d, post_fits(&rule.post, d))).collect());
+        if let Some(boxes) = &rule.boxes {
+            all.push(Asked { by: by.clone(), name: boxes.clone(), takes: takes.clone() });
+        }
+        all.push(Asked { by, name: rule.name.clone(), takes });
+    }
+    all
+}
+
+/// Whether an output of `datatype` may go through `post`: a datatype the gateway reads
+/// ([`READ`]), and one each step takes; why not when it may not.
+pub fn post_fits(post: &[PostOp], datatype: DataType) -> Result<(), String> {
+    if !READ.contains(&datatype) {
+        let read: Vec<&str> = READ.iter().map(|d| d.as_str()).collect();
+        return Err(format!("{} is a datatype the gateway does not read ({})", datatype.as_str(), read.join(", ")));
+    }
+    post.iter().try_for_each(|op| op.fits(datatype))
 }
 
 /// Checks a task's output rows (`tasks.<name>.` is prefixed by the caller).
@@ -249,6 +334,11 @@ impl Outputs {
 
     pub fn names(&self) -> &'static [&'static str] {
         self.names
+    }
+
+    /// The rows, in order.
+    pub fn rules(&self) -> impl Iterator<Item = &OutputRule> {
+        self.rules.iter().map(|(rule, _)| rule)
     }
 
     /// Whether a row turns probabilities into speech segments (which needs the audio's
@@ -333,50 +423,78 @@ fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor, in
             format!("output '{}' has shape {shape:?} but {} values", rule.name, tensor.data.len()),
         ));
     }
-    // A scalar or empty-row output has no last dimension to work along: one row of its values.
-    let row_len = shape.last().copied().filter(|_| !shape.is_empty()).unwrap_or(1).max(1);
-    let row_shape = if shape.is_empty() { Vec::new() } else { shape[..shape.len() - 1].to_vec() };
-    let mut values = tensor.data.clone();
+    let datatype = tensor.datatype().as_str();
+    let refused = |why: String| Failure::new(ErrorKind::Internal, Stage::Postprocess, format!("output '{}' ({datatype}): {why}", rule.name));
+    post_fits(&rule.post, tensor.datatype()).map_err(refused)?;
+    match &tensor.data {
+        TensorData::Fp32(values) => floats(rule, labels, shape, values.clone(), input),
+        TensorData::Fp16(values) => floats(rule, labels, shape, values.iter().map(|v| v.to_f32()).collect(), input),
+        TensorData::Int64(values) => Ok(last_step(rule, labels, shape, values)),
+        TensorData::Int32(values) => Ok(last_step(rule, labels, shape, values)),
+        TensorData::Uint8(values) => Ok(last_step(rule, labels, shape, values)),
+        TensorData::Bool(values) => Ok(last_step(rule, labels, shape, values)),
+        _ => Err(refused("a datatype the gateway does not read".into())),
+    }
+}
+
+/// A floating-point output (FP16 widened) through its rule: the transforms, then the last step.
+fn floats(rule: &OutputRule, labels: Option<&[String]>, shape: &[usize], mut values: Vec<f32>, input: &Value) -> Result<Value, Failure> {
+    let row_len = row_len(shape);
     for op in &rule.post {
         match op {
             PostOp::SpeechSegments => return segments(rule, &values, input),
-            PostOp::FaceBoxes => unreachable!("face_boxes rows are rendered by face_boxes()"),
             PostOp::Softmax => values.chunks_mut(row_len).for_each(softmax),
             PostOp::Sigmoid => values.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
-            PostOp::Threshold => {
-                let above: Vec<bool> = values.iter().map(|&v| v >= rule.threshold).collect();
-                return Ok(json!({ "shape": shape, "data": above }));
-            }
-            PostOp::Argmax => {
-                let index: Vec<usize> = values.chunks(row_len).map(argmax).collect();
-                let mut out = json!({ "shape": row_shape, "index": index });
-                if let Some(labels) = labels {
-                    out["label"] = index.iter().map(|&i| label(labels, i)).collect();
-                }
-                return Ok(out);
-            }
-            PostOp::TopK => {
-                let rows: Vec<Value> = values
-                    .chunks(row_len)
-                    .map(|row| {
-                        top_k(row, rule.top_k)
-                            .into_iter()
-                            .map(|(index, score)| {
-                                let mut entry = json!({ "index": index, "score": finite(score) });
-                                if let Some(labels) = labels {
-                                    entry["label"] = label(labels, index);
-                                }
-                                entry
-                            })
-                            .collect()
-                    })
-                    .collect();
-                return Ok(json!({ "shape": row_shape, "top_k": rows }));
-            }
+            _ => {}
         }
     }
-    let data: Vec<Value> = values.into_iter().map(finite).collect();
-    Ok(json!({ "shape": shape, "data": data }))
+    Ok(last_step(rule, labels, shape, &values))
+}
+
+/// The values of a row's length: the last dimension's (a scalar or empty-row output has no last
+/// dimension to work along: one row of its values).
+fn row_len(shape: &[usize]) -> usize {
+    shape.last().copied().unwrap_or(1).max(1)
+}
+
+/// The rule's last step (`threshold`, `argmax`, `top_k`) on the values of any datatype, or the
+/// values as they are.
+fn last_step<T: Element>(rule: &OutputRule, labels: Option<&[String]>, shape: &[usize], values: &[T]) -> Value {
+    let row_len = row_len(shape);
+    let row_shape = &shape[..shape.len().saturating_sub(1)];
+    match rule.post.last() {
+        Some(PostOp::Threshold) => {
+            let above: Vec<bool> = values.iter().map(|v| v.at_least(rule.threshold)).collect();
+            json!({ "shape": shape, "data": above })
+        }
+        Some(PostOp::Argmax) => {
+            let index: Vec<usize> = values.chunks(row_len).map(argmax).collect();
+            let mut out = json!({ "shape": row_shape, "index": index });
+            if let Some(labels) = labels {
+                out["label"] = index.iter().map(|&i| label(labels, i)).collect();
+            }
+            out
+        }
+        Some(PostOp::TopK) => {
+            let rows: Vec<Value> = values
+                .chunks(row_len)
+                .map(|row| {
+                    top_k(row, rule.top_k)
+                        .into_iter()
+                        .map(|(index, score)| {
+                            let mut entry = json!({ "index": index, "score": score.json() });
+                            if let Some(labels) = labels {
+                                entry["label"] = label(labels, index);
+                            }
+                            entry
+                        })
+                        .collect()
+                })
+                .collect();
+            json!({ "shape": row_shape, "top_k": rows })
+        }
+        _ => json!({ "shape": shape, "data": values.iter().map(|v| v.json()).collect::<Vec<Value>>() }),
+    }
 }
 
 /// Speech segments from the probabilities of the audio `input` describes.
@@ -417,16 +535,91 @@ fn face_boxes(rule: &OutputRule, prob: &OutputTensor, tensors: &[OutputTensor], 
     let placement = placement.ok_or_else(|| internal(format!("output '{}': face_boxes needs an image's placement", rule.name)))?;
     let options =
         ImageOptions { threshold: rule.threshold, nms_iou: rule.nms_iou, max_faces: rule.max_faces, ..ImageOptions::default() };
-    let found = faces(&prob.data, &prob.shape, &boxes.data, placement, &options)?;
+    let found = faces(&prob.floats()?, &prob.shape, &boxes.floats()?, placement, &options)?;
     Ok(json!({ "faces": found }))
 }
 
-/// JSON has no NaN or infinity: they are written as `null`.
-fn finite(v: f32) -> Value {
-    if v.is_finite() {
-        json!(v)
+/// An output value as the last steps read it: the worker's datatypes but FP16 (widened to
+/// `f32` first). Integers go out as exact JSON integers, booleans as booleans, floats as
+/// numbers (NaN and infinity as `null`: JSON has neither).
+trait Element: Copy {
+    fn json(self) -> Value;
+    /// A total order for `argmax` and `top_k`: NaN below everything (it never wins), equal
+    /// values equal (the lower index wins a tie).
+    fn order(self, other: Self) -> Ordering;
+    /// `value ≥ threshold`, exactly (an `i64` is not rounded to a float to compare).
+    fn at_least(self, threshold: f32) -> bool;
+}
+
+impl Element for f32 {
+    fn json(self) -> Value {
+        if self.is_finite() {
+            json!(self)
+        } else {
+            Value::Null
+        }
+    }
+
+    fn order(self, other: Self) -> Ordering {
+        match (self.is_nan(), other.is_nan()) {
+            (true, true) => Ordering::Equal,
+            (true, false) => Ordering::Less,
+            (false, true) => Ordering::Greater,
+            (false, false) => self.partial_cmp(&other).unwrap_or(Ordering::Equal),
+        }
+    }
+
+    fn at_least(self, threshold: f32) -> bool {
+        self >= threshold
+    }
+}
+
+/// `v ≥ threshold` for an integer `v`: `v ≥ ⌈threshold⌉`, in integers.
+fn int_at_least(v: i64, threshold: f32) -> bool {
+    let ceiling = f64::from(threshold).ceil();
+    // 2^63: the first value past i64::MAX (and -2^63 is i64::MIN, exactly).
+    const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+    if ceiling.is_nan() || ceiling >= TWO_63 {
+        false
+    } else if ceiling < -TWO_63 {
+        true
     } else {
-        Value::Null
+        v >= ceiling as i64
+    }
+}
+
+macro_rules! integer_element {
+    ($($t:ty),*) => {$(
+        impl Element for $t {
+            fn json(self) -> Value {
+                json!(self)
+            }
+
+            fn order(self, other: Self) -> Ordering {
+                self.cmp(&other)
+            }
+
+            fn at_least(self, threshold: f32) -> bool {
+                int_at_least(i64::from(self), threshold)
+            }
+        }
+    )*};
+}
+
+integer_element!(i64, i32, u8);
+
+/// `false < true`, as numpy orders booleans (`threshold` refuses them: they are decided).
+impl Element for bool {
+    fn json(self) -> Value {
+        Value::Bool(self)
+    }
+
+    fn order(self, other: Self) -> Ordering {
+        self.cmp(&other)
+    }
+
+    fn at_least(self, threshold: f32) -> bool {
+        f32::from(u8::from(self)) >= threshold
     }
 }
 
@@ -447,10 +640,10 @@ fn softmax(row: &mut [f32]) {
 }
 
 /// The first index of the largest value (NaN never wins).
-fn argmax(row: &[f32]) -> usize {
+fn argmax<T: Element>(row: &[T]) -> usize {
     let mut best = 0;
     for (i, &v) in row.iter().enumerate() {
-        if v > row[best] || row[best].is_nan() && !v.is_nan() {
+        if v.order(row[best]) == Ordering::Greater {
             best = i;
         }
     }
@@ -458,12 +651,9 @@ fn argmax(row: &[f32]) -> usize {
 }
 
 /// The `k` largest of a row, highest first, ties by the lower index; NaN last.
-fn top_k(row: &[f32], k: usize) -> Vec<(usize, f32)> {
-    let mut indexed: Vec<(usize, f32)> = row.iter().copied().enumerate().collect();
-    let order = |a: &(usize, f32), b: &(usize, f32)| {
-        let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
-        key(b.1).total_cmp(&key(a.1)).then(a.0.cmp(&b.0))
-    };
+fn top_k<T: Element>(row: &[T], k: usize) -> Vec<(usize, T)> {
+    let mut indexed: Vec<(usize, T)> = row.iter().copied().enumerate().collect();
+    let order = |a: &(usize, T), b: &(usize, T)| b.1.order(a.1).then(a.0.cmp(&b.0));
     let k = k.min(indexed.len());
     if k < indexed.len() && k > 0 {
         indexed.select_nth_unstable_by(k - 1, order);
@@ -492,6 +682,10 @@ pub trait InputConverter: Send + Sync {
     fn probe(&self, bytes: &[u8]) -> Result<u64, Failure>;
 
     fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure>;
+
+    /// The tensors it sends, as far as its settings fix them (checked against the model's
+    /// metadata at start-up, [`super::fit`]).
+    fn sends(&self) -> Sent;
 }
 
 /// A configured task: its converter's input side, one call, then the task's `[[outputs]]`
@@ -510,6 +704,10 @@ impl Converter for ConfiguredTask {
     fn plan(&self, options: Option<&Value>) -> Result<Arc<dyn Plan>, Failure> {
         super::no_options(options)?;
         Ok(self.plan.clone())
+    }
+
+    fn uses(&self) -> Vec<ModelUse> {
+        vec![ModelUse { inputs: self.plan.input.sends(), outputs: asked(self.plan.outputs.rules()) }]
     }
 }
 
@@ -548,6 +746,8 @@ impl Finish for OutputsFinish {
 
 #[cfg(test)]
 mod tests {
+    use vramgate_shared::oip::F16;
+
     use super::*;
 
     fn rule(json_text: &str) -> OutputRule {
@@ -555,7 +755,11 @@ mod tests {
     }
 
     fn tensor(name: &str, shape: Vec<usize>, data: Vec<f32>) -> OutputTensor {
-        OutputTensor { name: name.into(), shape, data }
+        typed(name, shape, data)
+    }
+
+    fn typed(name: &str, shape: Vec<usize>, data: impl Into<TensorData>) -> OutputTensor {
+        OutputTensor { name: name.into(), shape, data: data.into() }
     }
 
     #[test]
@@ -664,6 +868,100 @@ mod tests {
         ] {
             assert!(validate(&[rule(bad)], 10).expect_err(want).contains(want));
         }
+    }
+
+    /// Renders `data` (shape `[2, 2]`) through the row `rule` (JSON without the name) and
+    /// compares the JSON text, so that an integer written as a float would show.
+    fn check(data: impl Into<TensorData>, rule_keys: &str, want: &str) {
+        let keys = if rule_keys.is_empty() { String::new() } else { format!(", {rule_keys}") };
+        let r = rule(&format!(r#"{{"name": "y"{keys}}}"#));
+        let outputs = Outputs::load(&[r], 100).expect("loads");
+        let value = outputs.render(&[typed("y", vec![2, 2], data)], &Value::Null, None).expect("renders");
+        assert_eq!(value["y"].to_string(), want, "{rule_keys}");
+    }
+
+    #[test]
+    fn every_datatype_the_worker_serves_renders_raw_as_json() {
+        let big = (1i64 << 53) + 1;
+        check(vec![big, -1, i64::MAX, i64::MIN], "", &format!(r#"{{"data":[{big},-1,{},{}],"shape":[2,2]}}"#, i64::MAX, i64::MIN));
+        check(vec![i32::MAX, -7, 0, i32::MIN], "", &format!(r#"{{"data":[{},-7,0,{}],"shape":[2,2]}}"#, i32::MAX, i32::MIN));
+        check(vec![0u8, 1, 128, 255], "", r#"{"data":[0,1,128,255],"shape":[2,2]}"#);
+        check(vec![true, false, false, true], "", r#"{"data":[true,false,false,true],"shape":[2,2]}"#);
+        let halves: Vec<F16> = [0.5, -2.0, 65504.0, 0.1].iter().map(|&v| F16::from_f64(v).expect("a half")).collect();
+        // As FP32 values are: the exact value, widened to f64 by serde_json.
+        check(halves, "", r#"{"data":[0.5,-2.0,65504.0,0.0999755859375],"shape":[2,2]}"#);
+        check(vec![0.25f32, f32::NAN, f32::INFINITY, -1.5], "", r#"{"data":[0.25,null,null,-1.5],"shape":[2,2]}"#);
+    }
+
+    #[test]
+    fn ranking_and_thresholds_take_integers_and_booleans_exactly() {
+        let big = i64::MAX - 1;
+        check(vec![3i64, big, 7, 7], r#""post": ["argmax"]"#, r#"{"index":[1,0],"shape":[2]}"#);
+        check(vec![false, true, false, false], r#""post": ["argmax"]"#, r#"{"index":[1,0],"shape":[2]}"#);
+        check(vec![5u8, 9, 9, 2], r#""post": ["top_k"], "top_k": 2"#, r#"{"shape":[2],"top_k":[[{"index":1,"score":9},{"index":0,"score":5}],[{"index":0,"score":9},{"index":1,"score":2}]]}"#);
+        check(vec![big, i64::MAX, -4, 0], r#""post": ["top_k"], "top_k": 1"#, &format!(r#"{{"shape":[2],"top_k":[[{{"index":1,"score":{}}}],[{{"index":1,"score":0}}]]}}"#, i64::MAX));
+        check(vec![false, true, true, true], r#""post": ["top_k"], "top_k": 1"#, r#"{"shape":[2],"top_k":[[{"index":1,"score":true}],[{"index":0,"score":true}]]}"#);
+        check(vec![2i32, 3, -2, -1], r#""post": ["threshold"], "threshold": 2.5"#, r#"{"data":[false,true,false,false],"shape":[2,2]}"#);
+        check(vec![2i32, 3, -2, -1], r#""post": ["threshold"], "threshold": -1.5"#, r#"{"data":[true,true,false,true],"shape":[2,2]}"#);
+        let halves: Vec<F16> = [0.0, 0.0, 1.0, 3.0].iter().map(|&v| F16::from_f64(v).expect("a half")).collect();
+        check(halves, r#""post": ["softmax", "argmax"]"#, r#"{"index":[0,1],"shape":[2]}"#);
+    }
+
+    #[test]
+    fn integers_are_compared_with_a_threshold_without_rounding() {
+        for (value, threshold, want) in [
+            (2i64, 1.5f32, true),
+            (1, 1.5, false),
+            (-1, -1.5, true),
+            (-2, -1.5, false),
+            (3, 3.0, true),
+            // 2^63 as an f32: above every i64; -2^63: i64::MIN itself.
+            (i64::MAX, 9.223_372e18, false),
+            (i64::MIN, -9.223_372e18, true),
+            (i64::MIN, f32::MIN, true),
+            ((1 << 53) + 1, 9.007_199e15, true),
+        ] {
+            assert_eq!(int_at_least(value, threshold), want, "{value} >= {threshold}");
+        }
+    }
+
+    #[test]
+    fn each_step_takes_the_datatypes_it_makes_sense_for() {
+        use DataType::*;
+        let check = |op: PostOp, takes: &[DataType]| {
+            for datatype in DataType::ALL {
+                let fits = post_fits(&[op], datatype);
+                assert_eq!(fits.is_ok(), takes.contains(&datatype), "{} on {}: {fits:?}", op.as_str(), datatype.as_str());
+            }
+        };
+        check(PostOp::Softmax, &[Fp16, Fp32]);
+        check(PostOp::Sigmoid, &[Fp16, Fp32]);
+        check(PostOp::SpeechSegments, &[Fp16, Fp32]);
+        check(PostOp::FaceBoxes, &[Fp16, Fp32]);
+        check(PostOp::Argmax, &[Bool, Uint8, Int32, Int64, Fp16, Fp32]);
+        check(PostOp::TopK, &[Bool, Uint8, Int32, Int64, Fp16, Fp32]);
+        check(PostOp::Threshold, &[Uint8, Int32, Int64, Fp16, Fp32]);
+        assert_eq!(post_fits(&[], Uint64).expect_err("unread"), "UINT64 is a datatype the gateway does not read (BOOL, UINT8, INT32, INT64, FP16, FP32)");
+        assert_eq!(post_fits(&[PostOp::Softmax], Int64).expect_err("no softmax"), "softmax needs a floating-point output (FP16, FP32)");
+        // An output of a datatype its row does not take is refused, not guessed at, when the
+        // start-up check could not run.
+        let outputs = Outputs::load(&[rule(r#"{"name": "length", "post": ["softmax"]}"#)], 100).expect("loads");
+        let err = outputs.render(&[typed("length", vec![2], vec![3i64, 4])], &Value::Null, None).expect_err("INT64 softmax");
+        assert_eq!((err.kind, err.stage), (ErrorKind::Internal, Stage::Postprocess));
+        assert_eq!(err.message, "output 'length' (INT64): softmax needs a floating-point output (FP16, FP32)");
+        let boxes = Outputs::load(&[rule(r#"{"name": "p", "post": ["face_boxes"], "boxes": "b"}"#)], 100).expect("loads");
+        let placement = Placement { scale_x: 1.0, scale_y: 1.0, pad_x: 0.0, pad_y: 0.0, width: 1, height: 1 };
+        let err = boxes
+            .render(&[tensor("p", vec![1, 2, 1, 1], vec![0.1, 0.9]), typed("b", vec![1, 4, 1, 1], vec![0i32; 4])], &Value::Null, Some(&placement))
+            .expect_err("INT32 boxes");
+        assert!(err.message.contains("output 'b' is INT32; this step needs a floating-point output"), "{}", err.message);
+    }
+
+    #[test]
+    fn rows_describe_themselves_as_their_toml() {
+        assert_eq!(rule(r#"{"name": "length"}"#).describe(), r#"name = "length""#);
+        assert_eq!(rule(r#"{"name": "l", "post": ["softmax", "top_k"]}"#).describe(), r#"name = "l", post = ["softmax", "top_k"]"#);
+        assert_eq!(rule(r#"{"name": "p", "post": ["face_boxes"], "boxes": "b"}"#).describe(), r#"name = "p", post = ["face_boxes"], boxes = "b""#);
     }
 
     #[test]

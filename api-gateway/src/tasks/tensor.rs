@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{self, DataType, DecodeLimits, Tensor};
 
+use super::fit::{Sent, SentTensor};
 use super::outputs::{InputConverter, ModelInput};
 use crate::failure::Failure;
 
@@ -214,6 +215,17 @@ fn cut(s: &str) -> String {
 }
 
 impl InputConverter for TensorInput {
+    fn sends(&self) -> Sent {
+        let datatype = self.options.datatype;
+        match &self.options.inputs {
+            Some(names) => Sent::Named {
+                key: format!("tensor.inputs = {names:?}"),
+                tensors: names.iter().map(|name| SentTensor::new("tensor.inputs", name, datatype, None)).collect(),
+            },
+            None => Sent::One(SentTensor::new("tensor.input", &self.options.input, datatype, None)),
+        }
+    }
+
     fn probe(&self, bytes: &[u8]) -> Result<u64, Failure> {
         // The parsed JSON, the request body rebuilt from it, and the tensor. A value takes at
         // least two bytes of JSON ("0,"), 32 parsed (a `serde_json::Value`, and at most

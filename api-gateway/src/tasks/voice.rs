@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
 use vramgate_shared::oip::{Tensor, TensorData};
 
+use super::fit::{Dim, ModelUse};
 use super::{only_answer, Converted as ModelInput, Converter, Finish, Plan, Step};
 use crate::audio::wav::{self, WavInfo};
 use crate::audio::{self, segments::SegmentParams};
@@ -194,6 +195,10 @@ impl Converter for VoiceTask {
         let params = VoiceOptions::parse(options)?.params(&self.wav.segments);
         Ok(Arc::new(VoicePlan { params, max_audio_seconds: self.wav.max_audio_seconds }))
     }
+
+    fn uses(&self) -> Vec<ModelUse> {
+        vec![ModelUse::built_in("wav", MODEL_INPUT, vec![Dim::Fixed(1), Dim::Any], &[MODEL_OUTPUT])]
+    }
 }
 
 struct VoicePlan {
@@ -223,8 +228,11 @@ struct VoiceFinish {
 impl Finish for VoiceFinish {
     fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
         let tensors = only_answer(answers)?;
-        let probs = tensors.first().map_or(&[][..], |t| t.data.as_slice());
-        let output = serde_json::to_value(output(probs, &self.converted, &self.params)).expect("voice outputs always serialise");
+        let probs = match tensors.first() {
+            Some(tensor) => tensor.floats()?,
+            None => Default::default(),
+        };
+        let output = serde_json::to_value(output(&probs, &self.converted, &self.params)).expect("voice outputs always serialise");
         Ok(Step::Done(output))
     }
 }

@@ -130,7 +130,7 @@ impl Finish for Pyramid {
             let [prob, offsets] = &answer[..] else {
                 return Err(internal(format!("P-Net answered {} outputs; it gives two", answer.len())));
             };
-            proposals.extend(mtcnn::proposals(&prob.data, &prob.shape, &offsets.data, scale, self.options.thresholds[0])?);
+            proposals.extend(mtcnn::proposals(&prob.floats()?, &prob.shape, &offsets.floats()?, scale, self.options.thresholds[0])?);
         }
         let candidates = mtcnn::refine_proposals(proposals);
         next_stage(self.image, candidates, Next::Refine, self.options)
@@ -233,7 +233,7 @@ impl Finish for Candidates {
                 return Err(internal(format!("{network} answered {} outputs; it gives {want}", answer.len())));
             }
             for (all, tensor) in joined.iter_mut().zip(answer) {
-                all.extend_from_slice(&tensor.data);
+                all.extend_from_slice(&tensor.floats()?);
             }
         }
         match self.next {

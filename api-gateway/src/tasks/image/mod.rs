@@ -42,7 +42,9 @@ use serde::{Deserialize, Serialize};
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{DataType, Tensor, TensorData};
 
+use self::mtcnn::{ONET_SIDE, RNET_SIDE};
 use self::tensor::{ChannelOrder, Layout};
+use super::fit::ModelUse;
 use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::failure::Failure;
 use crate::call::client::OutputTensor;
@@ -321,6 +323,25 @@ impl Converter for ImageTask {
             ImageMode::Proposals | ImageMode::Tensor => Vec::new(),
         }
     }
+
+    fn uses(&self) -> Vec<ModelUse> {
+        use crate::tasks::fit::Dim::{Any, Fixed};
+        let pnet = ModelUse::built_in("image", MODEL_INPUT, vec![Fixed(1), Fixed(3), Any, Any], &[PROB_OUTPUT, BOX_OUTPUT]);
+        match self.options.mode {
+            ImageMode::Faces => vec![
+                pnet,
+                ModelUse::built_in("image", MODEL_INPUT, vec![Any, Fixed(3), Fixed(RNET_SIDE), Fixed(RNET_SIDE)], &[BOX_OUTPUT, PROB_OUTPUT]),
+                ModelUse::built_in(
+                    "image",
+                    MODEL_INPUT,
+                    vec![Any, Fixed(3), Fixed(ONET_SIDE), Fixed(ONET_SIDE)],
+                    &[BOX_OUTPUT, cascade::LANDMARKS_OUTPUT, PROB_OUTPUT],
+                ),
+            ],
+            ImageMode::Proposals => vec![pnet],
+            ImageMode::Tensor => Vec::new(),
+        }
+    }
 }
 
 struct ImagePlan {
@@ -361,7 +382,7 @@ impl Finish for ImageFinish {
                 format!("the worker answered {} outputs; P-Net gives two", tensors.len()),
             ));
         };
-        let faces = faces(&prob.data, &prob.shape, &boxes.data, &self.placement, &self.options)?;
+        let faces = faces(&prob.floats()?, &prob.shape, &boxes.floats()?, &self.placement, &self.options)?;
         let output = serde_json::to_value(output(faces, &self.placement, self.format)).expect("image outputs always serialise");
         Ok(Step::Done(output))
     }

@@ -215,16 +215,23 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_js
         DataType::Fp16 => TensorData::Fp16((0..n).map(|k| F16::from_f64(f64::from(value(k))).unwrap_or_default()).collect()),
         _ => TensorData::Fp32((0..n).map(value).collect()),
     };
+    let shape = shape(options);
+    let input = json!({ "format": format, "width": width, "height": height });
+    Ok((Tensor { name: options.input.clone(), shape, data }, input, placement(width, height, options)))
+}
+
+/// The model input's shape: `[1, 3, h, w]` or `[1, h, w, 3]`, without the leading 1 for a
+/// model without a batch dimension.
+pub fn shape(options: &ImageOptions) -> Vec<usize> {
+    let (w, h) = (options.width as usize, options.height as usize);
     let mut shape = match options.layout {
         Layout::Nchw => vec![1, 3, h, w],
         Layout::Nhwc => vec![1, h, w, 3],
     };
     if !options.batch {
-        // A model without a batch dimension takes `[3, h, w]` or `[h, w, 3]`.
         shape.remove(0);
     }
-    let input = json!({ "format": format, "width": width, "height": height });
-    Ok((Tensor { name: options.input.clone(), shape, data }, input, placement(width, height, options)))
+    shape
 }
 
 /// The header check of [`convert`], with its peak bytes.
