@@ -109,10 +109,10 @@ async fn call(http: &reqwest::Client, url: &str, model: &str, request: &Encoded,
                 tally.examples.push(format!("{}: {}", a.status, message.chars().take(300).collect::<String>()));
                 return tally;
             }
-            Err(e) if transport == 0 => {
+            // A connection dropped under us: sent once more, as the gateway would.
+            Err(_) if transport == 0 => {
                 transport += 1;
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                let _ = e;
             }
             Err(e) => {
                 tally.transport = 1;
