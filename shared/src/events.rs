@@ -5,6 +5,7 @@
 //! `"version"`. Requests may omit it (it defaults to [`SCHEMA_VERSION`]); a request from a newer
 //! producer than this build understands is rejected with a clear error instead of being half-read.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The schema version this build writes and the highest it reads.
@@ -15,7 +16,7 @@ fn default_version() -> u32 {
 }
 
 /// A request, as a producer writes it to `<task>.requests`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RequestEvent {
     #[serde(default = "default_version")]
@@ -31,7 +32,7 @@ pub struct RequestEvent {
 }
 
 /// Where the input bytes of a request are.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged, deny_unknown_fields)]
 pub enum InputRef {
     /// A `file://` URI, resolved under the gateway's configured input root.
@@ -41,7 +42,7 @@ pub enum InputRef {
 }
 
 /// Time spent in each stage of one request, in milliseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TimingsMs {
     /// Reading and converting the input on the CPU pool.
     pub convert: f64,
@@ -54,7 +55,7 @@ pub struct TimingsMs {
 }
 
 /// A successful result, written to `<task>.results`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ResultEvent {
     pub version: u32,
     pub id: String,
@@ -73,7 +74,7 @@ pub struct ResultEvent {
 }
 
 /// The output of the `voice` task: where speech is.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct VoiceOutput {
     pub segments: Vec<SpeechSegment>,
     /// Duration of the input audio.
@@ -84,7 +85,7 @@ pub struct VoiceOutput {
 }
 
 /// One stretch of speech, in seconds from the start of the input.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct SpeechSegment {
     pub start_seconds: f64,
     pub end_seconds: f64,
@@ -92,7 +93,7 @@ pub struct SpeechSegment {
 
 /// The output of the `image` task: faces found by the detector, in the pixel coordinates of
 /// the input image as it is meant to be viewed (after its EXIF orientation).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ImageOutput {
     pub faces: Vec<FaceBox>,
     /// Size of the input image after its EXIF orientation.
@@ -104,7 +105,7 @@ pub struct ImageOutput {
 
 /// One detected face: a box in input pixels and the model's face probability; with MTCNN's
 /// whole cascade, also its five landmarks.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FaceBox {
     pub x1: f32,
     pub y1: f32,
@@ -118,7 +119,7 @@ pub struct FaceBox {
 }
 
 /// Why a record went to the dead-letter topic. A small fixed set, so consumers can route on it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
     /// The record's value is not JSON.
@@ -185,7 +186,7 @@ impl ErrorKind {
 }
 
 /// The pipeline stage in which a request failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Stage {
     Parse,
@@ -210,7 +211,7 @@ impl Stage {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorInfo {
     pub kind: ErrorKind,
     /// A sentence a person can act on.
@@ -219,7 +220,7 @@ pub struct ErrorInfo {
 }
 
 /// Where the failed record came from, and its bytes, so it can be replayed as it was.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct SourceRecord {
     pub topic: String,
     pub partition: i32,
@@ -233,7 +234,7 @@ pub struct SourceRecord {
 }
 
 /// A request that could not be served, written to `<task>.dlq`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct DeadLetterEvent {
     pub version: u32,
     /// The request's id, when the record was readable enough to have one.

@@ -14,6 +14,7 @@ pub mod events;
 pub mod kafka;
 pub mod oip;
 pub mod prom_text;
+pub mod schema;
 pub mod shutdown;
 pub mod telemetry;
 pub mod wav;
