@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
     }
     // On a CPU the card-sized workloads would only measure how slow a CPU is: always small.
     let quick = quick || device == Device::Cpu;
-    let kit = Kit { dir: kit_dir, work, out, device, quick, deadline: Instant::now() + Duration::from_secs_f64(seconds), python };
+    let kit = Kit { dir: kit_dir, work, device, quick, deadline: Instant::now() + Duration::from_secs_f64(seconds), python };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     let mut failed = Vec::new();
     for name in &commands {

@@ -46,8 +46,6 @@ pub struct Kit {
     pub dir: PathBuf,
     /// Scratch: worker configs and logs, each check's figures (`checks/<name>.json`).
     pub work: PathBuf,
-    /// Where the report goes (at most a few files: they travel back from a borrowed machine).
-    pub out: PathBuf,
     pub device: Device,
     /// Small workloads and short timings (the CPU self-test).
     pub quick: bool,

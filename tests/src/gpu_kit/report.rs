@@ -92,8 +92,8 @@ fn read_check(work: &Path, name: &str) -> Option<Value> {
     serde_json::from_slice(&text).ok()
 }
 
-/// Writes `report.md`, `report.json` and `report.png` into `out` from the checks in `work`.
-/// `notes` are run-level lines (the machine, what run.sh found, checks it cut at their limit).
+/// Writes `report.md`, `report.json` and `report.png` into `out` from the checks in `work`,
+/// headed by `work/notes.md`: run.sh's lines on the machine, what it found, checks it cut.
 pub fn assemble(work: &Path, out: &Path, font: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let notes = std::fs::read_to_string(work.join("notes.md")).unwrap_or_default();
