@@ -102,6 +102,9 @@ if [ -n "$missing" ]; then
   report; exit 1
 fi
 note "- device the checks run on: $device"
+[ -n "${VRAMGATE_KIT_CHECKS:-}" ] && note "- checks chosen (VRAMGATE_KIT_CHECKS): $VRAMGATE_KIT_CHECKS"
+[ -n "${VRAMGATE_KIT_TORCH_THREADS:-}" ] && note "- the workers' torch_threads (VRAMGATE_KIT_TORCH_THREADS): $VRAMGATE_KIT_TORCH_THREADS"
+[ -n "${VRAMGATE_KIT_WORKER_EXTRA:-}" ] && note "- added to every worker's config (VRAMGATE_KIT_WORKER_EXTRA): $(printf '%s' "$VRAMGATE_KIT_WORKER_EXTRA" | tr '\n' ' ')"
 say "checks run on: $device; work folder $work; report in $out"
 
 quick=()
@@ -137,12 +140,14 @@ if ! grep -q '"status": "ok"' "$work/checks/preflight.json" 2>/dev/null; then
   say "preflight failed: the worker cannot start or answer on $device; the report says why ($out/report.md)"
   exit 1
 fi
-check budget 40
-check p1 130
-check p3 90
-check oom 45
-check batching 60
-check cards 80
+# VRAMGATE_KIT_CHECKS picks the checks after the preflight (all by default), e.g. "p3 oom".
+declare -A limit=([budget]=40 [p1]=130 [p3]=110 [oom]=45 [batching]=60 [cards]=80)
+for name in ${VRAMGATE_KIT_CHECKS:-budget p1 p3 oom batching cards}; do
+  if [ -z "${limit[$name]:-}" ]; then
+    say "no check named $name (the checks: ${!limit[*]})"; failed+=("$name"); continue
+  fi
+  check "$name" "${limit[$name]}"
+done
 say "finished in $(( $(date +%s) - started )) s; report: $out/report.md"
 if [ "${#failed[@]}" -gt 0 ]; then
   say "checks that failed or were cut: ${failed[*]}"

@@ -684,6 +684,10 @@ impl Batcher {
         metrics.concurrent_tasks.dec();
         if result.is_ok() {
             metrics.inference_duration.with_label_values(&[name]).observe(seconds);
+            let phases = crate::model::last_phases();
+            for (phase, took) in [("inputs", phases.inputs), ("call", phases.call), ("outputs", phases.outputs)] {
+                metrics.inference_phases.with_label_values(&[name, phase]).observe(took);
+            }
             metrics.batch_size.with_label_values(&[name]).observe(group.len() as f64);
             // A measured batch paid for its measurement (page faults on CPU): its time says
             // nothing about its batch size.

@@ -20,6 +20,7 @@ pub struct Metrics {
     pub model_errors: IntCounterVec,
     pub retry_attempts: IntCounterVec,
     pub inference_duration: HistogramVec,
+    pub inference_phases: HistogramVec,
     pub concurrent_tasks: IntGauge,
     pub admission_wait: Histogram,
     pub admission_rejections: IntCounterVec,
@@ -125,6 +126,14 @@ impl Metrics {
                 &["model"],
                 seconds.clone(),
             ),
+            inference_phases: histogram(
+                "inference_phase_seconds",
+                "Time one batch took in each phase of its model call: inputs (the batch tensors built on \
+                 the host), call (copied to the device and the model called; on CUDA the host's launch \
+                 work), outputs (brought back and split per request; on CUDA it waits for the device)",
+                &["model", "phase"],
+                seconds.clone(),
+            ),
             concurrent_tasks: gauge("concurrent_inference_tasks", "Batches running now"),
             admission_wait,
             admission_rejections: counter(
@@ -189,6 +198,7 @@ mod tests {
         m.model_errors.with_label_values(&["m"]).inc();
         m.batch_size.with_label_values(&["m"]).observe(3.0);
         m.inference_duration.with_label_values(&["m"]).observe(0.01);
+        m.inference_phases.with_label_values(&["m", "call"]).observe(0.01);
         m.admission_rejections.with_label_values(&["queue_full"]).inc();
         m.retry_attempts.with_label_values(&["m"]).inc();
         m.estimate_ratio.with_label_values(&["m"]).set(0.9);
@@ -204,6 +214,7 @@ mod tests {
             "inference_model_errors_total{model=\"m\"} 1",
             "inference_retry_attempts_total",
             "inference_duration_seconds_bucket",
+            "inference_phase_seconds_bucket{model=\"m\",phase=\"call\"",
             "concurrent_inference_tasks",
             "admission_wait_seconds",
             "admission_rejections_total{reason=\"queue_full\"} 1",

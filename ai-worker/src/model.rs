@@ -73,6 +73,28 @@ impl std::fmt::Display for ComputeDevice {
     }
 }
 
+/// Where the last batch a thread ran spent its time, in seconds: building the batch's input
+/// tensors on the host (`inputs`); copying them to the device and calling the model (`call`:
+/// on CUDA the kernels are only queued, so this is the host's launch work); and bringing the
+/// outputs back and splitting them per request (`outputs`: on CUDA this waits for the device
+/// to finish). Read by the engine right after [`Model::infer_batch`] on the same thread
+/// ([`last_phases`]), exported as `inference_phase_seconds`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Phases {
+    pub inputs: f64,
+    pub call: f64,
+    pub outputs: f64,
+}
+
+thread_local! {
+    static LAST_PHASES: std::cell::Cell<Phases> = const { std::cell::Cell::new(Phases { inputs: 0.0, call: 0.0, outputs: 0.0 }) };
+}
+
+/// The phases of the last batch that ran to its outputs on this thread (zeros before any).
+pub fn last_phases() -> Phases {
+    LAST_PHASES.with(|p| p.get())
+}
+
 /// Picks the device once per process and applies process-wide libtorch settings.
 pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice, ModelError> {
     // The profiling executor re-specialises graphs over the first calls, which costs seconds
@@ -780,6 +802,7 @@ impl Model {
                 None => ModelError::Runtime { name: self.config.name.clone(), message: error_line(&message) },
             }
         };
+        let started = Instant::now();
         let shapes = self.padded_shapes(requests);
         let batch_inputs = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
             self.inputs
@@ -794,6 +817,7 @@ impl Model {
         })
         .map_err(failed)?;
         let rows = shapes.first().and_then(|s| s.first()).copied().unwrap_or(0);
+        let inputs_built = Instant::now();
         let module = self.free_instance();
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
             let mut args = Vec::with_capacity(batch_inputs.len() + self.config.args().len());
@@ -817,6 +841,7 @@ impl Model {
         })?;
         drop(module);
         drop(batch_inputs);
+        let called = Instant::now();
 
         // Each in its declared kind (the outputs were checked to widen into it exactly).
         let specs = &self.outputs;
@@ -845,6 +870,12 @@ impl Model {
             row += rows;
             per_request.push(outputs);
         }
+        let phases = Phases {
+            inputs: (inputs_built - started).as_secs_f64(),
+            call: (called - inputs_built).as_secs_f64(),
+            outputs: called.elapsed().as_secs_f64(),
+        };
+        LAST_PHASES.with(|p| p.set(phases));
         Ok(per_request)
     }
 
@@ -1291,6 +1322,21 @@ mod tests {
         shape[0] = inputs.iter().map(|i| i.shape[0]).sum();
         let bytes: Vec<u8> = inputs.iter().flat_map(|i| i.le_bytes().iter().copied()).collect();
         InputTensor::from_le_bytes(shape, DataType::Fp32, Bytes::from(bytes)).expect("whole values")
+    }
+
+    #[test]
+    fn a_batch_leaves_its_phases_on_its_thread() {
+        let pnet = load(shipped("mtcnn_pnet")).expect("the shipped P-Net");
+        let input = image(2, 64, 64, 0.5);
+        let before = std::time::Instant::now();
+        pnet.infer_batch_one(&[&input]).expect("an answer");
+        let took = before.elapsed().as_secs_f64();
+        let p = last_phases();
+        assert!(p.inputs >= 0.0 && p.outputs >= 0.0 && p.call > 0.0, "{p:?}");
+        assert!(p.inputs + p.call + p.outputs <= took, "{p:?} within the {took} s the call took");
+        // Another thread has run nothing: its phases are zeros.
+        let other = std::thread::spawn(last_phases).join().expect("the thread ends");
+        assert_eq!(other, Phases::default());
     }
 
     #[test]

@@ -55,16 +55,18 @@ fn mib(bytes: f64) -> String {
     format!("{:.0} MiB", bytes / MIB)
 }
 
-/// The statuses of a tally in a few words: `0 failed` or `2 failed (507: 2)`.
+/// The statuses of a tally in a few words: `0 failed` or `2 failed (507: 2)`, and the 503s
+/// waited out and sent again, when there were any (`0 failed, 94 sent again after 503`).
 fn failures(t: &Tally) -> String {
+    let again = if t.throttled > 0 { format!(", {} sent again after 503", t.throttled) } else { String::new() };
     if t.failed() == 0 {
-        return "0 failed".into();
+        return format!("0 failed{again}");
     }
     let mut by: Vec<String> = t.statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect();
     if t.transport > 0 {
         by.push(format!("no answer: {}", t.transport));
     }
-    format!("{} failed ({})", t.failed(), by.join(", "))
+    format!("{} failed ({}){again}", t.failed(), by.join(", "))
 }
 
 /// Preflight: a worker with every model of the kit starts on the device, answers metadata and
@@ -396,12 +398,19 @@ async fn p1(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
 
 /// `raw_loop` on the device for `seconds`: items per second, or the reason it failed.
 fn raw_loop(kit: &Kit, model: KitModel, size: usize, rows: usize, seconds: f64) -> anyhow::Result<f64> {
+    raw_loop_with(kit, model, size, rows, seconds, &[])
+}
+
+/// [`raw_loop`] with more of its flags (`--no-profiling`: TorchScript's executor as the
+/// worker sets it).
+fn raw_loop_with(kit: &Kit, model: KitModel, size: usize, rows: usize, seconds: f64, flags: &[&str]) -> anyhow::Result<f64> {
     let path = kit.dir.join(model.file());
     let mut command = Command::new(kit.bin("raw_loop"));
     command
         .args(["--model", &path.to_string_lossy(), "--device", kit.device.name(), "--seconds", &seconds.to_string(), "--json"])
         .args(model.raw_loop_args(size, rows))
-        .args(["--threads", "1"]);
+        .args(["--threads", "1"])
+        .args(flags);
     let output = command.output().context("running raw_loop")?;
     if !output.status.success() {
         bail!("raw_loop failed: {}", String::from_utf8_lossy(&output.stderr).chars().take(2000).collect::<String>());
@@ -424,6 +433,104 @@ fn mean_batch(before: &str, after: &str, model: KitModel) -> f64 {
     }
 }
 
+/// The change of `metric{model=...}` (a counter or a histogram's `_sum`/`_count`) between two
+/// scrapes.
+fn model_delta(before: &str, after: &str, name: &str, model: KitModel) -> f64 {
+    let label = format!("model=\"{}\"", model.name());
+    let pick = |text: &str| metric_samples(text, name).into_iter().filter(|(l, _)| l.contains(&label)).map(|(_, v)| v).sum::<f64>();
+    pick(after) - pick(before)
+}
+
+/// CPU seconds (user and system) process `pid` has used, from `/proc/<pid>/stat`; `None`
+/// where there is no such file. Ticks are USER_HZ, 100 a second in Linux's x86-64 ABI.
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (2nd field) may hold spaces: count fields after its closing ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    // utime and stime are the stat's 14th and 15th fields: 12th and 13th after the name.
+    Some((ticks(11)? + ticks(12)?) / 100.0)
+}
+
+/// CPU seconds of each of process `pid`'s threads, grouped by what they are: `http` (tokio's
+/// workers, which read, decode and answer requests), `batch` (the model's batch threads),
+/// `other` (libtorch's pools, the memory monitor, the allocator).
+fn thread_cpu(pid: &str) -> std::collections::BTreeMap<&'static str, f64> {
+    let mut groups = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return groups };
+    for task in tasks.flatten() {
+        let tid = task.file_name().to_string_lossy().to_string();
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let group = if comm.starts_with("tokio") {
+            "http"
+        } else if comm.starts_with("batch-") {
+            "batch"
+        } else {
+            "other"
+        };
+        if let Some(cpu) = cpu_seconds(&format!("{pid}/task/{tid}")) {
+            *groups.entry(group).or_insert(0.0) += cpu;
+        }
+    }
+    groups
+}
+
+/// Mean milliseconds a batch of `model` spent in each phase of its model call between two
+/// scrapes (`inference_phase_seconds`: inputs, call, outputs).
+fn phase_ms(before: &str, after: &str, model: KitModel) -> [f64; 3] {
+    ["inputs", "call", "outputs"].map(|phase| {
+        let pick = |text: &str, name: &str| {
+            metric_samples(text, name)
+                .into_iter()
+                .filter(|(l, _)| l.contains(&format!("model=\"{}\"", model.name())) && l.contains(&format!("phase=\"{phase}\"")))
+                .map(|(_, v)| v)
+                .sum::<f64>()
+        };
+        let sum = pick(after, "inference_phase_seconds_sum") - pick(before, "inference_phase_seconds_sum");
+        let count = pick(after, "inference_phase_seconds_count") - pick(before, "inference_phase_seconds_count");
+        if count > 0.0 { 1000.0 * sum / count } else { f64::NAN }
+    })
+}
+
+/// Where a saturated worker's time went, from two scrapes and the processes' CPU time: the
+/// seconds batches spent in the model per second of wall time (above 1 where several
+/// instances run at once), the mean milliseconds a batch took there,
+/// and the CPU cores the worker and the kit's client used.
+struct Spent {
+    in_model: f64,
+    ms_a_batch: f64,
+    worker_cores: f64,
+    client_cores: f64,
+}
+
+impl Spent {
+    fn measure(before: &str, after: &str, model: KitModel, wall: f64, worker_cpu: f64, client_cpu: f64) -> Spent {
+        let sum = model_delta(before, after, "inference_duration_seconds_sum", model);
+        let count = model_delta(before, after, "inference_duration_seconds_count", model);
+        Spent {
+            in_model: if wall > 0.0 { sum / wall } else { f64::NAN },
+            ms_a_batch: if count > 0.0 { 1000.0 * sum / count } else { f64::NAN },
+            worker_cores: if wall > 0.0 { worker_cpu / wall } else { f64::NAN },
+            client_cores: if wall > 0.0 { client_cpu / wall } else { f64::NAN },
+        }
+    }
+
+    fn cells(&self) -> String {
+        format!(
+            "{:.2} | {:.2} | {:.1} / {:.1}",
+            self.in_model,
+            self.ms_a_batch,
+            self.worker_cores,
+            self.client_cores
+        )
+    }
+
+    fn json(&self) -> Value {
+        json!({"in_model_share": self.in_model, "ms_a_batch": self.ms_a_batch, "worker_cores": self.worker_cores, "client_cores": self.client_cores})
+    }
+}
+
 /// The request each model is saturated with in P3 and in the batching check.
 fn p3_size(model: KitModel) -> (usize, &'static str) {
     match model {
@@ -442,30 +549,61 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
     let in_flight = kit.pick(64, 2);
     let worker = kit.worker("p3", "", &KitModel::ALL).await?;
     check.line(format!("{in_flight} requests in flight, {seconds} s a figure; utilisation from nvidia-smi every 100 ms\n"));
-    check.line("| model | request | worker | mean batch | raw loop, batch 1 | raw loop, worker's batch | worker / raw (batch 1) | worker / raw (same batch) | GPU util worker | GPU util raw | failed |");
-    check.line("|---|---|---|---|---|---|---|---|---|---|---|");
+    check.line("| model | request | worker | mean batch | raw loop, batch 1 | raw loop, worker's batch | worker / raw (batch 1) | worker / raw (same batch) | GPU util worker | GPU util raw | batch-seconds in the model a second | ms a batch | CPU cores worker / client | failed |");
+    check.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
+    let mut breakdown = Vec::new();
     let mut good = true;
     let mut offset = 0.0;
     for model in KitModel::ALL {
-        if !kit.fits(Duration::from_secs_f64(3.0 * seconds + 8.0)) {
+        if !kit.fits(Duration::from_secs_f64(5.0 * seconds + 10.0)) {
             check.line("- the remaining models skipped: the check's time limit is near");
             return Ok("partial");
         }
         let (size, what) = p3_size(model);
         let request = Encoded::new(model, size, 1);
+        // A first window on a fresh model: what it costs the first time each batch size runs
+        // (on a card, libtorch's and cuDNN's set-up for a new shape), measured apart from
+        // the timed window after it.
+        let first = saturate(&worker.url, model, &request, in_flight, seconds).await;
         let before = metrics(&worker.url).await;
+        let pid = worker.service.pid().to_string();
+        let cpu = || (cpu_seconds(&pid).unwrap_or(f64::NAN), cpu_seconds("self").unwrap_or(f64::NAN));
+        let (worker_cpu, client_cpu) = cpu();
+        let threads_before = thread_cpu(&pid);
         let sampler = smi::Sampler::start();
         let t = saturate(&worker.url, model, &request, in_flight, seconds).await;
         let worker_samples = sampler.map(smi::Sampler::stop).unwrap_or_default();
+        let (worker_cpu_after, client_cpu_after) = cpu();
+        let threads_after = thread_cpu(&pid);
         let after = metrics(&worker.url).await;
         let batch = mean_batch(&before, &after, model);
+        let spent = Spent::measure(&before, &after, model, t.seconds, worker_cpu_after - worker_cpu, client_cpu_after - client_cpu);
         let rows_per_request = request.items;
         let raw1 = raw_loop(kit, model, size, 1, seconds);
         let same = (batch.round() as usize).max(1);
         let sampler = smi::Sampler::start();
         let raw_b = if same > 1 { raw_loop(kit, model, size, same, seconds) } else { raw1.as_ref().map(|r| *r).map_err(|e| anyhow::anyhow!("{e}")) };
         let raw_samples = sampler.map(smi::Sampler::stop).unwrap_or_default();
+        // The same loop with TorchScript's executor as the worker sets it (profiling off).
+        let raw_legacy = raw_loop_with(kit, model, size, same, seconds, &["--no-profiling"]);
+        let phases = phase_ms(&before, &after, model);
+        let per_thread: Vec<(&str, f64)> = ["http", "batch", "other"]
+            .into_iter()
+            .map(|g| (g, (threads_after.get(g).copied().unwrap_or(0.0) - threads_before.get(g).copied().unwrap_or(0.0)) / t.seconds))
+            .collect();
+        breakdown.push(format!(
+            "| {} | {:.1} {}/s | {:.1} | {} | {:.2} / {:.2} / {:.2} | {} |",
+            model.name(),
+            first.per_s(),
+            model.unit(),
+            batch,
+            raw_legacy.as_ref().map(|v| format!("{v:.1}")).unwrap_or_else(|e| format!("failed: {}", e.to_string().chars().take(80).collect::<String>())),
+            phases[0],
+            phases[1],
+            phases[2],
+            per_thread.iter().map(|(g, c)| format!("{g} {c:.2}")).collect::<Vec<_>>().join(", ")
+        ));
         let (util_w, used_w) = smi::summary(&worker_samples).unwrap_or((f64::NAN, f64::NAN));
         let (util_r, _) = smi::summary(&raw_samples).unwrap_or((f64::NAN, f64::NAN));
         let fmt = |r: &anyhow::Result<f64>| match r {
@@ -474,7 +612,7 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         };
         let ratio = |r: &anyhow::Result<f64>| r.as_ref().map(|v| format!("{:.2}", t.per_s() / v)).unwrap_or_else(|_| "—".into());
         check.line(format!(
-            "| {} | {what} | {:.1} {}/s | {:.1} requests ({:.1} {}) | {} | {} | {} | **{}** | {} | {} | {} |",
+            "| {} | {what} | {:.1} {}/s | {:.1} requests ({:.1} {}) | {} | {} | {} | **{}** | {} | {} | {} | {} |",
             model.name(),
             t.per_s(),
             model.unit(),
@@ -487,6 +625,7 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
             ratio(&raw_b),
             if util_w.is_nan() { "—".into() } else { format!("{util_w:.0}%") },
             if util_r.is_nan() { "—".into() } else { format!("{util_r:.0}%") },
+            spent.cells(),
             failures(&t)
         ));
         good &= t.failed() == 0;
@@ -499,8 +638,21 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         offset += 2.0 * seconds + 6.0;
         rows.push(json!({"model": model.name(), "request": what, "worker": t.json(), "mean_batch_requests": batch,
                           "raw_batch1_per_s": raw1.ok(), "raw_same_batch_per_s": raw_b.ok(), "raw_same_batch_rows": same,
-                          "gpu_util_worker": util_w, "gpu_util_raw": util_r, "used_mib_worker": used_w}));
+                          "gpu_util_worker": util_w, "gpu_util_raw": util_r, "used_mib_worker": used_w, "spent": spent.json(),
+                          "raw_same_batch_no_profiling_per_s": raw_legacy.as_ref().ok(), "first_window": first.json(), "phase_ms": {"inputs": phases[0], "call": phases[1], "outputs": phases[2]},
+                          "worker_cores_by_thread": per_thread.iter().map(|(g, c)| (g.to_string(), json!(c))).collect::<serde_json::Map<_, _>>()}));
         check.figure("p3", json!(rows));
+    }
+    check.line(
+        "\nWhere the worker's time went (means over each run above): the raw loop again at the worker's batch with \
+         TorchScript's profiling executor off, as the worker runs it; a batch's milliseconds building its inputs on the host, \
+         copying them and calling the model (on a card: queuing its kernels), and bringing the outputs back (on a card: \
+         waiting for them); the worker's CPU cores by thread.\n",
+    );
+    check.line("| model | worker's first window | mean batch | raw loop, worker's batch, profiling off | ms a batch: inputs / call / outputs | worker CPU cores by thread |");
+    check.line("|---|---|---|---|---|---|");
+    for row in breakdown {
+        check.line(row);
     }
     let st = state(&worker.url).await;
     if let Some(s) = smi::once() {
@@ -526,15 +678,22 @@ async fn oom(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         return Ok("skipped");
     }
     let card = smi::once().map(|s| (s.total_mib * MIB) as u64).unwrap_or(80 * GIB);
-    let cap = 2 * GIB;
+    // One instance runs one batch at a time, and the batch sizer keeps large P-Net batches
+    // small, so on a large card one batch never filled a 2 GiB cap (the first H200 run): four
+    // instances run four batches at once under 1 GiB, which the largest image fits alone.
+    let cap = GIB;
+    let instances = 4;
+    // Every body in flight at once (64 of up to 31 MB): the default 256 MiB of bodies turned
+    // most of them away with 503 (94 of 96 in the first run), and so did no batch pile up.
     let extra = format!(
-        "memory_limit_bytes = {cap}\nmemory_budget_override_bytes = {}\n[admission]\nmax_queue_wait_ms = 600000\nmax_queued_requests = 4096\n",
+        "memory_limit_bytes = {cap}\nmax_body_bytes_in_flight = {}\nmemory_budget_override_bytes = {}\n[admission]\nmax_queue_wait_ms = 600000\nmax_queued_requests = 4096\n",
+        4 * GIB,
         4 * card
     );
-    let mut worker = kit.worker("oom", &extra, &[KitModel::Pnet]).await?;
+    let mut worker = kit.worker_with("oom", &extra, &[KitModel::Pnet], &format!("instances = {instances}")).await?;
     let requests: Vec<Encoded> = (0..96).map(|i| Encoded::new(KitModel::Pnet, 900 + (i * 7919) % 700, i)).collect();
     check.line(format!(
-        "96 P-Net images of 900..1599 px, 64 in flight, allocator capped at {} (its memory fraction) while admission hands out {} (4× the card)",
+        "96 P-Net images of 900..1599 px, 64 in flight, {instances} instances of the model, allocator capped at {} (its memory fraction) while admission hands out {} (4× the card)",
         mib(cap as f64),
         mib(4.0 * card as f64)
     ));

@@ -83,13 +83,29 @@ impl Kit {
     /// Starts a worker on the kit's device serving `models`, with `extra` top-level TOML
     /// (memory, admission, batching) before the models; `label` names its config and log.
     pub async fn worker(&self, label: &str, extra: &str, models: &[KitModel]) -> anyhow::Result<Worker> {
+        self.worker_with(label, extra, models, "").await
+    }
+
+    /// [`Kit::worker`] with `model_keys` added to every model's entry (e.g. `instances = 4`).
+    ///
+    /// Two variables let a run try the worker's settings without a rebuild, and the report
+    /// names them: `VRAMGATE_KIT_TORCH_THREADS` (the worker's `torch_threads`; 0, libtorch's
+    /// default, on a card and 1 on the CPU unless set) and `VRAMGATE_KIT_WORKER_EXTRA` (more
+    /// top-level keys, no tables, put before the check's own).
+    pub async fn worker_with(&self, label: &str, extra: &str, models: &[KitModel], model_keys: &str) -> anyhow::Result<Worker> {
+        let threads = match std::env::var("VRAMGATE_KIT_TORCH_THREADS") {
+            Ok(n) => n.trim().parse::<usize>().with_context(|| format!("VRAMGATE_KIT_TORCH_THREADS={n:?} is not a count"))?,
+            Err(_) => usize::from(self.device == Device::Cpu),
+        };
+        let tuned = std::env::var("VRAMGATE_KIT_WORKER_EXTRA").unwrap_or_default();
         let mut config = format!(
-            "listen = \"127.0.0.1:0\"\ndevice = \"{}\"\ntorch_threads = {}\n{extra}\n",
+            "listen = \"127.0.0.1:0\"\ndevice = \"{}\"\ntorch_threads = {threads}\n{tuned}\n{extra}\n",
             self.device.name(),
-            if self.device == Device::Cpu { 1 } else { 0 }
         );
         for model in models {
             config.push_str(&model.entry(&self.dir)?);
+            config.push_str(model_keys);
+            config.push('\n');
         }
         let logs = self.work.join("logs");
         std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
