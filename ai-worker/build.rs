@@ -1,5 +1,8 @@
-//! Link-time fixes for libtorch from the PyPI wheel, and the CUDA caching-allocator shim.
+//! Link-time fixes for libtorch from the PyPI wheel, the CUDA caching-allocator shim, and the
+//! gRPC front door's code.
 //!
+//! 0. `proto/inference.proto` (the Open Inference Protocol's gRPC service) becomes Rust with
+//!    `protox` (a protobuf compiler in Rust: no `protoc` to install) and `tonic-prost-build`.
 //! 1. The linker drops `libtorch_cuda.so` under `--as-needed` because nothing references its
 //!    symbols directly (CUDA kernels register themselves from static initialisers); without it
 //!    `tch::Cuda::is_available()` is silently false. We force it in when the wheel has it.
@@ -38,7 +41,17 @@ struct Torch {
     cxx11_abi: String,
 }
 
+const PROTO: &str = "proto/inference.proto";
+
 fn main() {
+    println!("cargo:rerun-if-changed={PROTO}");
+    let descriptors = protox::compile([PROTO], ["proto"]).unwrap_or_else(|e| panic!("compiling {PROTO}: {e}"));
+    tonic_prost_build::configure()
+        .build_client(false)
+        // Raw tensor contents as `Bytes`: slices of the received message, not copies.
+        .bytes(".inference")
+        .compile_fds(descriptors)
+        .unwrap_or_else(|e| panic!("generating the gRPC code of {PROTO}: {e}"));
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");

@@ -21,6 +21,9 @@ mod repository;
 /// Prefix of the environment variables that override the config (`__` between levels).
 pub const ENV_PREFIX: &str = "VRAMGATE_WORKER_";
 
+/// Most streams a gRPC connection may be allowed at once (`grpc_max_concurrent_streams`).
+pub const MAX_GRPC_STREAMS: u32 = 1024;
+
 /// Why the worker's configuration was refused. Never carries a secret's value.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -41,6 +44,15 @@ pub enum ConfigError {
 pub struct WorkerConfig {
     /// Address the HTTP server binds; port 0 picks a free one (the bound address is logged).
     pub listen: SocketAddr,
+    /// Address the gRPC server (the protocol's `GRPCInferenceService`) binds, e.g.
+    /// `127.0.0.1:8001` (Triton's gRPC port); unset: no gRPC server. Port 0 picks a free one.
+    /// It shares the engine, the bearer token and the request limits with HTTP:
+    /// `max_request_bytes` per message, `max_body_bytes_in_flight` across both doors,
+    /// `body_read_timeout_ms` per message.
+    pub grpc_listen: Option<SocketAddr>,
+    /// Streams (calls) one gRPC connection may have open at once (HTTP/2's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`); more wait for the client's own flow control.
+    pub grpc_max_concurrent_streams: u32,
     /// Trace export (OTLP); the `OTEL_*` variables override it.
     pub telemetry: vramgate_shared::telemetry::TelemetryConfig,
     /// Which device runs the models.
@@ -213,6 +225,8 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            grpc_listen: None,
+            grpc_max_concurrent_streams: 128,
             telemetry: Default::default(),
             device: DeviceChoice::Auto,
             torch_threads: 1,
@@ -281,6 +295,15 @@ impl WorkerConfig {
                 "max_request_bytes ({}) is larger than max_body_bytes_in_flight ({}): such a body could never be read",
                 self.max_request_bytes, self.max_body_bytes_in_flight
             ));
+        }
+        if !(1..=MAX_GRPC_STREAMS).contains(&self.grpc_max_concurrent_streams) {
+            return fail(format!(
+                "grpc_max_concurrent_streams must be 1..={MAX_GRPC_STREAMS}, got {}",
+                self.grpc_max_concurrent_streams
+            ));
+        }
+        if self.grpc_listen.is_some_and(|g| g.port() != 0 && g == self.listen) {
+            return fail(format!("grpc_listen ({}) is the HTTP listen address: give gRPC a port of its own", self.listen));
         }
         for (key, ms) in [
             ("header_read_timeout_ms", self.header_read_timeout_ms),
@@ -1036,6 +1059,13 @@ mod tests {
         let config = from_toml("").expect("defaults are valid");
         assert!(config.max_body_bytes_in_flight >= config.max_request_bytes as u64);
         assert!(config.memory_host_allowance_bytes >= 2 * config.max_body_bytes_in_flight);
+        assert_eq!(config.grpc_listen, None, "no gRPC server unless asked for");
+        let err = from_toml("grpc_max_concurrent_streams = 0\n").expect_err("no stream at all");
+        assert!(err.to_string().contains("grpc_max_concurrent_streams"), "{err}");
+        let err = from_toml("listen = \"127.0.0.1:8001\"\ngrpc_listen = \"127.0.0.1:8001\"\n").expect_err("one port for both");
+        assert!(err.to_string().contains("grpc_listen"), "{err}");
+        let both = from_toml("listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n").expect("two free ports");
+        assert_eq!(both.grpc_listen.map(|g| g.port()), Some(0));
     }
 
     /// A config of a minimal entry (`models[0]`) and a `declared` one (`models[1]`) whose

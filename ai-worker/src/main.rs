@@ -31,9 +31,17 @@ async fn serve() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
-    // Tests and scripts read this line to learn the port when listening on port 0.
-    println!("listening on {}", listener.local_addr()?);
-    let outcome = vramgate_worker::server::run(config, listener, vramgate_shared::shutdown::signal()).await;
+    let grpc = match config.grpc_listen {
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr} (grpc_listen)"))?),
+        None => None,
+    };
+    // Tests and scripts read this line to learn the ports when listening on port 0:
+    // `listening on HTTP-ADDR`, then ` grpc GRPC-ADDR` when gRPC is on.
+    match &grpc {
+        Some(g) => println!("listening on {} grpc {}", listener.local_addr()?, g.local_addr()?),
+        None => println!("listening on {}", listener.local_addr()?),
+    }
+    let outcome = vramgate_worker::server::run(config, listener, grpc, vramgate_shared::shutdown::signal()).await;
     telemetry.shutdown();
     outcome
 }

@@ -39,7 +39,11 @@ use crate::memory::{Budget, MemoryMonitor};
 use crate::metrics::Metrics;
 use crate::model::{self, InputTensor, Model, ModelError, TensorSpec};
 
+mod grpc;
 mod report;
+
+/// The name both doors give the server in its metadata.
+const SERVER_NAME: &str = "vramgate-ai-worker";
 
 /// Shared by all handlers. `engine` is empty until start-up (loading, warming and memory
 /// calibration) finishes; readiness follows it.
@@ -61,6 +65,7 @@ const SKIPPED_FOLDERS_NAMED: usize = 16;
 pub async fn run(
     config: WorkerConfig,
     listener: TcpListener,
+    grpc_listener: Option<TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let addr: SocketAddr = listener.local_addr()?;
@@ -106,7 +111,34 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || start_engine(&config, metrics))
     };
-    let mut server = tokio::spawn(limits::serve(listener, app, timeouts, shutdown));
+    // One shutdown signal, both doors.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let http = tokio::spawn(limits::serve(listener, app, timeouts, stopped()));
+    let grpc = match grpc_listener {
+        Some(listener) => {
+            tracing::info!(addr = %listener.local_addr()?, "ai-worker gRPC listening");
+            let (state, config, stop) = (state.clone(), config.clone(), stopped());
+            tokio::spawn(async move { grpc::serve(state, listener, &config, stop).await })
+        }
+        None => tokio::spawn(async { std::future::pending::<anyhow::Result<()>>().await }),
+    };
+    let mut server = tokio::spawn(async move {
+        // Either door failing stops the worker; on shutdown both end.
+        tokio::select! {
+            served = http => served.map_err(anyhow::Error::from)?.map_err(anyhow::Error::from),
+            served = grpc => served.map_err(anyhow::Error::from)?,
+        }
+    });
     tokio::select! {
         loaded = loader => {
             let (engine, budget) = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
@@ -257,8 +289,20 @@ async fn require_token(State(state): State<Arc<AppState>>, request: Request, nex
     let Some(token) = &state.auth_token else {
         return next.run(request).await;
     };
+    let Some(message) = bearer_refusal(token, request.headers().get(header::AUTHORIZATION)) else {
+        return next.run(request).await;
+    };
+    ApiError::new(StatusCode::UNAUTHORIZED, message)
+        .with_header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"vramgate-worker\""))
+        .into_response()
+}
+
+/// Why `authorization` (the header's value, or gRPC's metadata of that name) does not carry
+/// `token` as a bearer token (scheme case-insensitive, compared in constant time); `None`
+/// when it does.
+fn bearer_refusal(token: &Secret, authorization: Option<&HeaderValue>) -> Option<&'static str> {
     // `None`: no header; `Some(None)`: another scheme; `Some(Some(token))`, maybe empty.
-    let presented = request.headers().get(header::AUTHORIZATION).map(|v| {
+    let presented = authorization.map(|v| {
         let v = v.as_bytes();
         let (scheme, rest) = match v.iter().position(|&b| b == b' ') {
             Some(i) => (&v[..i], &v[i + 1..]),
@@ -266,15 +310,12 @@ async fn require_token(State(state): State<Arc<AppState>>, request: Request, nex
         };
         scheme.eq_ignore_ascii_case(b"bearer").then(|| rest.trim_ascii())
     });
-    let message = match presented {
-        None => "this endpoint needs a bearer token: send the header 'Authorization: Bearer <auth_token>'",
-        Some(None) => "the Authorization header must use the Bearer scheme: 'Authorization: Bearer <auth_token>'",
-        Some(Some(p)) if bool::from(p.ct_eq(token.expose().as_bytes())) => return next.run(request).await,
-        Some(Some(_)) => "the bearer token does not match the worker's auth_token",
-    };
-    ApiError::new(StatusCode::UNAUTHORIZED, message)
-        .with_header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"vramgate-worker\""))
-        .into_response()
+    match presented {
+        None => Some("this endpoint needs a bearer token: send the header 'Authorization: Bearer <auth_token>'"),
+        Some(None) => Some("the Authorization header must use the Bearer scheme: 'Authorization: Bearer <auth_token>'"),
+        Some(Some(p)) if bool::from(p.ct_eq(token.expose().as_bytes())) => None,
+        Some(Some(_)) => Some("the bearer token does not match the worker's auth_token"),
+    }
 }
 
 /// An error answer: status code plus the OIP error body `{"error": "..."}`.
@@ -433,7 +474,7 @@ impl AppState {
 
 async fn server_metadata() -> Json<oip::ServerMetadata> {
     Json(oip::ServerMetadata {
-        name: "vramgate-ai-worker".into(),
+        name: SERVER_NAME.into(),
         version: env!("CARGO_PKG_VERSION").into(),
         extensions: vec!["binary_tensor_data".into()],
     })
@@ -465,19 +506,24 @@ async fn model_metadata(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<oip::ModelMetadata>, ApiError> {
-    let (_, served) = state.served(&name)?;
+    metadata_of(&state, &name).map(Json)
+}
+
+/// A served model's metadata, as both doors give it.
+fn metadata_of(state: &AppState, name: &str) -> Result<oip::ModelMetadata, ApiError> {
+    let (_, served) = state.served(name)?;
     let model = &served.model;
     let (inputs, outputs) = tensor_metadata(model);
     let mut parameters = oip::Parameters::new();
     parameters.insert("memory_estimate".into(), serde_json::to_value(served.estimate.view()).unwrap_or_default());
-    Ok(Json(oip::ModelMetadata {
+    Ok(oip::ModelMetadata {
         name: model.name().into(),
         versions: Some(vec!["1".into()]),
         platform: "pytorch_libtorch".into(),
         inputs,
         outputs,
         parameters: Some(parameters),
-    }))
+    })
 }
 
 /// The model's input and outputs as OIP metadata: datatypes and shapes as the model states

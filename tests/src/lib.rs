@@ -641,6 +641,8 @@ fn log_path(name: &str) -> PathBuf {
 pub struct Worker {
     pub service: Service,
     pub url: String,
+    /// `host:port` of its gRPC door, when its config has `grpc_listen`.
+    pub grpc: Option<String>,
 }
 
 /// Starts the ai-worker with `config` (TOML) on a free port and waits until it is ready.
@@ -682,11 +684,17 @@ impl WorkerLaunch {
         let stdout = child.stdout.take().expect("stdout is piped");
         let service = Service { name: "ai-worker", child, log: self.log };
         let first = first_line(stdout, timeout).await;
-        let Some(addr) = first.as_deref().and_then(|l| l.trim().strip_prefix("listening on ")) else {
+        // `listening on HTTP-ADDR`, then ` grpc GRPC-ADDR` when gRPC is on.
+        let Some(addrs) = first.as_deref().and_then(|l| l.trim().strip_prefix("listening on ")) else {
             bail!("ai-worker did not report its address (got {first:?}); log:\n{}", service.log_tail());
         };
-        let url = format!("http://{addr}");
-        let mut worker = Worker { service, url };
+        let mut words = addrs.split_whitespace();
+        let url = format!("http://{}", words.next().unwrap_or_default());
+        let grpc = match (words.next(), words.next()) {
+            (Some("grpc"), Some(addr)) => Some(addr.to_string()),
+            _ => None,
+        };
+        let mut worker = Worker { service, url, grpc };
         wait_ready(&mut worker, timeout).await?;
         Ok(worker)
     }

@@ -470,7 +470,8 @@ async fn secrets_are_never_echoed_and_the_env_token_is_taken_verbatim() {
         .await
         .expect("reader")
         .expect("the worker's first line");
-    let url = format!("http://{}", line.trim().trim_start_matches("listening on "));
+    let addr = line.trim().trim_start_matches("listening on ").split_whitespace().next().unwrap_or_default().to_string();
+    let url = format!("http://{addr}");
     let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     while !http.get(format!("{url}/v2/health/ready")).send().await.is_ok_and(|r| r.status().is_success()) {
