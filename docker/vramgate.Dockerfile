@@ -186,9 +186,10 @@ WORKDIR /opt/vramgate
 ENV PATH=/opt/vramgate/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     LD_LIBRARY_PATH=/opt/vramgate/lib \
     VRAMGATE_WORKER_LISTEN=0.0.0.0:8081 \
+    VRAMGATE_WORKER_GRPC_LISTEN=0.0.0.0:8001 \
     VRAMGATE_WORKER_DEVICE=cpu
 USER vramgate
-EXPOSE 8081
+EXPOSE 8081 8001
 # Ready once the models are loaded, warmed up and calibrated.
 HEALTHCHECK --interval=5s --timeout=3s --start-period=300s --retries=3 CMD ["http-ok", "8081", "/v2/health/ready"]
 ENTRYPOINT ["ai-worker", "--config", "/opt/vramgate/config/worker.toml"]
@@ -223,8 +224,9 @@ ENV PATH=/opt/vramgate/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sb
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     VRAMGATE_WORKER_LISTEN=0.0.0.0:8081 \
+    VRAMGATE_WORKER_GRPC_LISTEN=0.0.0.0:8001 \
     VRAMGATE_WORKER_DEVICE=cuda
 USER vramgate
-EXPOSE 8081
+EXPOSE 8081 8001
 HEALTHCHECK --interval=5s --timeout=3s --start-period=300s --retries=3 CMD ["http-ok", "8081", "/v2/health/ready"]
 ENTRYPOINT ["ai-worker", "--config", "/opt/vramgate/config/worker.toml"]
