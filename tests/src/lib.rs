@@ -16,6 +16,7 @@ pub mod jaeger;
 pub mod metrics;
 pub mod oip_client;
 pub mod tls;
+pub mod contract;
 pub mod wav;
 
 use std::collections::HashMap;
@@ -308,6 +309,8 @@ pub async fn collect(
         }
         let Ok(message) = tokio::time::timeout(left, consumer.recv()).await else { break };
         let received = Received::from_message(&message?)?;
+        // Every result and dead letter a test reads is held to the published schemas.
+        contract::check_record(&received.topic, &received.value).map_err(|e| anyhow::anyhow!("offset {}: {e}", received.offset))?;
         by_id.entry(received.id().to_string()).or_default().push(received);
     }
     Ok(by_id)
@@ -328,6 +331,8 @@ struct CollectorState {
     by_id: ById,
     records: usize,
     error: Option<String>,
+    /// The first record that broke the published contract ([`contract::check_record`]).
+    broken: Option<String>,
 }
 
 impl Collector {
@@ -350,6 +355,9 @@ impl Collector {
                 let mut state = shared.lock().unwrap_or_else(|p| p.into_inner());
                 match received {
                     Ok(r) => {
+                        if let Err(e) = contract::check_record(&r.topic, &r.value) {
+                            state.broken.get_or_insert(format!("offset {}: {e}", r.offset));
+                        }
                         state.records += 1;
                         state.by_id.entry(r.id().to_string()).or_default().push(r);
                     }
@@ -360,9 +368,14 @@ impl Collector {
         Ok(Collector { state, task })
     }
 
-    /// Runs `f` on the records read so far.
+    /// Runs `f` on the records read so far. Panics once a record broke the published
+    /// contract (`schemas/v1`), naming it: every test that reads records fails on it.
     pub fn with<R>(&self, f: impl FnOnce(&ById) -> R) -> R {
-        f(&self.state.lock().unwrap_or_else(|p| p.into_inner()).by_id)
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(broken) = &state.broken {
+            panic!("{broken}");
+        }
+        f(&state.by_id)
     }
 
     /// A copy of the records read so far.
