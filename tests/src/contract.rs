@@ -3,11 +3,12 @@
 //! or [`crate::Collector`] is validated against its committed JSON Schema, so an event whose
 //! fields drift from the contract fails the test that read it, whatever that test checks.
 //!
-//! A record of a `*.results` topic is a result (`result.json`); the built-in tasks' outputs are
-//! held to their own schemas too: `voice` to `voice-output.json`, `image` to
-//! `image-output.json`. A record of a `*.dlq` topic is a dead letter (`dead-letter.json`).
-//! Other topics (requests, the tests' own) are not checked. The outputs of configured tasks
-//! (`[[outputs]]` rows) have no schema of their own yet: only their envelope is checked.
+//! A record of a `*.results` topic is a result (`result.json`), and its `output` is held to
+//! the schema of its kind: the `voice` task's to `voice-output.json`; the `image` task's to
+//! `image-output.json`, or in `tensor` mode (an output of `input` and `outputs`) to
+//! `task-output.json`, as every other task's (the configured tasks' `[[outputs]]` rows). A
+//! record of a `*.dlq` topic is a dead letter (`dead-letter.json`). Other topics (requests, the
+//! tests' own) are not checked.
 
 use std::sync::OnceLock;
 
@@ -21,7 +22,7 @@ const MAX_REPORT_CHARS: usize = 2000;
 fn validator(name: &str) -> &'static jsonschema::Validator {
     static SCHEMAS: OnceLock<Vec<(String, jsonschema::Validator)>> = OnceLock::new();
     let all = SCHEMAS.get_or_init(|| {
-        ["result", "dead-letter", "voice-output", "image-output"]
+        ["result", "dead-letter", "voice-output", "image-output", "task-output"]
             .into_iter()
             .map(|name| {
                 let path = repo_root().join("schemas/v1").join(format!("{name}.json"));
@@ -47,11 +48,12 @@ pub fn check_record(topic: &str, value: &Value) -> Result<(), String> {
     if topic.ends_with(".results") {
         broken.extend(violations("result", value).into_iter().map(|v| format!("result.json: {v}")));
         let output = value.get("output").unwrap_or(&Value::Null);
-        match value.get("task").and_then(Value::as_str) {
-            Some("voice") => broken.extend(violations("voice-output", output).into_iter().map(|v| format!("voice-output.json: {v}"))),
-            Some("image") => broken.extend(violations("image-output", output).into_iter().map(|v| format!("image-output.json: {v}"))),
-            _ => {}
-        }
+        let kind = match value.get("task").and_then(Value::as_str) {
+            Some("voice") => "voice-output",
+            Some("image") if output.get("outputs").is_none() => "image-output",
+            _ => "task-output",
+        };
+        broken.extend(violations(kind, output).into_iter().map(|v| format!("{kind}.json: {v}")));
     } else if topic.ends_with(".dlq") {
         broken.extend(violations("dead-letter", value).into_iter().map(|v| format!("dead-letter.json: {v}")));
     }
@@ -83,6 +85,16 @@ mod tests {
         bad_output["output"]["segments"] = json!("none");
         assert!(check_record("x.results", &bad_output).expect_err("segments").contains("voice-output.json"));
         assert!(check_record("x.dlq", &json!({"id": 3})).expect_err("not a dead letter").contains("dead-letter.json"));
+        let mut configured = result.clone();
+        configured["task"] = json!("classify");
+        configured["output"] = json!({"input": {"width": 2}, "outputs": {
+            "logits": {"shape": [1], "top_k": [[{"index": 3, "score": 0.9, "label": "cat"}]]},
+            "p": {"shape": [2], "data": [true, false]},
+            "speech_prob": {"segments": [{"start_seconds": 0.1, "end_seconds": 0.5}]}}});
+        let checked = check_record("x.results", &configured);
+        assert!(checked.is_ok(), "{checked:?}");
+        configured["output"]["outputs"]["logits"]["top_k"][0][0]["extra"] = json!(1);
+        assert!(check_record("x.results", &configured).expect_err("unknown key").contains("task-output.json"));
         assert!(check_record("x.requests", &json!("anything")).is_ok(), "requests are not checked here");
     }
 }
