@@ -102,6 +102,12 @@ def main(http_host, grpc_host, token, wav, max_request_bytes):
     assert g.as_numpy("speech_prob").shape == (2, 32)
     response = g.get_response()
     assert response.model_name == "silero_vad" and response.model_version == "1" and response.id == "grpc-1", response
+    # The admission state rides on the answer's metadata, under the HTTP door's header names.
+    _, call = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(grpc_host)).ModelInfer.with_call(
+        _raw_request("silero_vad", "audio", rows[:1]), metadata=[("authorization", f"Bearer {token}")])
+    stamped = dict(call.initial_metadata())
+    for key in ("x-vramgate-admission-unit", "x-vramgate-budget", "x-vramgate-admitted", "x-vramgate-estimate"):
+        assert key in stamped, f"no {key} in the answer's metadata: {stamped}"
 
     # Two inputs, and only one output asked for: Silero's streaming step.
     chunk = audio[:576].reshape(1, 576).astype(np.float32)
@@ -185,6 +191,13 @@ def main(http_host, grpc_host, token, wav, max_request_bytes):
     h, g = both(http, client, auth, "silero_vad", [("audio", rows, "FP32")])
     same_bits(h.as_numpy("speech_prob"), g.as_numpy("speech_prob"), "silero_vad after the hostile calls")
     print("tritonclient.grpc: metadata, readiness and 4 models equal to HTTP bit for bit; hostile calls refused by code")
+
+
+def _raw_request(model, name, array):
+    r = service_pb2.ModelInferRequest(model_name=model)
+    r.inputs.add(name=name, datatype="FP32", shape=list(array.shape))
+    r.raw_input_contents.append(array.astype("<f4").tobytes())
+    return r
 
 
 def _http_input(name, array):

@@ -15,7 +15,9 @@
 //! charged to the `max_body_bytes_in_flight` the two doors share, within
 //! `body_read_timeout_ms`. The charge is held until the call has answered.
 //!
-//! Errors are gRPC status codes carrying the HTTP door's messages ([`status_of`]).
+//! Errors are gRPC status codes carrying the HTTP door's messages ([`status_of`]). Every
+//! `ModelInfer` answer, result or error, carries the admission state and the model's estimate
+//! as metadata under the HTTP door's header names (`report::stamps`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -174,7 +176,27 @@ impl GrpcInferenceService for Door {
             // As the HTTP door's logging middleware writes a failed request: once, bounded.
             tracing::info!(%model, ?code, error = bounded(&e.message, LOG_FIELD_MAX_BYTES), "gRPC ModelInfer failed");
         }
-        result.map(tonic::Response::new).map_err(status_of)
+        // The admission state and the model's estimate, as the HTTP door stamps its answers.
+        let stamps = report::stamps(&self.state, Some(&model));
+        let stamp = |metadata: &mut tonic::metadata::MetadataMap| {
+            for (name, value) in &stamps {
+                if let Ok(value) = MetadataValue::try_from(value.as_str()) {
+                    metadata.insert(*name, value);
+                }
+            }
+        };
+        match result {
+            Ok(answer) => {
+                let mut response = tonic::Response::new(answer);
+                stamp(response.metadata_mut());
+                Ok(response)
+            }
+            Err(e) => {
+                let mut status = status_of(e);
+                stamp(status.metadata_mut());
+                Err(status)
+            }
+        }
     }
 }
 

@@ -41,19 +41,24 @@ fn model_in_path(path: &str) -> Option<&str> {
 pub(super) async fn stamp(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let model = model_in_path(request.uri().path()).map(str::to_owned);
     let mut response = next.run(request).await;
-    let Some(engine) = state.engine.get() else { return response };
     let headers = response.headers_mut();
-    for (name, value) in admission(engine).headers() {
+    for (name, value) in stamps(&state, model.as_deref()) {
         if let Ok(value) = HeaderValue::from_str(&value) {
             headers.insert(HeaderName::from_static(name), value);
         }
     }
-    if let Some(served) = model.as_deref().and_then(|m| engine.served(m)) {
-        if let Ok(value) = HeaderValue::from_str(&worker_state::estimate_header(&estimate(&served))) {
-            headers.insert(HeaderName::from_static(worker_state::HEADER_ESTIMATE), value);
-        }
-    }
     response
+}
+
+/// The stamps of an answer (HTTP headers, or gRPC metadata of the same names): the admission
+/// figures once the engine is up, and `model`'s estimate when it is served here.
+pub(super) fn stamps(state: &AppState, model: Option<&str>) -> Vec<(&'static str, String)> {
+    let Some(engine) = state.engine.get() else { return Vec::new() };
+    let mut stamps = admission(engine).headers().to_vec();
+    if let Some(served) = model.and_then(|m| engine.served(m)) {
+        stamps.push((worker_state::HEADER_ESTIMATE, worker_state::estimate_header(&estimate(&served))));
+    }
+    stamps
 }
 
 /// `GET /vramgate/state`: the admission figures and every model's estimate; 503 while loading.
