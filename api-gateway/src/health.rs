@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 
-use crate::call::workers::WorkerSet;
+use crate::call::workers::{Endpoint, WorkerSet};
 
 /// How often readiness is re-checked.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(5);
@@ -125,17 +125,15 @@ pub async fn run_checks<C: ConsumerContext + 'static>(
         };
         let mut results = BTreeMap::new();
         let tasks: BTreeMap<String, Vec<String>> = sets.iter().map(|s| (s.task.clone(), s.urls())).collect();
-        let mut workers: Vec<&String> = tasks.values().flatten().collect();
-        workers.sort();
-        workers.dedup();
-        for url in workers {
-            let probe = format!("{url}/v2/health/ready");
-            let result = match http.get(&probe).send().await {
-                Ok(r) if r.status().is_success() => Ok(()),
-                Ok(r) => Err(format!("{probe} answered {}", r.status())),
-                Err(e) => Err(format!("{probe} unreachable: {e}")),
-            };
-            results.insert(url.clone(), result);
+        // Each worker once, whatever tasks share it, through the door the gateway calls it by.
+        let mut endpoints: BTreeMap<String, Arc<Endpoint>> = BTreeMap::new();
+        for set in sets.iter() {
+            for endpoint in set.endpoints() {
+                endpoints.entry(endpoint.url.clone()).or_insert(endpoint);
+            }
+        }
+        for (url, endpoint) in endpoints {
+            results.insert(url, endpoint.client.ready(&http, CHECK_TIMEOUT).await);
         }
         {
             let mut state = health.state();

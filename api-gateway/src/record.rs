@@ -443,10 +443,12 @@ async fn write(record: Record, carried: Carried, written: Written, refused: Opti
 }
 
 /// A failure plus what was known about the request when it happened.
-struct Rejection {
-    failure: Failure,
-    id: Option<String>,
-    task: Option<String>,
+pub struct Rejection {
+    pub failure: Failure,
+    /// The request's id when it could be read, cut to [`MAX_ID_BYTES`].
+    pub id: Option<String>,
+    /// The request's task when it could be read, cut to [`MAX_ID_BYTES`].
+    pub task: Option<String>,
 }
 
 impl Rejection {
@@ -473,8 +475,7 @@ fn check(shared: &Shared, task: &Task, message: &OwnedMessage) -> Result<Checked
             "record has no value (a tombstone); expected a json request",
         ))
     })?;
-    let RequestEvent { version, id, task: task_name, input, options } = parse_request(value)?;
-    check_id(&id)?;
+    let RequestEvent { version, id, task: task_name, input, options } = read_request(value)?;
     let span = tracing::Span::current();
     span.record("event_id", id.as_str());
     span.record("messaging.message.id", id.as_str());
@@ -546,7 +547,7 @@ async fn convert_and_call(
         let Converted { calls, finish } = converted;
         // One encoded body per call, which every attempt re-sends; the tensors are gone after.
         let bodies: Vec<(usize, InferCall)> =
-            calls.into_iter().map(|c| (c.stage, InferCall::new(&id, &c.inputs, c.outputs))).collect();
+            calls.into_iter().map(|c| (c.stage, InferCall::new(&id, &c.inputs, c.outputs, stage_protocol(task, c.stage)))).collect();
         let holding = record_bytes + finish.held_bytes() + bodies.iter().map(|(_, b)| b.body_len() as u64).sum::<u64>();
         if holding > held.bytes() {
             held.grow(holding - held.bytes()).await;
@@ -601,6 +602,11 @@ async fn convert_and_call(
 /// Makes one step's calls together and waits for all of them; the first that fails for good
 /// fails the record (the others are dropped, which cancels them). With more than one model in
 /// the task, the step is a `stage` span and a failure names the stage and its model.
+/// The door the workers of `stage` are called through.
+fn stage_protocol(task: &Task, stage: usize) -> crate::config::Protocol {
+    task.stages.get(stage).map_or_else(Default::default, |set| set.protocol())
+}
+
 async fn call_stage(
     task: &Task,
     bodies: &[(usize, InferCall)],
@@ -639,6 +645,15 @@ fn check_id(id: &str) -> Result<(), Rejection> {
         });
     }
     Ok(())
+}
+
+/// Reads a record's value into a request and checks what needs neither the task table nor
+/// the input: the value is JSON, of a request's shape, with an id of 1 to [`MAX_ID_BYTES`]
+/// bytes. Every rejection's message and echoed id are bounded, whatever the value.
+pub fn read_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
+    let request = parse_request(value)?;
+    check_id(&request.id)?;
+    Ok(request)
 }
 
 /// Reads a request in one pass. Only a record that fails is read again, as loose JSON, to
@@ -739,7 +754,7 @@ mod tests {
     #[test]
     fn odd_requests_get_precise_reasons() {
         let check = |value: &[u8], kind: ErrorKind, needle: &str| {
-            let Err(rejection) = parse_request(value).and_then(|r| check_id(&r.id)) else { panic!("accepted") };
+            let Err(rejection) = read_request(value) else { panic!("accepted") };
             assert_eq!(rejection.failure.kind, kind, "{}", String::from_utf8_lossy(value));
             assert!(rejection.failure.message.contains(needle), "{}", rejection.failure.message);
             rejection
@@ -769,9 +784,9 @@ mod tests {
         const VALID: &str = r#"{"version":1,"id":"abc","task":"voice","input":{"uri":"file:///a/b.wav"},"options":{"threshold":0.5}}"#;
 
         fn check(value: &[u8]) -> Result<(), TestCaseError> {
-            match parse_request(value).map(|r| (check_id(&r.id), r)) {
-                Ok((Ok(()), request)) => prop_assert!(!request.id.is_empty() && request.id.len() <= MAX_ID_BYTES),
-                Ok((Err(rejection), _)) | Err(rejection) => {
+            match read_request(value) {
+                Ok(request) => prop_assert!(!request.id.is_empty() && request.id.len() <= MAX_ID_BYTES),
+                Err(rejection) => {
                     prop_assert!(rejection.failure.message.len() <= 2 * LOG_FIELD_MAX_BYTES + 128);
                     prop_assert!(rejection.id.is_none_or(|id| id.len() <= MAX_ID_BYTES));
                 }

@@ -96,7 +96,8 @@ impl Task {
         let models = std::iter::once(config.model.clone()).chain(later.iter().cloned());
         let mut stages = Vec::new();
         for (label, model) in labels.zip(models) {
-            let set = WorkerSet::new(&label, &model, routing, timeout, token.clone(), config.gpu_permits.clone(), metrics.clone());
+            let set = WorkerSet::new(&label, &model, routing, timeout, token.clone(), config.gpu_permits.clone(), metrics.clone())
+                .speaking(worker.protocol);
             if let WorkerSource::Static(urls) = &worker_source {
                 set.replace(urls)?;
             }

@@ -298,7 +298,8 @@ pub async fn start_ceiling_worker(options: &CeilingOptions) -> anyhow::Result<Wo
         .filter(|m| options.cases.iter().any(|c| c.model == *m))
         .map(|m| (m.name(), m.file(), m.keys(), "max_input_elements = 20000000"))
         .collect();
-    let extra = format!("{}\n", options.worker_extra);
+    // Its gRPC door too, for P2's pipeline over gRPC.
+    let extra = format!("grpc_listen = \"127.0.0.1:0\"\n{}\n", options.worker_extra);
     let mut config = worker_config(&extra, &models);
     config = config.replacen("torch_threads = 1", &format!("torch_threads = {}", options.torch_threads), 1);
     start_worker(&config).await

@@ -2,6 +2,11 @@
 //! extension (raw little-endian values after the JSON header), and classifies each failure as
 //! worth retrying or not; reads a model's metadata (`GET /v2/models/{name}`) for the start-up
 //! check of the task rows (`crate::tasks::fit`).
+//!
+//! With `worker.protocol = "grpc"` the same calls go through the worker's gRPC door
+//! (`GRPCInferenceService`, [`grpc`]): the request carries raw contents, the answer's raw
+//! contents are decoded by the HTTP path's own decoder, and a status code is read as the HTTP
+//! status it stands for, so that both doors classify alike.
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -9,12 +14,22 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use tracing::Instrument;
 use vramgate_shared::telemetry::{bounded, context};
-use vramgate_shared::worker_state;
+use vramgate_shared::worker_state::{self, WorkerState};
 use vramgate_shared::config::Secret;
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
 
+use crate::config::Protocol;
 use crate::failure::Failure;
+
+/// The code `tonic-prost-build` generated from the worker's `proto/inference.proto`.
+#[allow(clippy::all, missing_docs)]
+pub mod grpc {
+    tonic::include_proto!("inference");
+}
+
+/// Largest gRPC answer read (a tensor answer as large as the worker's largest request).
+const MAX_GRPC_ANSWER_BYTES: usize = 256 * 1024 * 1024;
 
 /// Largest model metadata read (a model declares at most a few dozen tensors).
 const MAX_METADATA_BYTES: u64 = 1 << 20;
@@ -119,8 +134,7 @@ impl OutputTensor {
 
 /// One inference request, encoded once so that retries re-send it without re-encoding.
 pub struct InferCall {
-    body: bytes::Bytes,
-    header_len: Option<usize>,
+    wire: Wire,
     output_names: Vec<String>,
     /// Input elements: what a worker's memory estimate is a function of.
     elements: u64,
@@ -129,24 +143,31 @@ pub struct InferCall {
 impl InferCall {
     /// Encodes `inputs` with their tensor data in the binary extension, asking for the named
     /// outputs in binary too.
-    pub fn new(request_id: &str, inputs: &[Tensor], output_names: &[&str]) -> Self {
-        let outputs: Vec<oip::RequestOutputSpec> = output_names
-            .iter()
-            .map(|name| oip::RequestOutputSpec { name: name.to_string(), binary: true })
-            .collect();
-        let (body, header_len) =
-            oip::encode_request(Some(request_id), inputs, true, &outputs);
+    pub fn new(request_id: &str, inputs: &[Tensor], output_names: &[&str], protocol: Protocol) -> Self {
+        let wire = match protocol {
+            Protocol::Http => {
+                let outputs: Vec<oip::RequestOutputSpec> = output_names
+                    .iter()
+                    .map(|name| oip::RequestOutputSpec { name: name.to_string(), binary: true })
+                    .collect();
+                let (body, header_len) = oip::encode_request(Some(request_id), inputs, true, &outputs);
+                Wire::Http { body: body.into(), header_len }
+            }
+            Protocol::Grpc => Wire::Grpc(grpc_request(request_id, inputs, output_names)),
+        };
         InferCall {
-            body: body.into(),
-            header_len,
+            wire,
             output_names: output_names.iter().map(|n| n.to_string()).collect(),
             elements: inputs.iter().map(|t| t.shape.iter().map(|&d| d as u64).product::<u64>()).sum(),
         }
     }
 
-    /// Size of the encoded request body.
+    /// Size of the encoded request (the HTTP body, or the gRPC message's tensor bytes).
     pub fn body_len(&self) -> usize {
-        self.body.len()
+        match &self.wire {
+            Wire::Http { body, .. } => body.len(),
+            Wire::Grpc(message) => message.raw_input_contents.iter().map(|c| c.len()).sum(),
+        }
     }
 
     pub fn elements(&self) -> u64 {
@@ -154,9 +175,49 @@ impl InferCall {
     }
 }
 
+/// A call encoded for the door it goes through.
+enum Wire {
+    Http { body: bytes::Bytes, header_len: Option<usize> },
+    Grpc(grpc::ModelInferRequest),
+}
+
+/// The `ModelInfer` message of `inputs`: each tensor's little-endian values as its raw
+/// contents, the named outputs asked for.
+fn grpc_request(request_id: &str, inputs: &[Tensor], output_names: &[&str]) -> grpc::ModelInferRequest {
+    grpc::ModelInferRequest {
+        id: request_id.to_string(),
+        inputs: inputs
+            .iter()
+            .map(|t| grpc::model_infer_request::InferInputTensor {
+                name: t.name.clone(),
+                datatype: t.datatype().as_str().to_string(),
+                shape: t.shape.iter().map(|&d| d as i64).collect(),
+                ..Default::default()
+            })
+            .collect(),
+        raw_input_contents: inputs
+            .iter()
+            .map(|t| {
+                let mut raw = Vec::with_capacity(t.data.byte_len());
+                t.data.write_le_bytes(&mut raw);
+                bytes::Bytes::from(raw)
+            })
+            .collect(),
+        outputs: output_names
+            .iter()
+            .map(|name| grpc::model_infer_request::InferRequestedOutputTensor { name: name.to_string(), ..Default::default() })
+            .collect(),
+        ..Default::default()
+    }
+}
+
 #[derive(Clone)]
 pub struct WorkerClient {
     http: reqwest::Client,
+    /// The gRPC door's client when `worker.protocol = "grpc"` (its channel connects lazily).
+    grpc: Option<grpc::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>>,
+    /// `Bearer <token>` for the gRPC calls' metadata (HTTP has it as a default header).
+    bearer: Option<String>,
     base: String,
     /// Host and port of `base`, for the client spans.
     host: String,
@@ -169,7 +230,7 @@ pub struct WorkerClient {
 impl WorkerClient {
     /// A client of the worker at `url` whose calls time out after `timeout_seconds`, sending
     /// `token` as a bearer token when given.
-    pub fn new(url: &str, timeout_seconds: f64, token: Option<&Secret>) -> anyhow::Result<Self> {
+    pub fn new(url: &str, timeout_seconds: f64, token: Option<&Secret>, protocol: Protocol) -> anyhow::Result<Self> {
         let timeout_seconds = if timeout_seconds.is_finite() { timeout_seconds.max(0.001) } else { 60.0 };
         let mut headers = reqwest::header::HeaderMap::new();
         if let Some(token) = token {
@@ -188,7 +249,27 @@ impl WorkerClient {
         let parsed = reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("worker url '{url}' is not a URL: {e}"))?;
         let host = parsed.host_str().unwrap_or_default().to_string();
         let port = parsed.port_or_known_default().unwrap_or(80);
-        Ok(WorkerClient { http, base: url.trim_end_matches('/').to_string(), host, port, timeout_ms })
+        let base = url.trim_end_matches('/').to_string();
+        let grpc = match protocol {
+            Protocol::Http => None,
+            Protocol::Grpc => {
+                let channel = tonic::transport::Endpoint::from_shared(base.clone())
+                    .map_err(|e| anyhow::anyhow!("worker url '{url}' cannot be a gRPC endpoint: {e}"))?
+                    .connect_timeout(Duration::from_secs(5))
+                    .timeout(Duration::from_secs_f64(timeout_seconds))
+                    .tcp_nodelay(true)
+                    // As the worker's windows: a large answer need not wait for window updates.
+                    .initial_stream_window_size(1 << 20)
+                    .initial_connection_window_size(16 << 20)
+                    .connect_lazy();
+                Some(
+                    grpc::grpc_inference_service_client::GrpcInferenceServiceClient::new(channel)
+                        .max_decoding_message_size(MAX_GRPC_ANSWER_BYTES),
+                )
+            }
+        };
+        let bearer = token.map(|t| format!("Bearer {}", t.expose()));
+        Ok(WorkerClient { http, grpc, bearer, base, host, port, timeout_ms })
     }
 
     pub fn url(&self) -> &str {
@@ -206,6 +287,9 @@ impl WorkerClient {
         attempt: u32,
         observe: impl FnOnce(&reqwest::header::HeaderMap),
     ) -> Result<ModelOutput, CallError> {
+        if let (Some(client), Wire::Grpc(message)) = (&self.grpc, &call.wire) {
+            return self.infer_grpc(client, model, message, call, attempt, observe).await;
+        }
         let url = format!("{}/v2/models/{model}/infer", self.base);
         let span = tracing::info_span!(
             "POST",
@@ -231,6 +315,9 @@ impl WorkerClient {
     /// with this client's token and TLS. A 404 (a model the worker does not serve) is
     /// [`CallError::Rejected`]; a model still loading (503) or no answer is retryable.
     pub async fn metadata(&self, model: &str, timeout: Duration) -> Result<oip::ModelMetadata, CallError> {
+        if let Some(client) = &self.grpc {
+            return self.metadata_grpc(client, model, timeout).await;
+        }
         let url = format!("{}/v2/models/{model}", self.base);
         let response = self.http.get(&url).timeout(timeout).send().await.map_err(|e| transport(&url, "asking", &e))?;
         let status = response.status();
@@ -262,11 +349,14 @@ impl WorkerClient {
                 request = request.header("tracestate", state);
             }
         }
-        if let Some(len) = call.header_len {
-            request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len);
+        let Wire::Http { body, header_len } = &call.wire else {
+            return Err(CallError::BadResponse(format!("{url}: a call encoded for gRPC sent over HTTP (a bug)")));
+        };
+        if let Some(len) = header_len {
+            request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, *len);
         }
         // `Bytes` clones share the buffer: a retry re-sends the same body without copying it.
-        let response = request.body(call.body.clone()).send().await.map_err(|e| transport(url, "calling", &e))?;
+        let response = request.body(body.clone()).send().await.map_err(|e| transport(url, "calling", &e))?;
         let status = response.status();
         tracing::Span::current().record("http.response.status_code", status.as_u16());
         observe(response.headers());
@@ -305,6 +395,228 @@ impl WorkerClient {
         }
         Ok(ModelOutput { model: header.model_name, tensors: outputs })
     }
+}
+
+impl WorkerClient {
+    /// A gRPC request of `message` with this client's token, deadline and trace context.
+    fn grpc_request<T>(&self, message: T, timeout: Duration, trace: Option<(String, Option<String>)>) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(timeout);
+        let metadata = request.metadata_mut();
+        if let Some(bearer) = &self.bearer {
+            if let Ok(mut value) = tonic::metadata::MetadataValue::try_from(bearer.as_str()) {
+                value.set_sensitive(true);
+                metadata.insert("authorization", value);
+            }
+        }
+        if let Some((parent, state)) = trace {
+            if let Ok(value) = tonic::metadata::MetadataValue::try_from(parent.as_str()) {
+                metadata.insert("traceparent", value);
+            }
+            if let Some(Ok(value)) = state.map(|s| tonic::metadata::MetadataValue::try_from(s.as_str())) {
+                metadata.insert("tracestate", value);
+            }
+        }
+        request
+    }
+
+    /// [`infer`](Self::infer) through the gRPC door, in a CLIENT span of its own.
+    async fn infer_grpc(
+        &self,
+        client: &grpc::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>,
+        model: &str,
+        message: &grpc::ModelInferRequest,
+        call: &InferCall,
+        attempt: u32,
+        observe: impl FnOnce(&reqwest::header::HeaderMap),
+    ) -> Result<ModelOutput, CallError> {
+        let span = tracing::info_span!(
+            "inference.GRPCInferenceService/ModelInfer",
+            otel.kind = "client",
+            rpc.system = "grpc",
+            rpc.service = "inference.GRPCInferenceService",
+            rpc.method = "ModelInfer",
+            server.address = self.host.as_str(),
+            server.port = self.port,
+            vramgate.model = model,
+            vramgate.attempt = attempt,
+            rpc.grpc.status_code = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        let mut message = message.clone();
+        message.model_name = model.to_string();
+        let timeout = Duration::from_millis(self.timeout_ms);
+        let request = self.grpc_request(message, timeout, context::headers_of(&span));
+        let result = async {
+            match client.clone().model_infer(request).await {
+                Ok(response) => {
+                    span.record("rpc.grpc.status_code", 0);
+                    observe(&response.metadata().clone().into_headers());
+                    grpc_outputs(response.into_inner(), &call.output_names)
+                }
+                Err(status) => {
+                    span.record("rpc.grpc.status_code", status.code() as i32);
+                    let headers = status.metadata().clone().into_headers();
+                    observe(&headers);
+                    Err(grpc_error(&self.base, &status, &headers))
+                }
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        if let Err(error) = &result {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", error.kind());
+        }
+        result
+    }
+
+    /// [`metadata`](Self::metadata) through the gRPC door.
+    async fn metadata_grpc(
+        &self,
+        client: &grpc::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>,
+        model: &str,
+        timeout: Duration,
+    ) -> Result<oip::ModelMetadata, CallError> {
+        let message = grpc::ModelMetadataRequest { name: model.to_string(), version: String::new() };
+        let answer = client.clone().model_metadata(self.grpc_request(message, timeout, None)).await.map_err(|status| {
+            let headers = status.metadata().clone().into_headers();
+            grpc_error(&self.base, &status, &headers)
+        })?;
+        let m = answer.into_inner();
+        let tensor = |t: grpc::model_metadata_response::TensorMetadata| oip::TensorMetadata { name: t.name, datatype: t.datatype, shape: t.shape };
+        Ok(oip::ModelMetadata {
+            name: m.name,
+            versions: Some(m.versions),
+            platform: m.platform,
+            inputs: m.inputs.into_iter().map(tensor).collect(),
+            outputs: m.outputs.into_iter().map(tensor).collect(),
+            parameters: None,
+        })
+    }
+
+    /// The worker's admission state and `model`'s estimate, for the probe of a worker out of
+    /// service: HTTP's `GET /vramgate/state` through `http`; over gRPC the stamps of a
+    /// `ModelMetadata` answer (the worker stamps every answer of its gRPC door with them).
+    pub async fn state(&self, http: &reqwest::Client, model: &str, timeout: Duration) -> Option<WorkerState> {
+        let Some(client) = &self.grpc else {
+            let answer = http.get(format!("{}{}", self.base, worker_state::STATE_PATH)).send().await;
+            return match answer {
+                Ok(r) if r.status().is_success() => r.json::<WorkerState>().await.ok(),
+                _ => None,
+            };
+        };
+        let message = grpc::ModelMetadataRequest { name: model.to_string(), version: String::new() };
+        let answer = client.clone().model_metadata(self.grpc_request(message, timeout, None)).await.ok()?;
+        let headers = answer.metadata().clone().into_headers();
+        let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let admission = worker_state::Admission::from_headers(get)?;
+        let models = get(worker_state::HEADER_ESTIMATE)
+            .and_then(worker_state::parse_estimate_header)
+            .map(|e| (model.to_string(), e))
+            .into_iter()
+            .collect();
+        Some(WorkerState { admission, models })
+    }
+
+    /// Whether the worker is ready, for the gateway's `/readyz`: HTTP's
+    /// `GET /v2/health/ready` through `http`, or gRPC's `ServerReady`; `Err` says why not.
+    pub async fn ready(&self, http: &reqwest::Client, timeout: Duration) -> Result<(), String> {
+        let Some(client) = &self.grpc else {
+            let probe = format!("{}/v2/health/ready", self.base);
+            return match http.get(&probe).send().await {
+                Ok(r) if r.status().is_success() => Ok(()),
+                Ok(r) => Err(format!("{probe} answered {}", r.status())),
+                Err(e) => Err(format!("{probe} unreachable: {e}")),
+            };
+        };
+        let request = self.grpc_request(grpc::ServerReadyRequest {}, timeout, None);
+        match client.clone().server_ready(request).await {
+            Ok(answer) if answer.get_ref().ready => Ok(()),
+            Ok(_) => Err(format!("{} (gRPC ServerReady): not ready", self.base)),
+            Err(status) => Err(format!("{} (gRPC ServerReady): {:?}: {}", self.base, status.code(), status.message())),
+        }
+    }
+}
+
+/// The outputs asked for of a `ModelInfer` answer, decoded by the HTTP path's decoder: the
+/// answer as the binary-extension body it stands for (each output's raw contents its
+/// `binary_data_size`), so that a size that does not fill the shape is refused alike.
+fn grpc_outputs(answer: grpc::ModelInferResponse, names: &[String]) -> Result<ModelOutput, CallError> {
+    let bad = |m: String| CallError::BadResponse(m);
+    if answer.raw_output_contents.len() != answer.outputs.len() {
+        return Err(bad(format!(
+            "gRPC answer has {} raw contents for {} outputs",
+            answer.raw_output_contents.len(),
+            answer.outputs.len()
+        )));
+    }
+    let header = oip::InferResponse {
+        model_name: answer.model_name.clone(),
+        model_version: Some(answer.model_version.clone()),
+        id: Some(answer.id.clone()),
+        parameters: None,
+        outputs: answer
+            .outputs
+            .iter()
+            .zip(&answer.raw_output_contents)
+            .map(|(o, raw)| {
+                let mut p = oip::Parameters::new();
+                p.insert(oip::BINARY_DATA_SIZE.into(), raw.len().into());
+                oip::ResponseOutput { name: o.name.clone(), shape: o.shape.clone(), datatype: o.datatype.clone(), parameters: Some(p), data: None }
+            })
+            .collect(),
+    };
+    let mut body = serde_json::to_vec(&header).map_err(|e| bad(format!("gRPC answer: {e}")))?;
+    let header_len = body.len();
+    for raw in &answer.raw_output_contents {
+        body.extend_from_slice(raw);
+    }
+    let (header, tensors) = oip::decode_response(&body, Some(header_len)).map_err(|e| bad(e.to_string()))?;
+    let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
+    let mut outputs = Vec::with_capacity(names.len());
+    for name in names {
+        let tensor = tensors
+            .iter_mut()
+            .find(|t| t.as_ref().is_some_and(|t| &t.name == name))
+            .and_then(Option::take)
+            .ok_or_else(|| bad(format!("no output named '{name}'")))?;
+        outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data: tensor.data });
+    }
+    Ok(ModelOutput { model: header.model_name, tensors: outputs })
+}
+
+/// A gRPC status read as the HTTP status the worker's HTTP door answers for the same failure
+/// (its gRPC door maps them the other way), then classified alike; a status the channel made
+/// itself (no connection) is [`CallError::Unreachable`].
+fn grpc_error(base: &str, status: &tonic::Status, headers: &reqwest::header::HeaderMap) -> CallError {
+    use tonic::Code;
+    let message = status.message().to_string();
+    if status.code() == Code::Unavailable && std::error::Error::source(status).is_some() {
+        return CallError::Unreachable { message: format!("calling {base} over gRPC: {message}") };
+    }
+    let retry_after = headers
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64);
+    let http = match status.code() {
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => StatusCode::BAD_REQUEST,
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::ResourceExhausted if retry_after.is_some() => StatusCode::SERVICE_UNAVAILABLE,
+        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    if is_model_error(http, headers) {
+        return CallError::model_failed(&message);
+    }
+    classify(http, message, retry_after)
 }
 
 /// The `{"error": …}` of a failed answer, or the start of its body.
@@ -387,6 +699,43 @@ mod tests {
         let overload = |code: u16| classify(StatusCode::from_u16(code).expect("valid"), "m".into(), None).is_overload();
         assert!(overload(503) && overload(429) && overload(504));
         assert!(!overload(500) && !overload(400));
+    }
+
+    #[test]
+    fn grpc_statuses_are_classified_as_the_http_answers_they_stand_for() {
+        use tonic::{Code, Status};
+        let classify = |code: Code, metadata: &[(&'static str, &'static str)]| {
+            let mut status = Status::new(code, "why");
+            for (k, v) in metadata {
+                status.metadata_mut().insert(*k, v.parse().expect("ascii"));
+            }
+            let headers = status.metadata().clone().into_headers();
+            grpc_error("http://w:8001", &status, &headers)
+        };
+        assert!(matches!(classify(Code::InvalidArgument, &[]), CallError::Rejected { status: 400, .. }));
+        assert!(matches!(classify(Code::InvalidArgument, &[("x-vramgate-error-kind", "model_error")]), CallError::ModelFailed { .. }));
+        assert!(matches!(classify(Code::NotFound, &[]), CallError::Rejected { status: 404, .. }));
+        assert!(matches!(classify(Code::Unauthenticated, &[]), CallError::Rejected { status: 401, .. }));
+        match classify(Code::ResourceExhausted, &[("retry-after", "3")]) {
+            CallError::Throttled { retry_after, .. } => assert_eq!(retry_after, Some(Duration::from_secs(3))),
+            other => panic!("busy with a hint is throttled: {other:?}"),
+        }
+        assert!(!classify(Code::ResourceExhausted, &[]).is_retryable(), "too large for the budget: not retried");
+        assert!(matches!(classify(Code::Unavailable, &[]), CallError::Throttled { status: 503, .. }), "still loading");
+        assert!(matches!(classify(Code::DeadlineExceeded, &[]), CallError::TimedOut { .. }));
+        assert!(matches!(classify(Code::Internal, &[]), CallError::Failed { .. }));
+        // The model's marker on anything but INVALID_ARGUMENT is no verdict on the input.
+        assert!(classify(Code::Internal, &[("x-vramgate-error-kind", "model_error")]).is_retryable());
+    }
+
+    #[tokio::test]
+    async fn a_grpc_worker_that_is_not_there_is_unreachable() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+        let client = WorkerClient::new(&format!("http://{closed}"), 2.0, None, Protocol::Grpc).expect("a client");
+        let call = InferCall::new("r", &[Tensor::new("x", vec![1], vec![1.0f32])], &["y"], Protocol::Grpc);
+        let err = client.infer("m", &call, 1, |_| {}).await.expect_err("nothing listens");
+        assert!(matches!(err, CallError::Unreachable { .. }), "{err:?}");
+        assert!(client.ready(&reqwest::Client::new(), Duration::from_secs(2)).await.is_err());
     }
 
     #[test]

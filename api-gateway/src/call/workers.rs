@@ -27,7 +27,7 @@ use vramgate_shared::worker_state::{self, Admission, Estimate, Unit, WorkerState
 use super::client::{CallError, WorkerClient};
 use super::permits::AdaptivePermits;
 use super::route::{self, Candidate};
-use crate::config::{PermitConfig, Routing};
+use crate::config::{PermitConfig, Protocol, Routing};
 use crate::metrics::Metrics;
 
 /// Failures in a row (5xx, lost connection, timeout) that take a worker out of service.
@@ -251,6 +251,7 @@ impl Endpoint {
 struct Blueprint {
     timeout_seconds: f64,
     token: Option<Secret>,
+    protocol: Protocol,
     permits: PermitConfig,
 }
 
@@ -279,11 +280,23 @@ impl WorkerSet {
             task: task.to_string(),
             model: model.to_string(),
             routing,
-            blueprint: Blueprint { timeout_seconds, token, permits },
+            blueprint: Blueprint { timeout_seconds, token, protocol: Protocol::Http, permits },
             endpoints: RwLock::new(Vec::new()),
             turn: AtomicUsize::new(0),
             metrics,
         }
+    }
+
+    /// The set calling its workers through `protocol` (HTTP unless set); before any endpoint
+    /// is added.
+    pub fn speaking(mut self, protocol: Protocol) -> Self {
+        self.blueprint.protocol = protocol;
+        self
+    }
+
+    /// The door its workers are called through (`worker.protocol`).
+    pub fn protocol(&self) -> Protocol {
+        self.blueprint.protocol
     }
 
     pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
@@ -314,7 +327,7 @@ impl WorkerSet {
                 Some(kept) => next.push(kept.clone()),
                 None => {
                     let b = &self.blueprint;
-                    let client = WorkerClient::new(url, b.timeout_seconds, b.token.as_ref())?;
+                    let client = WorkerClient::new(url, b.timeout_seconds, b.token.as_ref(), b.protocol)?;
                     let permits = AdaptivePermits::new(b.permits.initial, b.permits.min, b.permits.max);
                     next.push(Arc::new(Endpoint {
                         url: client.url().to_string(),
@@ -385,11 +398,8 @@ impl WorkerSet {
             if !(refresh.is_some() || endpoint.due_for_probe(now) || (endpoint.unknown() && !endpoint.is_ejected())) {
                 continue;
             }
-            let answer = http.get(format!("{}{}", endpoint.url, worker_state::STATE_PATH)).send().await;
-            let state = match answer {
-                Ok(r) if r.status().is_success() => r.json::<WorkerState>().await.ok(),
-                _ => None,
-            };
+            // HTTP's `GET /vramgate/state`, or the stamps of a gRPC answer (`worker.protocol`).
+            let state = endpoint.client.state(http, &self.model, super::discovery::PROBE_TIMEOUT).await;
             if let Some(generation) = refresh {
                 if let Some(state) = &state {
                     endpoint.refreshed(state, &self.model, generation);

@@ -384,18 +384,29 @@ pub fn p2_gateway_env(
     env
 }
 
-/// P2 for one case: raw loop, worker direct at 8 in flight, whole pipeline. Returns the three
-/// rates.
+/// P2 for one case: raw loop, worker direct at 8 in flight, whole pipeline with the gateway
+/// calling the worker over HTTP, then over gRPC (when the worker has its gRPC door). Returns
+/// the four rates.
 async fn pipeline_case(
     case: &ceiling::CeilingCase,
     worker: &crate::Worker,
     events: usize,
-) -> anyhow::Result<(f64, f64, f64)> {
+) -> anyhow::Result<(f64, f64, f64, Option<f64>)> {
     let data = case.data();
     let raw = ceiling::raw_rate(case, &ceiling::RawInput::write(&data)?, 4.0, 1, 0)?.items_per_s;
     let (direct, failed) = ceiling::worker_rate(&worker.url, case, &data, 8, 4.0).await?;
     anyhow::ensure!(failed == 0, "{failed} direct calls failed");
+    let pipeline = pipeline_through(case, &worker.url, None, events).await?;
+    let grpc = match &worker.grpc {
+        Some(addr) => Some(pipeline_through(case, &format!("http://{addr}"), Some("grpc"), events).await?),
+        None => None,
+    };
+    Ok((raw, direct, pipeline, grpc))
+}
 
+/// The whole pipeline's rate for `case`: `events` records through a fresh gateway calling the
+/// worker at `worker_url` over `protocol` (`None`: the default, HTTP).
+async fn pipeline_through(case: &ceiling::CeilingCase, worker_url: &str, protocol: Option<&str>, events: usize) -> anyhow::Result<f64> {
     let root = scratch_dir("bench-p2");
     let (task, file) = p2_input(case, &root)?;
     let topics = TaskTopics::create("bench-p2", PARTITIONS).await?;
@@ -408,13 +419,16 @@ async fn pipeline_case(
         .collect();
     send_all(&producer(), &topics.requests, &requests, 500).await?;
     let group = unique("bench-p2");
-    let env = p2_gateway_env(case, &topics, &group, &worker.url, &root);
+    let mut env = p2_gateway_env(case, &topics, &group, worker_url, &root);
+    if let Some(protocol) = protocol {
+        env.push(("WORKER__PROTOCOL", protocol.to_string()));
+    }
     let gateway = start_gateway(&env).await?;
     let pipeline = rate_until_produced(&gateway, events, Duration::from_secs(600)).await?;
     let results = topic_records(&topics.results)?;
     anyhow::ensure!(results == events as i64, "{results} results of {events}; log:\n{}", gateway.log_tail());
     let _ = delete_topics(&[&topics.requests, &topics.results, &topics.dlq]).await;
-    Ok((raw, direct, pipeline))
+    Ok(pipeline)
 }
 
 /// Records a second through a freshly started `gateway`, from its first consumed record until
@@ -446,6 +460,8 @@ pub struct P2Row {
     pub raw: f64,
     pub direct: f64,
     pub pipeline: f64,
+    /// The pipeline with the gateway calling the worker over gRPC.
+    pub pipeline_grpc: Option<f64>,
 }
 
 /// P2's inputs: `VRAMGATE_BENCH_P2_INPUTS`, comma-separated, `HxW` for a P-Net image and `Ns`
@@ -473,8 +489,9 @@ pub async fn p2() -> anyhow::Result<Vec<P2Row>> {
     let worker = ceiling::start_ceiling_worker(&options).await?;
     let mut rows = Vec::new();
     for case in &cases {
-        let (raw, direct, pipeline) = pipeline_case(case, &worker, events).await?;
-        rows.push(P2Row { label: format!("{} {}", case.model.name(), case.label), unit: case.model.unit(), raw, direct, pipeline });
+        let (raw, direct, pipeline, pipeline_grpc) = pipeline_case(case, &worker, events).await?;
+        let label = format!("{} {}", case.model.name(), case.label);
+        rows.push(P2Row { label, unit: case.model.unit(), raw, direct, pipeline, pipeline_grpc });
     }
     Ok(rows)
 }
@@ -482,20 +499,24 @@ pub async fn p2() -> anyhow::Result<Vec<P2Row>> {
 /// Prints P2's rows.
 pub fn print_p2(rows: &[P2Row]) {
     println!();
-    println!("P2  raw libtorch loop → worker direct (8 in flight) → whole pipeline through Kafka");
+    println!("P2  raw libtorch loop → worker direct (8 in flight) → whole pipeline through Kafka (gateway → worker over HTTP, then gRPC)");
     println!(
-        "    {:<22} {:>10} {:>10} {:>10} {:>14} {:>16}",
-        "model, input", "raw", "worker", "pipeline", "worker / raw", "pipeline / worker"
+        "    {:<22} {:>10} {:>10} {:>10} {:>10} {:>14} {:>16} {:>12}",
+        "model, input", "raw", "worker", "pipeline", "pipe gRPC", "worker / raw", "pipeline / worker", "gRPC / HTTP"
     );
     for r in rows {
+        let grpc = r.pipeline_grpc.map_or("—".to_string(), |g| format!("{g:.1}"));
+        let ratio = r.pipeline_grpc.map_or("—".to_string(), |g| format!("{:.2}", g / r.pipeline));
         println!(
-            "    {:<22} {:>10.1} {:>10.1} {:>10.1} {:>14.2} {:>16.2}   ({})",
+            "    {:<22} {:>10.1} {:>10.1} {:>10.1} {:>10} {:>14.2} {:>16.2} {:>12}   ({})",
             r.label,
             r.raw,
             r.direct,
             r.pipeline,
+            grpc,
             r.direct / r.raw,
             r.pipeline / r.direct,
+            ratio,
             r.unit
         );
     }
