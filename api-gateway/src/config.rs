@@ -344,16 +344,7 @@ pub struct WorkerEndpoint {
     /// workers' `listen`) or `grpc` (OIP's `GRPCInferenceService`, the workers' `grpc_listen`:
     /// the URLs then name that port, e.g. `http://worker:8001`). Readiness and the probe of a
     /// worker taken out of service go through the same door.
-    pub protocol: Protocol,
-}
-
-/// The worker door the gateway calls (`worker.protocol`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Protocol {
-    #[default]
-    Http,
-    Grpc,
+    pub protocol: crate::call::client::Protocol,
 }
 
 impl WorkerEndpoint {
@@ -372,7 +363,7 @@ impl Default for WorkerEndpoint {
             request_timeout_seconds: 60.0,
             auth_token: None,
             model_check_wait_seconds: 30.0,
-            protocol: Protocol::Http,
+            protocol: crate::call::client::Protocol::Http,
         }
     }
 }

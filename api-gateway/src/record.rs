@@ -603,7 +603,7 @@ async fn convert_and_call(
 /// fails the record (the others are dropped, which cancels them). With more than one model in
 /// the task, the step is a `stage` span and a failure names the stage and its model.
 /// The door the workers of `stage` are called through.
-fn stage_protocol(task: &Task, stage: usize) -> crate::config::Protocol {
+fn stage_protocol(task: &Task, stage: usize) -> crate::call::client::Protocol {
     task.stages.get(stage).map_or_else(Default::default, |set| set.protocol())
 }
 

@@ -19,8 +19,18 @@ use vramgate_shared::config::Secret;
 use vramgate_shared::events::{ErrorKind, Stage};
 use vramgate_shared::oip::{self, DataType, Tensor, TensorData};
 
-use crate::config::Protocol;
 use crate::failure::Failure;
+
+/// The worker door the gateway calls (`worker.protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Protocol {
+    /// OIP over HTTP with the binary extension (the workers' `listen`).
+    #[default]
+    Http,
+    /// OIP's `GRPCInferenceService` (the workers' `grpc_listen`).
+    Grpc,
+}
 
 /// The code `tonic-prost-build` generated from the worker's `proto/inference.proto`.
 #[allow(clippy::all, missing_docs)]

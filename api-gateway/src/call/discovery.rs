@@ -76,7 +76,7 @@ pub async fn maintain(sets: Vec<Arc<WorkerSet>>, source: WorkerSource) {
             }
         }
         for set in &sets {
-            set.probe(&http).await;
+            set.probe(&http, PROBE_TIMEOUT).await;
         }
         tokio::time::sleep(PROBE_INTERVAL).await;
     }

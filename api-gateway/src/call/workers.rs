@@ -24,10 +24,10 @@ use vramgate_shared::config::Secret;
 use vramgate_shared::telemetry::{bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 use vramgate_shared::worker_state::{self, Admission, Estimate, Unit, WorkerState};
 
-use super::client::{CallError, WorkerClient};
+use super::client::{CallError, Protocol, WorkerClient};
 use super::permits::AdaptivePermits;
 use super::route::{self, Candidate};
-use crate::config::{PermitConfig, Protocol, Routing};
+use crate::config::{PermitConfig, Routing};
 use crate::metrics::Metrics;
 
 /// Failures in a row (5xx, lost connection, timeout) that take a worker out of service.
@@ -391,7 +391,7 @@ impl WorkerSet {
     /// yet, and refreshes stale reports ([`STALE_REPORT`]), with `http` (whose timeout bounds
     /// each probe). A failed refresh changes nothing: the worker's own answers decide whether
     /// it is out of service.
-    pub async fn probe(&self, http: &reqwest::Client) {
+    pub async fn probe(&self, http: &reqwest::Client, timeout: Duration) {
         let now = Instant::now();
         for endpoint in self.endpoints() {
             let refresh = endpoint.stale(now);
@@ -399,7 +399,7 @@ impl WorkerSet {
                 continue;
             }
             // HTTP's `GET /vramgate/state`, or the stamps of a gRPC answer (`worker.protocol`).
-            let state = endpoint.client.state(http, &self.model, super::discovery::PROBE_TIMEOUT).await;
+            let state = endpoint.client.state(http, &self.model, timeout).await;
             if let Some(generation) = refresh {
                 if let Some(state) = &state {
                     endpoint.refreshed(state, &self.model, generation);
@@ -564,7 +564,7 @@ mod tests {
         a.observe(&report(10_000, 9_000));
         a.health().reported_at = Instant::now().checked_sub(STALE_REPORT * 2);
         assert!(a.stale(Instant::now()).is_some());
-        set.probe(&reqwest::Client::new()).await;
+        set.probe(&reqwest::Client::new(), Duration::from_secs(2)).await;
         assert!(!a.is_ejected(), "only the worker's answers to calls take it out of service");
         assert_eq!(a.free(), Some(1_000), "the report stands");
     }
