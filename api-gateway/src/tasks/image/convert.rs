@@ -140,8 +140,7 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<Prepared, Failure
     })?;
     let Opened { mut decoder, header } = open(bytes, options.max_pixels)?;
     let format = header.format;
-    // Decoders read Exif lazily; a failure here is not worth failing the image for.
-    let orientation = guarded(format, || Ok(decoder.orientation().unwrap_or(Orientation::NoTransforms)))?;
+    let orientation = orientation(&mut *decoder, format, bytes)?;
     let quarter_turn = matches!(
         orientation,
         Orientation::Rotate90 | Orientation::Rotate270 | Orientation::Rotate90FlipH | Orientation::Rotate270FlipH
@@ -173,7 +172,7 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<Prepared, Failure
 pub fn decode_rgb(bytes: &[u8], max_pixels: u64) -> Result<(RgbImage, &'static str), Failure> {
     let Opened { mut decoder, header } = open(bytes, max_pixels)?;
     let format = header.format;
-    let orientation = guarded(format, || Ok(decoder.orientation().unwrap_or(Orientation::NoTransforms)))?;
+    let orientation = orientation(&mut *decoder, format, bytes)?;
     let mut decoded = guarded(format, || DynamicImage::from_decoder(decoder).map_err(|e| image_failure(format, &e)))?;
     decoded.apply_orientation(orientation);
     Ok((decoded.into_rgb8(), format))
@@ -262,6 +261,33 @@ fn open(bytes: &[u8], max_pixels: u64) -> Result<Opened<'_>, Failure> {
         ));
     }
     Ok(Opened { decoder, header })
+}
+
+/// The EXIF orientation, read lazily by the decoders; metadata that cannot be read is no
+/// orientation, not worth failing an image whose pixels are fine. A WebP's metadata is read only
+/// when every chunk of its RIFF list ends within the input ([`riff_chunks_fit`]): the WebP
+/// decoder allocates a metadata chunk at the size its header claims before reading it, so 786
+/// bytes claiming a 3 GB EXIF chunk made it allocate 3 GB (found by the fuzz target `image`).
+fn orientation(decoder: &mut (dyn ImageDecoder + '_), format: &str, bytes: &[u8]) -> Result<Orientation, Failure> {
+    if format == "webp" && !riff_chunks_fit(bytes) {
+        return Ok(Orientation::NoTransforms);
+    }
+    guarded(format, || Ok(decoder.orientation().unwrap_or(Orientation::NoTransforms)))
+}
+
+/// Whether every chunk of a RIFF file (`RIFF`, its size and form type, then chunks: a four-byte
+/// name, a little-endian size, that many bytes and a pad byte to an even size) ends within
+/// `bytes`. Fewer than 8 bytes after the last chunk are not a chunk.
+fn riff_chunks_fit(bytes: &[u8]) -> bool {
+    let mut at = 12;
+    while let Some(&[_, _, _, _, a, b, c, d]) = bytes.get(at..at + 8) {
+        let size = u32::from_le_bytes([a, b, c, d]) as usize;
+        match (at + 8).checked_add(size) {
+            Some(end) if end <= bytes.len() => at = end + (size & 1),
+            _ => return false,
+        }
+    }
+    true
 }
 
 fn png_limits() -> Limits {
@@ -549,6 +575,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Caps this process's address space at what it maps now plus `headroom` bytes.
+    fn cap_address_space(headroom: u64) {
+        let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmSize:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmSize in /proc/self/status");
+        let limit = (kib * 1024 + headroom) as libc::rlim_t;
+        let rlimit = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+        // SAFETY: setrlimit only reads the struct, which lives across the call.
+        let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &rlimit) };
+        assert_eq!(rc, 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
+    }
+
+    /// A WebP whose EXIF chunk claims 3.75 GB more than the file holds converts (its pixels are
+    /// fine, its orientation unread) without the decoder allocating the claim, as it did before
+    /// `riff_chunks_fit` (the fuzz target `image` found 786 bytes allocating 3 GB). Checked in a
+    /// child process whose address space is capped at 1 GiB over what it maps, where such an
+    /// allocation aborts.
+    #[test]
+    fn a_webp_chunk_claiming_more_than_the_file_holds_is_not_allocated() {
+        const CHILD: &str = "VRAMGATE_TEST_ADDRESS_SPACE_CAPPED";
+        let mut bytes = encode_rgb(&noise(16, 12), ImageFormat::WebP, Some(tiff_orientation(6)));
+        let exif = bytes.windows(4).position(|w| w == b"EXIF").expect("the encoder writes an EXIF chunk");
+        bytes[exif + 4..exif + 8].copy_from_slice(&0xF000_0000u32.to_le_bytes());
+        assert!(!riff_chunks_fit(&bytes));
+        if std::env::var_os(CHILD).is_some() {
+            cap_address_space(1 << 30);
+            let prepared = convert(&bytes, &options(16, 12, ResizeMode::Stretch)).expect("the pixels are fine");
+            assert_eq!((prepared.placement.width, prepared.placement.height), (16, 12), "no quarter turn read");
+            decode_rgb(&bytes, 1000).expect("the pixels are fine");
+            return;
+        }
+        let (_, path) = module_path!().split_once("::").expect("a module of the crate");
+        let name = format!("{path}::a_webp_chunk_claiming_more_than_the_file_holds_is_not_allocated");
+        let child = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args([name.as_str(), "--exact", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .expect("the test binary runs");
+        let stderr = String::from_utf8_lossy(&child.stderr);
+        assert!(child.status.success(), "the capped child failed ({}): {stderr}", child.status);
+        assert!(String::from_utf8_lossy(&child.stdout).contains("1 passed"), "the child ran the test");
+    }
+
+    #[test]
+    fn honest_riff_chunks_fit_and_lying_ones_do_not() {
+        let bytes = encode_rgb(&noise(16, 12), ImageFormat::WebP, Some(tiff_orientation(6)));
+        assert!(riff_chunks_fit(&bytes));
+        assert!(riff_chunks_fit(&[bytes.as_slice(), b"pad"].concat()), "fewer than 8 bytes after the last chunk");
+        assert!(!riff_chunks_fit(&bytes[..bytes.len() - 1]), "the last chunk cut");
+        let odd = b"RIFF\0\0\0\0WEBPABCD\x03\0\0\0xyz\0EFGH\x02\0\0\0ab";
+        assert!(riff_chunks_fit(odd), "an odd chunk's pad byte is skipped");
+        let mut huge = bytes.clone();
+        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(!riff_chunks_fit(&huge));
     }
 
     #[test]
