@@ -17,6 +17,9 @@ use vramgate_tests::{
     VAD_MODEL,
 };
 
+/// A request to send: its task, and its record's value made for a given id.
+type Request = (&'static str, Box<dyn Fn(&str) -> Vec<u8>>);
+
 /// A gateway of the voice, image and `stream` tasks on topics of its own, calling the worker
 /// at `worker_url` over `protocol`.
 struct Door {
@@ -61,7 +64,7 @@ impl Door {
 
     /// Sends every request (task, value made for an id) under ids `<prefix>-<n>`; returns what
     /// each `n` ended as.
-    async fn run(&mut self, prefix: &str, requests: &[(&str, Box<dyn Fn(&str) -> Vec<u8>>)]) -> HashMap<String, Received> {
+    async fn run(&mut self, prefix: &str, requests: &[Request]) -> HashMap<String, Received> {
         let producer = producer();
         for (n, (task, value)) in requests.iter().enumerate() {
             let id = format!("{prefix}-{n}");
@@ -104,7 +107,7 @@ async fn a_gateway_on_the_grpc_door_gets_what_one_on_http_gets() {
     let mut worker = start_worker(&worker_config(&extra, &models)).await.expect("worker starts");
     let grpc_url = format!("http://{}", worker.grpc.clone().expect("the worker reports its gRPC address"));
 
-    let mut requests: Vec<(&str, Box<dyn Fn(&str) -> Vec<u8>>)> = Vec::new();
+    let mut requests: Vec<Request> = Vec::new();
     let mut speech = Vec::new();
     for (n, phrase) in ["The quick brown fox jumps over the lazy dog.", "Please call Stella and ask her to bring these things."]
         .iter()

@@ -393,18 +393,23 @@ impl WorkerClient {
         }
         let (header, tensors) =
             oip::decode_response(&body, header_len).map_err(|e| CallError::BadResponse(e.to_string()))?;
-        let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
-        let mut outputs = Vec::with_capacity(call.output_names.len());
-        for name in &call.output_names {
-            let tensor = tensors
-                .iter_mut()
-                .find(|t| t.as_ref().is_some_and(|t| &t.name == name))
-                .and_then(Option::take)
-                .ok_or_else(|| CallError::BadResponse(format!("no output named '{name}'")))?;
-            outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data: tensor.data });
-        }
-        Ok(ModelOutput { model: header.model_name, tensors: outputs })
+        picked(header.model_name, tensors, &call.output_names)
     }
+}
+
+/// The outputs named in `names`, in that order, out of an answer's decoded `tensors`.
+fn picked(model: String, tensors: Vec<Tensor>, names: &[String]) -> Result<ModelOutput, CallError> {
+    let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
+    let mut outputs = Vec::with_capacity(names.len());
+    for name in names {
+        let tensor = tensors
+            .iter_mut()
+            .find(|t| t.as_ref().is_some_and(|t| &t.name == name))
+            .and_then(Option::take)
+            .ok_or_else(|| CallError::BadResponse(format!("no output named '{name}'")))?;
+        outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data: tensor.data });
+    }
+    Ok(ModelOutput { model, tensors: outputs })
 }
 
 impl WorkerClient {
@@ -584,17 +589,7 @@ fn grpc_outputs(answer: grpc::ModelInferResponse, names: &[String]) -> Result<Mo
         body.extend_from_slice(raw);
     }
     let (header, tensors) = oip::decode_response(&body, Some(header_len)).map_err(|e| bad(e.to_string()))?;
-    let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
-    let mut outputs = Vec::with_capacity(names.len());
-    for name in names {
-        let tensor = tensors
-            .iter_mut()
-            .find(|t| t.as_ref().is_some_and(|t| &t.name == name))
-            .and_then(Option::take)
-            .ok_or_else(|| bad(format!("no output named '{name}'")))?;
-        outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data: tensor.data });
-    }
-    Ok(ModelOutput { model: header.model_name, tensors: outputs })
+    picked(header.model_name, tensors, names)
 }
 
 /// A gRPC status read as the HTTP status the worker's HTTP door answers for the same failure

@@ -422,10 +422,8 @@ fn raw_loop_with(kit: &Kit, model: KitModel, size: usize, rows: usize, seconds: 
 
 /// The mean batch size between two scrapes of `inference_batch_size` (requests per batch).
 fn mean_batch(before: &str, after: &str, model: KitModel) -> f64 {
-    let label = format!("model=\"{}\"", model.name());
-    let pick = |text: &str, name: &str| metric_samples(text, name).into_iter().filter(|(l, _)| l.contains(&label)).map(|(_, v)| v).sum::<f64>();
-    let sum = pick(after, "inference_batch_size_sum") - pick(before, "inference_batch_size_sum");
-    let count = pick(after, "inference_batch_size_count") - pick(before, "inference_batch_size_count");
+    let sum = model_delta(before, after, "inference_batch_size_sum", model);
+    let count = model_delta(before, after, "inference_batch_size_count", model);
     if count > 0.0 {
         sum / count
     } else {
