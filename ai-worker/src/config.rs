@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 pub use vramgate_shared::config::Secret;
-pub use repository::{MAX_MODEL_CONFIG_BYTES, MAX_MODEL_FOLDERS};
+pub use repository::{model_names as repository_model_names, read_folder as repository_read_folder};
+pub use repository::{MAX_MODEL_CONFIG_BYTES, MAX_MODEL_FOLDERS, MAX_VERSION_FOLDERS};
 use vramgate_shared::oip::DataType;
 
 mod repository;
@@ -163,7 +164,49 @@ pub struct WorkerConfig {
     /// config is read).
     #[serde(skip)]
     pub skipped_model_folders: Vec<String>,
+    /// Whether the models of `model_repository` may change while the worker runs (Triton's
+    /// model control mode): `none`, the repository is read at start-up only; `explicit`, the
+    /// repository API (`POST /v2/repository/models/{name}/load` and `/unload`) loads and
+    /// unloads them; `poll`, the folder is re-read every `repository_poll_seconds` and what
+    /// changed is loaded or unloaded. The index (`POST /v2/repository/index`) answers in every
+    /// mode.
+    pub model_control: ModelControl,
+    /// How often `poll` mode re-reads the repository, in seconds (0.1 to 3600).
+    pub repository_poll_seconds: f64,
+    /// Longest a run-time load waits for its bytes of the admission budget (in-flight work to
+    /// drain) before it is refused with 503.
+    pub load_wait_ms: u64,
+    /// What a run-time load is priced at before it is measured, in bytes on top of twice the
+    /// model file's size (the weights, and their copy while libtorch reads them): its warm-up
+    /// and calibration. Admitted like a request, so a load never takes memory in-flight work
+    /// holds.
+    pub load_warmup_bytes: u64,
 }
+
+/// How the models of the repository may change at run time: see [`WorkerConfig::model_control`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelControl {
+    #[default]
+    None,
+    Explicit,
+    Poll,
+}
+
+impl ModelControl {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelControl::None => "none",
+            ModelControl::Explicit => "explicit",
+            ModelControl::Poll => "poll",
+        }
+    }
+}
+
+/// Bounds of `repository_poll_seconds`.
+pub const REPOSITORY_POLL_SECONDS: (f64, f64) = (0.1, 3600.0);
+/// Most a run-time load may wait for its bytes (`load_wait_ms`).
+pub const MAX_LOAD_WAIT_MS: u64 = 600_000;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -252,6 +295,10 @@ impl Default for WorkerConfig {
             models: Vec::new(),
             model_repository: None,
             skipped_model_folders: Vec::new(),
+            model_control: ModelControl::None,
+            repository_poll_seconds: 5.0,
+            load_wait_ms: 30_000,
+            load_warmup_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -271,8 +318,9 @@ impl WorkerConfig {
         config.validate()?;
         if let Some(folder) = &config.model_repository {
             let scanned = repository::scan(folder).map_err(ConfigError::Repository)?;
+            let from_file = config.models.len();
             for (model, file) in scanned.models {
-                if let Some(i) = config.models.iter().position(|m| m.name == model.name) {
+                if let Some(i) = config.models[..from_file].iter().position(|m| m.name == model.name) {
                     return Err(ConfigError::Repository(format!(
                         "model '{}' is defined twice: models[{i}] in the config file and {file} in model repository {}",
                         model.name,
@@ -321,9 +369,19 @@ impl WorkerConfig {
                     .into(),
             );
         }
+        if self.model_control != ModelControl::None && self.model_repository.is_none() {
+            return fail(format!("model_control = \"{}\" needs a model_repository to load from", self.model_control.as_str()));
+        }
+        let (low, high) = REPOSITORY_POLL_SECONDS;
+        if !(low..=high).contains(&self.repository_poll_seconds) {
+            return fail(format!("repository_poll_seconds must be {low} to {high}, got {}", self.repository_poll_seconds));
+        }
+        if self.load_wait_ms > MAX_LOAD_WAIT_MS {
+            return fail(format!("load_wait_ms must be at most {MAX_LOAD_WAIT_MS}, got {}", self.load_wait_ms));
+        }
         for (i, model) in self.models.iter().enumerate() {
             model.validate(&format!("models[{i}].")).map_err(ConfigError::Inconsistent)?;
-            if let Some(j) = self.models[..i].iter().position(|m| m.name == model.name) {
+            if let Some(j) = self.models[..i].iter().position(|m| m.name == model.name && m.version == model.version) {
                 return fail(format!("models[{j}] and models[{i}] are both named '{}'", model.name));
             }
         }
@@ -411,6 +469,56 @@ pub struct ModelConfig {
     /// Unset: `probe_sizes`.
     #[serde(default)]
     pub batch_probe_sizes: Option<Vec<usize>>,
+    /// Which numbered version folders of a repository model are served (Triton's version
+    /// policy): `{ latest = N }` (the default, N = 1), `"all"`, or `{ specific = [..] }`.
+    /// A model without version folders is version 1 whatever this says.
+    #[serde(default)]
+    pub version_policy: Option<VersionPolicy>,
+    /// The version this entry loads: its folder's number in a repository, else 1. Not a key.
+    #[serde(skip, default = "first_version")]
+    pub version: u64,
+}
+
+fn first_version() -> u64 {
+    1
+}
+
+/// Which of a model's numbered version folders are served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum VersionPolicy {
+    /// The N highest-numbered versions.
+    Latest(usize),
+    /// Every version.
+    All,
+    /// These versions; each must have its folder.
+    Specific(Vec<u64>),
+}
+
+impl VersionPolicy {
+    /// The versions served out of `found` (ascending), or why none can be.
+    pub fn select(&self, found: &[u64]) -> Result<Vec<u64>, String> {
+        let listed = || found.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+        match self {
+            VersionPolicy::Latest(0) => Err("version_policy latest must be at least 1".into()),
+            VersionPolicy::Latest(n) => Ok(found[found.len().saturating_sub(*n)..].to_vec()),
+            VersionPolicy::All => Ok(found.to_vec()),
+            VersionPolicy::Specific(wanted) if wanted.is_empty() => Err("version_policy specific names no version".into()),
+            VersionPolicy::Specific(wanted) => {
+                let mut chosen = Vec::new();
+                for v in wanted {
+                    if !found.contains(v) {
+                        return Err(format!("version_policy names version {v}, which has no folder (found: {})", listed()));
+                    }
+                    if !chosen.contains(v) {
+                        chosen.push(*v);
+                    }
+                }
+                chosen.sort_unstable();
+                Ok(chosen)
+            }
+        }
+    }
 }
 
 /// A tensor of a `declared` model, as its config entry states it.
@@ -1362,6 +1470,59 @@ mod tests {
     const DECLARED: &str = "kind = \"declared\"\npath = \"r.jit\"\n\
         input = { name = \"image\", shape = [-1, 3, 24, 24], datatype = \"FP16\" }\n\
         outputs = [ { name = \"box_offsets\", shape = [-1, 4] }, { name = \"face_prob\", shape = [-1, 2], datatype = \"FP16\" } ]\n";
+
+    #[test]
+    fn version_folders_are_served_by_the_model_s_policy() {
+        let versions = |policy: &str| -> Result<Vec<u64>, String> {
+            let repo = TempFolder::new("repo-versions");
+            let declared = DECLARED.replace("path = \"r.jit\"\n", "");
+            repo.write("rnet/config.toml", format!("{policy}{declared}"));
+            for v in ["1", "2", "10"] {
+                repo.write(&format!("rnet/{v}/model.pt"), "");
+            }
+            repo.write("rnet/notes/readme.txt", "not a version");
+            let config = with_repository(&repo, "").map_err(|e| e.to_string())?;
+            for m in &config.models {
+                assert!(m.path.ends_with(format!("rnet/{}/model.pt", m.version)), "{:?} for version {}", m.path, m.version);
+            }
+            Ok(config.models.iter().map(|m| m.version).collect())
+        };
+        assert_eq!(versions(""), Ok(vec![10]), "the newest by default, by number");
+        assert_eq!(versions("version_policy = { latest = 2 }\n"), Ok(vec![2, 10]));
+        assert_eq!(versions("version_policy = \"all\"\n"), Ok(vec![1, 2, 10]));
+        assert_eq!(versions("version_policy = { specific = [2, 1] }\n"), Ok(vec![1, 2]));
+        let err = versions("version_policy = { specific = [3] }\n").expect_err("no folder 3");
+        assert!(err.contains("rnet/config.toml: version_policy names version 3, which has no folder (found: 1, 2, 10)"), "{err}");
+        let err = versions("version_policy = { latest = 0 }\n").expect_err("latest 0");
+        assert!(err.contains("version_policy latest must be at least 1"), "{err}");
+        // A flat folder is version 1, as before versions existed.
+        let repo = TempFolder::new("repo-flat");
+        repo.write("rnet/config.toml", DECLARED);
+        repo.write("rnet/r.jit", "");
+        assert_eq!(with_repository(&repo, "").expect("flat").models[0].version, 1);
+        // A version folder without its file names the version.
+        let repo = TempFolder::new("repo-empty-version");
+        repo.write("rnet/config.toml", DECLARED.replace("path = \"r.jit\"\n", ""));
+        repo.write("rnet/3/readme.txt", "");
+        repository_error(&repo, "rnet/config.toml: version 3: no path set and no *.pt or *.jit file in the folder");
+        let repo = TempFolder::new("repo-zero");
+        repo.write("rnet/config.toml", DECLARED);
+        repo.write("rnet/01/r.jit", "");
+        repository_error(&repo, "version folder '01' must be a number from 1, without leading zeros");
+    }
+
+    #[test]
+    fn model_control_needs_a_repository_and_bounded_waits() {
+        let err = from_toml("model_control = \"explicit\"\n").expect_err("no repository").to_string();
+        assert!(err.contains("model_control = \"explicit\" needs a model_repository"), "{err}");
+        let repo = TempFolder::new("repo-control");
+        let err = with_repository(&repo, "model_control = \"poll\"\nrepository_poll_seconds = 0.0\n").expect_err("0 s").to_string();
+        assert!(err.contains("repository_poll_seconds must be 0.1 to 3600, got 0"), "{err}");
+        let err = with_repository(&repo, "model_control = \"explicit\"\nload_wait_ms = 600001\n").expect_err("long").to_string();
+        assert!(err.contains("load_wait_ms must be at most 600000"), "{err}");
+        let config = with_repository(&repo, "model_control = \"poll\"\n").expect("poll");
+        assert_eq!((config.model_control, config.repository_poll_seconds), (ModelControl::Poll, 5.0));
+    }
 
     #[test]
     fn a_model_repository_is_merged_with_the_models_entries() {

@@ -51,10 +51,10 @@
 //!   thread and its real memory, and its results are dropped. The pool may meanwhile admit
 //!   work into memory that is not yet free; if that allocation fails, OOM recovery catches it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::KeyValue;
@@ -122,6 +122,11 @@ pub const MAX_PADDING_WORK: f64 = 2.0;
 /// One served model: the model, its estimate, its batch sizes, and the way into its batch
 /// thread.
 pub struct Served {
+    /// Its version: the folder's number in the model repository, else 1.
+    pub version: u64,
+    /// What its weights hold in memory, as the budget counts them: its file's size for each
+    /// instance (a TorchScript archive is its weights, stored).
+    pub weight_bytes: u64,
     pub model: Arc<Model>,
     pub estimate: Arc<MemoryEstimate>,
     pub sizer: Arc<BatchSizer>,
@@ -220,7 +225,19 @@ pub struct Calibrated {
 }
 
 pub struct Engine {
-    served: HashMap<String, Arc<Served>>,
+    /// Every model's served versions. A request holds its version's `Arc` until it is
+    /// answered, so a version taken out of here ([`Engine::retire`]) finishes what it admitted;
+    /// its batch threads end, and its memory is freed, when the last request is answered.
+    served: RwLock<HashMap<String, BTreeMap<u64, Arc<Served>>>>,
+    /// Versions taken out whose model is still alive (requests or a batch still running),
+    /// with their weights' bytes.
+    retiring: Mutex<Vec<(String, u64, Weak<Model>, u64)>>,
+    /// The weights of the versions loaded since start-up less those freed since
+    /// ([`crate::memory::Budget::available`]).
+    models_since_start: std::sync::atomic::AtomicI64,
+    shared: Arc<Shared>,
+    window: Duration,
+    measure_every: u64,
     pub pool: BytePool,
     pub mode: AdmissionMode,
     pub monitor: Arc<MemoryMonitor>,
@@ -247,7 +264,7 @@ impl Engine {
     /// Starts one batch thread per model. `capacity`: bytes (or permits) admission starts with.
     pub fn start(
         config: &WorkerConfig,
-        models: Vec<Calibrated>,
+        models: Vec<(u64, Calibrated)>,
         monitor: Arc<MemoryMonitor>,
         metrics: Arc<Metrics>,
         capacity: u64,
@@ -261,30 +278,13 @@ impl Engine {
             cleanup_slack: config.cleanup_slack_bytes,
             mode: config.admission.mode,
         });
-        let mut served = HashMap::new();
-        for Calibrated { model, estimate, sizer } in models {
-            estimate.set_measure_every(config.memory_measure_every_batches);
-            let (tx, rx) = std::sync::mpsc::channel();
-            let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
-            let traffic = Arc::new(Traffic::new());
-            for instance in 0..model.instances() {
-                let batcher = Batcher {
-                    model: model.clone(),
-                    estimate: estimate.clone(),
-                    sizer: sizer.clone(),
-                    traffic: traffic.clone(),
-                    shared: shared.clone(),
-                    window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
-                };
-                let intake = intake.clone();
-                std::thread::Builder::new()
-                    .name(format!("batch-{}-{instance}", model.name()))
-                    .spawn(move || batcher.run(&intake))?;
-            }
-            served.insert(model.name().to_string(), Arc::new(Served { model, estimate, sizer, jobs: tx, traffic }));
-        }
-        Ok(Engine {
-            served,
+        let engine = Engine {
+            served: RwLock::new(HashMap::new()),
+            retiring: Mutex::new(Vec::new()),
+            models_since_start: Default::default(),
+            shared,
+            window: Duration::from_secs_f64(config.batching.window_ms.max(0.0) / 1000.0),
+            measure_every: config.memory_measure_every_batches,
             pool: BytePool::new(capacity),
             mode: config.admission.mode,
             monitor,
@@ -293,16 +293,134 @@ impl Engine {
             max_queue_wait: Duration::from_millis(config.admission.max_queue_wait_ms),
             max_queued: config.admission.max_queued_requests,
             default_timeout: Duration::from_millis(config.default_timeout_ms),
-        })
+        };
+        for (version, calibrated) in models {
+            engine.install(version, calibrated, false)?;
+        }
+        Ok(engine)
     }
 
+    /// Starts the batch threads of `calibrated` as `version` of its model and serves it; a
+    /// version served already is replaced (and retired). `at_run_time`: its weights are new
+    /// to the budget (a start-up model's are in its baseline).
+    pub fn install(&self, version: u64, calibrated: Calibrated, at_run_time: bool) -> anyhow::Result<()> {
+        let Calibrated { model, estimate, sizer } = calibrated;
+        let file_bytes = std::fs::metadata(&model.config().path).map(|m| m.len()).unwrap_or(0);
+        let weight_bytes = file_bytes.saturating_mul(model.instances() as u64);
+        estimate.set_measure_every(self.measure_every);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
+        let traffic = Arc::new(Traffic::new());
+        for instance in 0..model.instances() {
+            let batcher = Batcher {
+                model: model.clone(),
+                estimate: estimate.clone(),
+                sizer: sizer.clone(),
+                traffic: traffic.clone(),
+                shared: self.shared.clone(),
+                window: self.window,
+            };
+            let intake = intake.clone();
+            std::thread::Builder::new()
+                .name(format!("batch-{}-{instance}", model.name()))
+                .spawn(move || batcher.run(&intake))?;
+        }
+        let name = model.name().to_string();
+        if at_run_time {
+            self.models_since_start.fetch_add(weight_bytes as i64, Ordering::SeqCst);
+        }
+        let served = Arc::new(Served { version, weight_bytes, model, estimate, sizer, jobs: tx, traffic });
+        let replaced = self.served.write().unwrap_or_else(|p| p.into_inner()).entry(name.clone()).or_default().insert(version, served);
+        if let Some(old) = replaced {
+            self.retired(name, old);
+        }
+        Ok(())
+    }
+
+    /// Stops serving `version` of `name` (every version: `None`): new requests no longer reach
+    /// it, those admitted finish. The versions taken out, ascending.
+    pub fn retire(&self, name: &str, version: Option<u64>) -> Vec<u64> {
+        let taken: Vec<Arc<Served>> = {
+            let mut served = self.served.write().unwrap_or_else(|p| p.into_inner());
+            let Some(versions) = served.get_mut(name) else { return Vec::new() };
+            let taken = match version {
+                Some(v) => versions.remove(&v).into_iter().collect(),
+                None => std::mem::take(versions).into_values().collect(),
+            };
+            if versions.is_empty() {
+                served.remove(name);
+            }
+            taken
+        };
+        let versions = taken.iter().map(|s| s.version).collect();
+        for old in taken {
+            self.retired(name.to_string(), old);
+        }
+        versions
+    }
+
+    fn retired(&self, name: String, old: Arc<Served>) {
+        let model = Arc::downgrade(&old.model);
+        self.retiring.lock().unwrap_or_else(|p| p.into_inner()).push((name, old.version, model, old.weight_bytes));
+    }
+
+    /// The versions taken out whose model is still alive: requests admitted before, or a
+    /// batch still on the device. Each is gone once its memory is freed, and its weights then
+    /// leave the budget's count.
+    pub fn retiring(&self) -> Vec<(String, u64)> {
+        let mut retiring = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
+        retiring.retain(|(_, _, model, bytes)| {
+            let alive = model.strong_count() > 0;
+            if !alive {
+                self.models_since_start.fetch_sub(*bytes as i64, Ordering::SeqCst);
+            }
+            alive
+        });
+        retiring.iter().map(|(name, version, _, _)| (name.clone(), *version)).collect()
+    }
+
+    /// The weights of the versions loaded since start-up less those freed since; see
+    /// [`crate::memory::Budget::available`].
+    pub fn models_since_start(&self) -> i64 {
+        self.retiring();
+        self.models_since_start.load(Ordering::SeqCst)
+    }
+
+    /// Runs `f` in the serial lane: no batch of any model runs beside it (a run-time load's
+    /// memory probes, which can be measured only alone).
+    pub fn alone<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _lane = self.shared.lane.write().unwrap_or_else(|p| p.into_inner());
+        f()
+    }
+
+    /// The newest served version of `name`: where a request that names no version goes.
     pub fn served(&self, name: &str) -> Option<Arc<Served>> {
-        self.served.get(name).cloned()
+        let served = self.served.read().unwrap_or_else(|p| p.into_inner());
+        served.get(name).and_then(|versions| versions.values().next_back().cloned())
     }
 
-    /// Every served model, by name.
-    pub fn models(&self) -> impl Iterator<Item = (&str, &Arc<Served>)> {
-        self.served.iter().map(|(name, served)| (name.as_str(), served))
+    /// `version` of `name`, if it is served.
+    pub fn served_version(&self, name: &str, version: u64) -> Option<Arc<Served>> {
+        let served = self.served.read().unwrap_or_else(|p| p.into_inner());
+        served.get(name).and_then(|versions| versions.get(&version).cloned())
+    }
+
+    /// The served versions of `name`, ascending (empty: not served).
+    pub fn versions(&self, name: &str) -> Vec<u64> {
+        let served = self.served.read().unwrap_or_else(|p| p.into_inner());
+        served.get(name).map(|versions| versions.keys().copied().collect()).unwrap_or_default()
+    }
+
+    /// Every served model's newest version, by name.
+    pub fn models(&self) -> Vec<(String, Arc<Served>)> {
+        let served = self.served.read().unwrap_or_else(|p| p.into_inner());
+        served.iter().filter_map(|(name, versions)| Some((name.clone(), versions.values().next_back()?.clone()))).collect()
+    }
+
+    /// Every served version of every model.
+    pub fn all_versions(&self) -> Vec<Arc<Served>> {
+        let served = self.served.read().unwrap_or_else(|p| p.into_inner());
+        served.values().flat_map(|versions| versions.values().cloned()).collect()
     }
 
     /// Copies the pool's state into the admission gauges; called when metrics are scraped,
@@ -313,7 +431,7 @@ impl Engine {
         m.memory_admitted.set(self.pool.in_use() as i64);
         m.memory_admitted_peak.set(self.pool.high_water_mark() as i64);
         m.queued_requests.set(self.pool.queued() as i64);
-        for served in self.served.values() {
+        for (_, served) in self.models() {
             for (class, limit) in served.sizer.limits() {
                 let from = (1u64 << class).to_string();
                 m.batch_size_limit.with_label_values(&[served.model.name(), from.as_str()]).set(limit as i64);

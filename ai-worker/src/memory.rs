@@ -336,15 +336,22 @@ impl Budget {
         }
     }
 
-    /// The bytes admission may hand out now.
-    pub fn available(&self, snap: Snapshot) -> u64 {
+    /// The bytes admission may hand out now. `models_since_start`: the bytes of the model
+    /// versions loaded since start-up less those freed since (negative once more was freed than
+    /// loaded): they are not the requests' to use, though they sit in this process's memory
+    /// like the requests' own.
+    pub fn available(&self, snap: Snapshot, models_since_start: i64) -> u64 {
         if let Some(fixed) = self.fixed {
             return fixed;
         }
-        let ours = snap.ours.saturating_sub(self.baseline_ours);
+        // Signed: a model freed since start-up takes this process below its baseline, and
+        // what it freed shows as free memory instead; the sum stays put.
+        let ours = i128::from(snap.ours) - i128::from(self.baseline_ours);
+        let cap = i128::from(self.cap);
         // Without a reading of free memory (no NVML) the cap is all we know.
-        let room = if snap.free == 0 && snap.total == 0 { self.cap } else { self.cap.min(snap.free.saturating_add(ours)) };
-        room.saturating_sub(self.reserve)
+        let room = if snap.free == 0 && snap.total == 0 { cap } else { cap.min(i128::from(snap.free) + ours).max(0) };
+        let room = room - i128::from(models_since_start) - i128::from(self.reserve);
+        room.clamp(0, i128::from(u64::MAX)) as u64
     }
 }
 
@@ -414,13 +421,20 @@ mod tests {
         let budget = Budget::new(start, Some(40_000), None, 0.05, 1_000);
         assert_eq!(budget.cap, 40_000);
         assert_eq!(budget.reserve, 2_000);
-        assert_eq!(budget.available(start), 38_000);
+        assert_eq!(budget.available(start, 0), 38_000);
         // Another process takes 50k: only 10k free, nothing of ours in use.
         let squeezed = Snapshot { free: 10_000, ..start };
-        assert_eq!(budget.available(squeezed), 8_000);
+        assert_eq!(budget.available(squeezed, 0), 8_000);
         // We hold 20k above our baseline and 25k are free: 45k is ours to use, capped at 40k.
         let busy = Snapshot { free: 25_000, ours: 30_000, ..start };
-        assert_eq!(budget.available(busy), 38_000);
+        assert_eq!(budget.available(busy, 0), 38_000);
+        // A model of 5k loaded at run time: not the requests' to use.
+        let loaded = Snapshot { free: 25_000, ours: 15_000, ..start };
+        assert_eq!(budget.available(loaded, 5_000), 23_000);
+        // A start-up model of 4k freed: we are 4k below the baseline, 4k more is free, and
+        // the requests get it; past the cap, which was set with that model in memory.
+        let freed = Snapshot { free: 64_000, ours: 6_000, ..start };
+        assert_eq!(budget.available(freed, -4_000), 42_000);
     }
 
     #[test]
@@ -428,11 +442,11 @@ mod tests {
         let start = Snapshot { total: 100_000, free: 60_000, ours: 0 };
         let budget = Budget::new(start, None, Some(20_000), 0.0, 3_000);
         assert_eq!(budget.cap, 20_000);
-        assert_eq!(budget.available(start), 17_000);
+        assert_eq!(budget.available(start, 0), 17_000);
         let forced = budget.overridden(Some(1_000_000));
         assert_eq!((forced.cap, forced.reserve), (1_000_000, 0));
-        assert_eq!(forced.available(Snapshot { total: 100_000, free: 0, ours: 90_000 }), 1_000_000);
-        assert_eq!(budget.overridden(None).available(start), 17_000);
+        assert_eq!(forced.available(Snapshot { total: 100_000, free: 0, ours: 90_000 }, 5_000), 1_000_000);
+        assert_eq!(budget.overridden(None).available(start, 0), 17_000);
     }
 
     #[test]

@@ -37,10 +37,11 @@ use crate::estimate::{MemoryEstimate, Probe};
 use crate::limits::{self, BodyBudget, BodyError, BodyLimits, ConnTimeouts};
 use crate::memory::{Budget, MemoryMonitor};
 use crate::metrics::Metrics;
-use crate::model::{self, InputTensor, Model, ModelError, TensorSpec};
+use crate::model::{self, ComputeDevice, InputTensor, Model, ModelError, TensorSpec};
 
 mod grpc;
 mod report;
+mod repository;
 
 /// The name both doors give the server in its metadata.
 const SERVER_NAME: &str = "vramgate-ai-worker";
@@ -55,6 +56,8 @@ struct AppState {
     body_limits: BodyLimits,
     /// The bearer token of the inference endpoints; `None`: open.
     auth_token: Option<Secret>,
+    /// The model repository's run-time side (index, load, unload, poll); set with `engine`.
+    repository: OnceLock<Arc<repository::Repository>>,
 }
 
 /// Model folders without a config the start-up warning names; the rest are counted.
@@ -80,6 +83,7 @@ pub async fn run(
             read_timeout: Duration::from_millis(config.body_read_timeout_ms),
         },
         auth_token: config.auth_token.clone(),
+        repository: OnceLock::new(),
     });
     let app = router(state.clone());
     let timeouts = ConnTimeouts {
@@ -141,9 +145,14 @@ pub async fn run(
     });
     tokio::select! {
         loaded = loader => {
-            let (engine, budget) = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
+            let (engine, budget, device) = loaded.map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
             let engine = Arc::new(engine);
+            let repository = Arc::new(repository::Repository::new(&config, device, engine.clone()));
+            let _ = state.repository.set(repository.clone());
             let _ = state.engine.set(engine.clone());
+            if config.model_control == crate::config::ModelControl::Poll {
+                tokio::spawn(repository.poll());
+            }
             tokio::spawn(resample_memory(engine, budget, Duration::from_millis(config.memory_resample_ms.max(10))));
             tracing::info!(models = ?state.configured, "ai-worker ready");
             server.await??;
@@ -156,24 +165,13 @@ pub async fn run(
 /// Loads and warms every model, measures its memory estimate and its batch sizes, starts the
 /// batch threads, sets up the budget and applies the memory cap (in that order: the cap is
 /// relative to the footprint after start-up, and on CPU threads must exist before it).
-fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<(Engine, Budget)> {
+fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<(Engine, Budget, ComputeDevice)> {
     let device = model::init_torch(config.device, config.torch_threads)?;
     tracing::info!(%device, "libtorch initialised");
     let monitor = Arc::new(MemoryMonitor::new(device));
     let mut models = Vec::new();
     for mc in &config.models {
-        let m = Arc::new(Model::load(mc.clone(), device)?);
-        let estimate = Arc::new(calibrate(&m, &monitor)?);
-        // A model without a batch dimension (`max_batch_size = 0`) runs one request a batch.
-        let bound = if m.batched() { mc.max_batch_size.or(config.batching.max_batch_size) } else { Some(1) };
-        let sizer = Arc::new(BatchSizer::new(bound, config.batching.initial_batch_size));
-        if config.batching.calibrate {
-            // Batch sizes are timed only where their memory surely fits: a quarter of what is
-            // free now (the budget is not set up yet), by the estimate just measured.
-            let free = monitor.snapshot().free;
-            sizer.calibrate(&m, |elements| free == 0 || estimate.bytes(elements) <= free / 4);
-        }
-        models.push(Calibrated { model: m, estimate, sizer });
+        models.push((mc.version, prepare(config, mc, device, &monitor, None, None)?));
     }
     monitor.empty_cache();
     let snap = monitor.snapshot();
@@ -193,7 +191,7 @@ fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<
         );
     }
     let capacity = match config.admission.mode {
-        AdmissionMode::Bytes => budget.available(snap),
+        AdmissionMode::Bytes => budget.available(snap, 0),
         AdmissionMode::Count => config.admission.max_concurrent,
     };
     let engine = Engine::start(config, models, monitor.clone(), metrics, capacity)?;
@@ -204,7 +202,40 @@ fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<
         mode = ?config.admission.mode, capacity, cap_bytes = budget.cap, reserve_bytes = budget.reserve,
         free_bytes = snap.free, ours_bytes = snap.ours, "admission ready"
     );
-    Ok((engine, budget))
+    Ok((engine, budget, device))
+}
+
+/// Loads and warms one model version, measures its memory estimate, and times its batch sizes:
+/// what start-up does for every model and a run-time load for one. Batch sizes are timed only
+/// where their memory surely fits: a quarter of what is free once the model is loaded, and at
+/// most `timing_cap` bytes (a run-time load's grant: in-flight work holds the rest). At run
+/// time (`serving`) the memory peaks are measured in the engine's serial lane, so that no batch
+/// runs beside them: serving pauses for the probes, not for the file's reading.
+fn prepare(
+    config: &WorkerConfig,
+    mc: &crate::config::ModelConfig,
+    device: ComputeDevice,
+    monitor: &MemoryMonitor,
+    timing_cap: Option<u64>,
+    serving: Option<&Engine>,
+) -> anyhow::Result<Calibrated> {
+    let m = Arc::new(Model::load(mc.clone(), device)?);
+    let estimate = Arc::new(match serving {
+        Some(engine) => engine.alone(|| calibrate(&m, monitor))?,
+        None => calibrate(&m, monitor)?,
+    });
+    let free = monitor.snapshot().free;
+    let timing_bytes = match timing_cap {
+        Some(cap) => (free / 4).min(cap).max(1),
+        None => free / 4,
+    };
+    // A model without a batch dimension (`max_batch_size = 0`) runs one request a batch.
+    let bound = if m.batched() { mc.max_batch_size.or(config.batching.max_batch_size) } else { Some(1) };
+    let sizer = Arc::new(BatchSizer::new(bound, config.batching.initial_batch_size));
+    if config.batching.calibrate {
+        sizer.calibrate(&m, |elements| timing_bytes == 0 || estimate.bytes(elements) <= timing_bytes);
+    }
+    Ok(Calibrated { model: m, estimate, sizer })
 }
 
 /// Fits the model's memory estimate to peaks measured on probe inputs, unless the config
@@ -248,7 +279,7 @@ async fn resample_memory(engine: Arc<Engine>, budget: Budget, every: Duration) {
     loop {
         ticker.tick().await;
         let snap = engine.monitor.snapshot();
-        let available = budget.available(snap);
+        let available = budget.available(snap, engine.models_since_start());
         if engine.mode == AdmissionMode::Bytes && available != engine.pool.capacity() {
             engine.pool.set_capacity(available);
         }
@@ -267,6 +298,9 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v2/models/{name}/versions/{version}", get(model_metadata_versioned))
         .route("/v2/models/{name}/infer", post(infer))
         .route("/v2/models/{name}/versions/{version}/infer", post(infer_versioned))
+        .route("/v2/repository/index", post(repository::index))
+        .route("/v2/repository/models/{name}/load", post(repository::load))
+        .route("/v2/repository/models/{name}/unload", post(repository::unload))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .route("/v2", get(server_metadata))
@@ -455,21 +489,58 @@ async fn as_json_error(response: Response, request: &str) -> Response {
 }
 
 impl AppState {
-    /// The engine and the named model, or 503 while loading / 404 for an unknown name.
+    /// The engine and the newest version of the named model, or 503 while loading / 404.
     fn served(&self, name: &str) -> Result<(Arc<Engine>, Arc<Served>), ApiError> {
-        if let Some(engine) = self.engine.get() {
-            if let Some(served) = engine.served(name) {
-                return Ok((engine.clone(), served));
-            }
-        }
-        if self.configured.iter().any(|c| c == name) {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("model '{name}' is still loading"),
-            ));
-        }
-        Err(ApiError::new(StatusCode::NOT_FOUND, format!("unknown model '{name}'")))
+        self.served_at(name, None)
     }
+
+    /// The engine and `version` of the named model (as a path or a gRPC request gives it;
+    /// `None` or empty: the newest version served), or why not: 400 for a version that is not
+    /// a number, 503 while the worker starts, 404 for a model or version not served.
+    fn served_at(&self, name: &str, version: Option<&str>) -> Result<(Arc<Engine>, Arc<Served>), ApiError> {
+        let version = match version.filter(|v| !v.is_empty()) {
+            None => None,
+            Some(v) => Some(v.parse::<u64>().ok().filter(|&v| v > 0).ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("model version '{}' is not a version number (1, 2, ...)", bounded(v, LOG_FIELD_MAX_BYTES)),
+                )
+            })?),
+        };
+        let Some(engine) = self.engine.get() else {
+            if self.configured.iter().any(|c| c == name) {
+                return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("model '{name}' is still loading")));
+            }
+            return Err(ApiError::new(StatusCode::NOT_FOUND, format!("unknown model '{name}'")));
+        };
+        let found = match version {
+            None => engine.served(name),
+            Some(v) => engine.served_version(name, v),
+        };
+        if let Some(served) = found {
+            return Ok((engine.clone(), served));
+        }
+        let ready = engine.versions(name);
+        let name = bounded(name, LOG_FIELD_MAX_BYTES);
+        Err(match (version, ready.is_empty()) {
+            (Some(v), false) => ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("model '{name}' has no version {v} ready (ready: {})", versions_text(&ready)),
+            ),
+            _ if self.repository.get().is_some_and(|r| r.is_loading(name)) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("model '{name}' is loading"))
+            }
+            _ if self.repository.get().is_some_and(|r| r.knows(name)) || self.configured.iter().any(|c| c == name) => {
+                ApiError::new(StatusCode::NOT_FOUND, format!("model '{name}' is not loaded (unloaded, or its last load failed)"))
+            }
+            _ => ApiError::new(StatusCode::NOT_FOUND, format!("unknown model '{name}'")),
+        })
+    }
+}
+
+/// Versions as a list for a message: `1, 2`.
+fn versions_text(versions: &[u64]) -> String {
+    versions.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
 }
 
 async fn server_metadata() -> Json<oip::ServerMetadata> {
@@ -496,29 +567,34 @@ async fn model_ready(State(state): State<Arc<AppState>>, Path(name): Path<String
 }
 
 async fn model_ready_versioned(
-    state: State<Arc<AppState>>,
-    Path((name, _version)): Path<(String, String)>,
+    State(state): State<Arc<AppState>>,
+    Path((name, version)): Path<(String, String)>,
 ) -> Response {
-    model_ready(state, Path(name)).await
+    match state.served_at(&name, Some(&version)) {
+        Ok(_) => StatusCode::OK.into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn model_metadata(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
 ) -> Result<Json<oip::ModelMetadata>, ApiError> {
-    metadata_of(&state, &name).map(Json)
+    metadata_of(&state, &name, None).map(Json)
 }
 
-/// A served model's metadata, as both doors give it.
-fn metadata_of(state: &AppState, name: &str) -> Result<oip::ModelMetadata, ApiError> {
-    let (_, served) = state.served(name)?;
+/// A served model's metadata, as both doors give it: of `version` (`None` or empty: the newest
+/// served), listing every version served.
+fn metadata_of(state: &AppState, name: &str, version: Option<&str>) -> Result<oip::ModelMetadata, ApiError> {
+    let (engine, served) = state.served_at(name, version)?;
     let model = &served.model;
     let (inputs, outputs) = tensor_metadata(model);
     let mut parameters = oip::Parameters::new();
     parameters.insert("memory_estimate".into(), serde_json::to_value(served.estimate.view()).unwrap_or_default());
+    parameters.insert("version".into(), served.version.to_string().into());
     Ok(oip::ModelMetadata {
         name: model.name().into(),
-        versions: Some(vec!["1".into()]),
+        versions: Some(engine.versions(name).iter().map(u64::to_string).collect()),
         platform: "pytorch_libtorch".into(),
         inputs,
         outputs,
@@ -538,26 +614,32 @@ fn tensor_metadata(model: &Model) -> (Vec<oip::TensorMetadata>, Vec<oip::TensorM
 }
 
 async fn model_metadata_versioned(
-    state: State<Arc<AppState>>,
-    Path((name, _version)): Path<(String, String)>,
+    State(state): State<Arc<AppState>>,
+    Path((name, version)): Path<(String, String)>,
 ) -> Result<Json<oip::ModelMetadata>, ApiError> {
-    model_metadata(state, Path(name)).await
+    metadata_of(&state, &name, Some(&version)).map(Json)
 }
 
 async fn infer_versioned(
     state: State<Arc<AppState>>,
-    Path((name, _version)): Path<(String, String)>,
+    Path((name, version)): Path<(String, String)>,
     request: Request,
 ) -> Result<Response, ApiError> {
-    infer(state, Path(name), request).await
+    infer_at(state, name, Some(version), request).await
 }
 
 
 /// An inference request in a SERVER span that continues the caller's trace (its
 /// `traceparent`, read strictly: a refused one starts a new trace that says why).
-async fn infer(
+async fn infer(state: State<Arc<AppState>>, Path(name): Path<String>, request: Request) -> Result<Response, ApiError> {
+    infer_at(state, name, None, request).await
+}
+
+/// An inference of `version` of the model (`None`: the newest served).
+async fn infer_at(
     state: State<Arc<AppState>>,
-    Path(name): Path<String>,
+    name: String,
+    version: Option<String>,
     request: Request,
 ) -> Result<Response, ApiError> {
     let span = tracing::info_span!(
@@ -572,7 +654,7 @@ async fn infer(
         error.type = tracing::field::Empty,
     );
     Carried::from_headers(request.headers().iter().map(|(k, v)| (k.as_str(), v.as_bytes()))).adopt(&span);
-    let result = infer_in_span(state, name, request).instrument(span.clone()).await;
+    let result = infer_in_span(state, name, version, request).instrument(span.clone()).await;
     let status = match &result {
         Ok(response) => response.status(),
         Err(error) => error.status,
@@ -585,8 +667,13 @@ async fn infer(
     result
 }
 
-async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request: Request) -> Result<Response, ApiError> {
-    let (engine, served) = state.served(&name)?;
+async fn infer_in_span(
+    State(state): State<Arc<AppState>>,
+    name: String,
+    version: Option<String>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let (engine, served) = state.served_at(&name, version.as_deref())?;
     let (parts, body) = request.into_parts();
     let headers = parts.headers;
     // From here until its job is queued, the model's batch thread knows this request is coming;
@@ -627,7 +714,8 @@ async fn infer_in_span(State(state): State<Arc<AppState>>, name: String, request
         _ => tensors,
     };
     let binary = |name: &str| oip::wants_binary_output(&request, name);
-    let (body, header_len) = oip::encode_response(model.name(), Some("1"), request.id.as_deref(), &tensors, binary);
+    let version = served.version.to_string();
+    let (body, header_len) = oip::encode_response(model.name(), Some(&version), request.id.as_deref(), &tensors, binary);
     let mut response = body.into_response();
     let content_type = if header_len.is_some() { "application/octet-stream" } else { "application/json" };
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -887,7 +975,7 @@ mod tests {
         // What `main` and `run` do: the config file read, then every model loaded and started.
         let config = WorkerConfig::load(Some(&file)).expect("the worker config");
         assert_eq!(config.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["mtcnn_onet"]);
-        let (engine, _) = start_engine(&config, Arc::new(Metrics::new())).expect("the engine started");
+        let (engine, _, _) = start_engine(&config, Arc::new(Metrics::new())).expect("the engine started");
         let served = engine.served("mtcnn_onet").expect("O-Net served");
         let face: Vec<f32> = (0..3 * 48 * 48).map(|i| (i as f32 * 0.01).sin()).collect();
         let outputs = served.model.infer_one(&InputTensor::from_f32(vec![1, 3, 48, 48], &face)).expect("an answer");

@@ -542,7 +542,8 @@ async fn convert_and_call(
     // stage's calls together, and its CPU work between stages runs on the task's pool.
     let chain_started = Instant::now();
     let (mut wait_ms, mut inference_ms, mut attempts) = (0.0, 0.0, 0u32);
-    let mut models: Vec<String> = Vec::new();
+    // Each model that answered with its version, once, in the order they answered.
+    let mut models: Vec<(String, String)> = Vec::new();
     let output = loop {
         let Converted { calls, finish } = converted;
         // One encoded body per call, which every attempt re-sends; the tensors are gone after.
@@ -563,8 +564,9 @@ async fn convert_and_call(
             step_wait = step_wait.max(answer.wait_ms);
             step_inference = step_inference.max(answer.inference_ms);
             attempts += answer.attempts;
-            if !models.contains(&answer.output.model) {
-                models.push(answer.output.model.clone());
+            let answered = (answer.output.model.clone(), answer.output.version.clone());
+            if !models.contains(&answered) {
+                models.push(answered);
             }
             tensors.push(answer.output.tensors);
         }
@@ -587,7 +589,8 @@ async fn convert_and_call(
         id,
         task: task_name,
         status: "ok".into(),
-        model: models.join(","),
+        model: models.iter().map(|(m, _)| m.as_str()).collect::<Vec<_>>().join(","),
+        model_version: models.iter().map(|(_, v)| v.as_str()).collect::<Vec<_>>().join(","),
         output,
         timings_ms: TimingsMs {
             convert: convert_ms,

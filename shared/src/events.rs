@@ -66,6 +66,12 @@ pub struct ResultEvent {
     /// several models in turn, those it called, in order, joined by commas (an image too small
     /// for P-Net's window calls none: empty).
     pub model: String,
+    /// The version of each model in `model`, in the same order and joined the same way, as
+    /// the worker named it in its answer (`"2"`, or `"1,1,1"` for the face cascade). A model
+    /// that answered in two versions within one event (a rollout between its calls) is in
+    /// `model` twice, once with each. Empty where `model` is.
+    #[serde(default)]
+    pub model_version: String,
     /// Task-specific output, e.g. [`VoiceOutput`].
     pub output: serde_json::Value,
     pub timings_ms: TimingsMs,
@@ -344,6 +350,7 @@ mod tests {
             task: "voice".into(),
             status: "ok".into(),
             model: "silero_vad".into(),
+            model_version: "2".into(),
             output: serde_json::to_value(&output).expect("voice output serialises"),
             timings_ms: TimingsMs { convert: 1.5, gpu_wait: 0.0, inference: 12.0, total: 14.0 },
             attempts: 1,
@@ -352,6 +359,7 @@ mod tests {
             &result,
             serde_json::json!({
                 "version": 1, "id": "a-1", "task": "voice", "status": "ok", "model": "silero_vad",
+                "model_version": "2",
                 "output": {"segments": [{"start_seconds": 0.5, "end_seconds": 1.25}],
                            "duration_seconds": 2.0, "input_sample_rate_hz": 44100,
                            "input_channels": 2},

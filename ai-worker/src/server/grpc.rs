@@ -47,9 +47,9 @@ use proto::{InferParameter, InferTensorContents, ModelInferRequest, ModelInferRe
 
 /// The service's full name, the first part of every call's path.
 const SERVICE: &str = "inference.GRPCInferenceService";
-/// Calls behind the bearer token when one is configured: inference and model metadata, as
-/// on HTTP. Liveness, readiness and server metadata stay open.
-const GUARDED: [&str; 2] = ["ModelInfer", "ModelMetadata"];
+/// Calls behind the bearer token when one is configured: inference, model metadata and the
+/// repository, as on HTTP. Liveness, readiness and server metadata stay open.
+const GUARDED: [&str; 5] = ["ModelInfer", "ModelMetadata", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"];
 /// How often an idle connection is pinged, and how long the answer may take before the
 /// connection is closed: a peer that vanished does not hold a connection for ever.
 const KEEPALIVE: Duration = Duration::from_secs(30);
@@ -102,6 +102,45 @@ struct Door {
 
 #[tonic::async_trait]
 impl GrpcInferenceService for Door {
+    async fn repository_index(
+        &self,
+        request: tonic::Request<proto::RepositoryIndexRequest>,
+    ) -> Result<tonic::Response<proto::RepositoryIndexResponse>, Status> {
+        let request = request.into_inner();
+        one_repository(&request.repository_name)?;
+        let entries = super::repository::repository(&self.state).map_err(status_of)?.index(request.ready);
+        let models = entries
+            .into_iter()
+            .map(|e| proto::repository_index_response::ModelIndex {
+                name: e.name,
+                version: e.version.unwrap_or_default(),
+                state: e.state.into(),
+                reason: e.reason.unwrap_or_default(),
+            })
+            .collect();
+        Ok(tonic::Response::new(proto::RepositoryIndexResponse { models }))
+    }
+
+    async fn repository_model_load(
+        &self,
+        request: tonic::Request<proto::RepositoryModelLoadRequest>,
+    ) -> Result<tonic::Response<proto::RepositoryModelLoadResponse>, Status> {
+        let request = request.into_inner();
+        let repository = self.changing(&request.repository_name)?;
+        super::repository::refuse_overrides(request.parameters.keys().map(String::as_str)).map_err(status_of)?;
+        repository.load(&request.model_name).await.map_err(status_of)?;
+        Ok(tonic::Response::new(proto::RepositoryModelLoadResponse {}))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        request: tonic::Request<proto::RepositoryModelUnloadRequest>,
+    ) -> Result<tonic::Response<proto::RepositoryModelUnloadResponse>, Status> {
+        let request = request.into_inner();
+        self.changing(&request.repository_name)?.unload(&request.model_name).await.map_err(status_of)?;
+        Ok(tonic::Response::new(proto::RepositoryModelUnloadResponse {}))
+    }
+
     async fn server_live(
         &self,
         _: tonic::Request<proto::ServerLiveRequest>,
@@ -122,7 +161,8 @@ impl GrpcInferenceService for Door {
     ) -> Result<tonic::Response<proto::ModelReadyResponse>, Status> {
         // Still loading or not served here: not ready, as the HTTP door's 503 and 404 read
         // to `tritonclient.http` (which answers `False` to both).
-        let ready = self.state.served(&request.get_ref().name).is_ok();
+        let request = request.get_ref();
+        let ready = self.state.served_at(&request.name, Some(&request.version)).is_ok();
         Ok(tonic::Response::new(proto::ModelReadyResponse { ready }))
     }
 
@@ -142,7 +182,8 @@ impl GrpcInferenceService for Door {
         &self,
         request: tonic::Request<proto::ModelMetadataRequest>,
     ) -> Result<tonic::Response<proto::ModelMetadataResponse>, Status> {
-        let meta = metadata_of(&self.state, &request.get_ref().name).map_err(status_of)?;
+        let request = request.get_ref();
+        let meta = metadata_of(&self.state, &request.name, Some(&request.version)).map_err(status_of)?;
         let tensor = |t: oip::TensorMetadata| proto::model_metadata_response::TensorMetadata {
             name: t.name,
             datatype: t.datatype,
@@ -217,7 +258,7 @@ impl GrpcInferenceService for Door {
 /// One inference through the shared engine; every failure is the [`ApiError`] the HTTP door
 /// would have answered.
 async fn infer(state: &AppState, headers: &HeaderMap, message: ModelInferRequest) -> Result<ModelInferResponse, ApiError> {
-    let (engine, served) = state.served(&message.model_name)?;
+    let (engine, served) = state.served_at(&message.model_name, Some(&message.model_version))?;
     let mut arrival = served.arrive();
     let model = served.model.clone();
     let limits = oip::DecodeLimits::default();
@@ -238,7 +279,7 @@ async fn infer(state: &AppState, headers: &HeaderMap, message: ModelInferRequest
     let asked: Vec<&str> = request.outputs.iter().flatten().map(|o| o.name.as_str()).collect();
     let mut response = ModelInferResponse {
         model_name: model.name().into(),
-        model_version: "1".into(),
+        model_version: served.version.to_string(),
         id,
         ..Default::default()
     };
@@ -469,6 +510,28 @@ fn status_code(e: &ApiError) -> Code {
         503 => Code::Unavailable,
         _ => Code::Internal,
     }
+}
+
+impl Door {
+    /// The repository, for a call that would load or unload in `repository_name`: refused
+    /// unless it is this worker's (empty) and `model_control` lets the API change models.
+    fn changing(&self, repository_name: &str) -> Result<Arc<super::repository::Repository>, Status> {
+        one_repository(repository_name)?;
+        let repository = super::repository::repository(&self.state).map_err(status_of)?;
+        repository.api_allowed().map_err(status_of)?;
+        Ok(repository)
+    }
+}
+
+/// The worker has one repository: a call naming another is refused.
+fn one_repository(name: &str) -> Result<(), Status> {
+    if name.is_empty() {
+        return Ok(());
+    }
+    Err(Status::invalid_argument(format!(
+        "repository '{}' is not this worker's: leave repository_name empty",
+        bounded(name, LOG_FIELD_MAX_BYTES)
+    )))
 }
 
 /// `e` as a gRPC status: its code ([`status_code`]), the HTTP door's message, and in the

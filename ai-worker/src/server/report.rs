@@ -66,7 +66,7 @@ pub(super) async fn state(State(state): State<Arc<AppState>>) -> Response {
     let Some(engine) = state.engine.get() else {
         return ApiError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "models are still loading").into_response();
     };
-    let models = engine.models().map(|(name, served)| (name.to_string(), estimate(served))).collect();
+    let models = engine.models().into_iter().map(|(name, served)| (name, estimate(&served))).collect();
     Json(WorkerState { admission: admission(engine), models }).into_response()
 }
 

@@ -109,6 +109,8 @@ impl CallError {
 #[derive(Debug, Clone)]
 pub struct ModelOutput {
     pub model: String,
+    /// The version of the model that answered, as the worker names it (empty: it named none).
+    pub version: String,
     pub tensors: Vec<OutputTensor>,
 }
 
@@ -393,12 +395,12 @@ impl WorkerClient {
         }
         let (header, tensors) =
             oip::decode_response(&body, header_len).map_err(|e| CallError::BadResponse(e.to_string()))?;
-        picked(header.model_name, tensors, &call.output_names)
+        picked(header.model_name, header.model_version.unwrap_or_default(), tensors, &call.output_names)
     }
 }
 
 /// The outputs named in `names`, in that order, out of an answer's decoded `tensors`.
-fn picked(model: String, tensors: Vec<Tensor>, names: &[String]) -> Result<ModelOutput, CallError> {
+fn picked(model: String, version: String, tensors: Vec<Tensor>, names: &[String]) -> Result<ModelOutput, CallError> {
     let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
     let mut outputs = Vec::with_capacity(names.len());
     for name in names {
@@ -409,7 +411,7 @@ fn picked(model: String, tensors: Vec<Tensor>, names: &[String]) -> Result<Model
             .ok_or_else(|| CallError::BadResponse(format!("no output named '{name}'")))?;
         outputs.push(OutputTensor { name: tensor.name, shape: tensor.shape, data: tensor.data });
     }
-    Ok(ModelOutput { model, tensors: outputs })
+    Ok(ModelOutput { model, version, tensors: outputs })
 }
 
 impl WorkerClient {
@@ -589,7 +591,7 @@ fn grpc_outputs(answer: grpc::ModelInferResponse, names: &[String]) -> Result<Mo
         body.extend_from_slice(raw);
     }
     let (header, tensors) = oip::decode_response(&body, Some(header_len)).map_err(|e| bad(e.to_string()))?;
-    picked(header.model_name, tensors, names)
+    picked(header.model_name, header.model_version.unwrap_or_default(), tensors, names)
 }
 
 /// A gRPC status read as the HTTP status the worker's HTTP door answers for the same failure
