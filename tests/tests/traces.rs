@@ -429,3 +429,49 @@ async fn an_oom_shows_in_the_trace_with_the_batch_before_and_after() -> anyhow::
     assert!(inferences.iter().any(|s| s.tag("error.type").is_none()), "the retry that succeeded is in the trace too:\n{shown}");
     Ok(())
 }
+
+/// Over the worker's gRPC door (`worker.protocol = "grpc"`) an event is one trace too: the
+/// gateway's `ModelInfer` CLIENT span carries `traceparent` as gRPC metadata, and the worker's
+/// SERVER span (`grpc ModelInfer`) continues it, with admission, batch and inference inside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_grpc_an_event_is_one_trace_through_the_worker_s_grpc_door() -> anyhow::Result<()> {
+    let jaeger_process = JaegerProcess::start(26_751)?;
+    let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+    let voice = TaskTopics::create(&unique("trace-grpc"), 1).await?;
+    let config = format!("grpc_listen = \"127.0.0.1:0\"\n{}", telemetry_toml(&jaeger_process));
+    let worker = start_worker(&worker_config(&config, &[VAD_MODEL])).await?;
+    let grpc_url = format!("http://{}", worker.grpc.clone().context("the worker's gRPC address")?);
+    let root = scratch_dir("trace-grpc");
+    let mut env = gateway_base_env(&unique("trace-grpc-group"), &grpc_url, &root);
+    env.extend(voice_task_env(&voice));
+    env.extend(gateway_telemetry(&jaeger_process));
+    env.push(("WORKER__PROTOCOL", "grpc".into()));
+    let gateway = start_gateway(&env).await?;
+    let collector = Collector::start(&[&voice.results, &voice.dlq])?;
+
+    let produced = cli_produce(&jaeger_process, "voice", &voice.requests, "wav", &[], &voice_files(&root, "g", 2))?;
+    let ids: HashSet<String> = produced.iter().map(|p| p.id.clone()).collect();
+    let done = collector.wait_until(Duration::from_secs(120), |seen| ids.iter().all(|id| seen.contains_key(id))).await;
+    assert!(done, "not every event finished; gateway log:\n{}", gateway.log_tail());
+    for event in &produced {
+        assert_eq!(collector.snapshot()[&event.id][0].topic, voice.results);
+        let trace = wait_for_trace(&jaeger, &event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
+        let shown = vramgate_cli::jaeger::render(&trace);
+        let by_id = |id: &str| trace.spans.iter().find(|s| s.span_id == id);
+        let server = trace.span("grpc ModelInfer").unwrap_or_else(|| panic!("no gRPC server span:\n{shown}"));
+        assert_eq!(trace.service_of(server), "ai-worker", "{shown}");
+        assert_eq!(tag_str(server, "rpc.system"), Some("grpc"), "{shown}");
+        let client = server.parent().and_then(by_id).unwrap_or_else(|| panic!("the server span has no parent:\n{shown}"));
+        assert_eq!(
+            (client.operation.as_str(), trace.service_of(client)),
+            ("inference.GRPCInferenceService/ModelInfer", "api-gateway"),
+            "the worker continues the gateway's gRPC call:\n{shown}"
+        );
+        for inside in ["admission_wait", "batch_formation", "inference"] {
+            assert!(trace.span(inside).is_some(), "no {inside} span:\n{shown}");
+        }
+        assert!(trace.span(&format!("process {}", voice.requests)).is_some() && trace.span("commit").is_some(), "{shown}");
+    }
+    drop(worker);
+    Ok(())
+}
