@@ -569,6 +569,10 @@ pub struct TaskConfig {
     pub converter: Converter,
     /// The worker's model for this task.
     pub model: String,
+    /// Pins `model` to this version (`/v2/models/<model>/versions/<n>/...`); unset: the newest
+    /// version the worker serves, which a rollout changes (`docs/models.md`, "Updating a
+    /// model"). The other models of a cascade are not pinned.
+    pub model_version: Option<u64>,
     /// The worker for this task; default `worker.url`.
     pub worker_url: Option<String>,
     /// Several workers for this task (like `worker.urls`); default the `[worker]` table's.
@@ -615,6 +619,7 @@ impl Default for TaskConfig {
             dlq_topic: None,
             converter: Converter::Wav,
             model: "silero_vad".into(),
+            model_version: None,
             worker_url: None,
             worker_urls: None,
             worker_dns: None,

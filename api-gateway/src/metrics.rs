@@ -18,6 +18,8 @@ pub struct Metrics {
     pub cpu_queue: IntGaugeVec,
     pub paused: IntGaugeVec,
     pub pauses: IntCounterVec,
+    /// 1 while a task does not fit a model that changed at run time (its partitions paused).
+    pub task_misfit: IntGaugeVec,
     pub resumes: IntCounterVec,
     pub pending: IntGaugeVec,
     pub consumer_lag: IntGaugeVec,
@@ -190,8 +192,13 @@ impl Metrics {
             paused: gauge("paused_partitions", "Partitions paused by backpressure", &["task"]),
             pauses: counter(
                 "partition_pauses_total",
-                "Partitions paused, by reason (permits, budget, in_flight)",
+                "Partitions paused, by reason (misfit, permits, budget, in_flight, shutdown)",
                 &["task", "reason"],
+            ),
+            task_misfit: gauge(
+                "task_misfit",
+                "1 while the task does not fit a model that changed at run time: its partitions are paused",
+                &["task"],
             ),
             resumes: counter("partition_resumes_total", "Partitions resumed after a pause", &["task"]),
             pending: gauge(

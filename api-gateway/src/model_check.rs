@@ -10,6 +10,14 @@
 //! gateway as at start-up (in-flight records finish and are committed first). Until then a row
 //! that does not fit fails each of its events (`internal`, naming the output and the step).
 //!
+//! After start-up the models are watched ([`watch`]): every [`LATER_INTERVAL`] the workers are
+//! asked again, and when what one declares changes (a new version rolled out), the task is
+//! judged again. A task that no longer fits is paused (its partitions; nothing is lost: what it
+//! has not fetched waits in Kafka) with an error naming each row and the metric
+//! `vramgate_gateway_task_misfit{task}` at 1, and resumes once it fits again. Events it had
+//! fetched before the pause, at most one interval's worth, meet the changed model and may end
+//! as dead letters; a task pinned to a version (`model_version`) is not moved by a rollout.
+//!
 //! A worker that answers that it does not serve the model (404), or refuses the question (another
 //! 4xx: a wrong token), settles nothing: it is logged, and the task runs as it would without the
 //! check (its calls get the same answer, and dead-letter as `worker_rejected`). Every worker
@@ -36,6 +44,7 @@ pub const LATER_INTERVAL: Duration = Duration::from_secs(2);
 /// One model of one task, not yet checked.
 pub struct Pending {
     task: String,
+    owner: Arc<Task>,
     set: Arc<WorkerSet>,
     used: ModelUse,
     /// Why the last round settled nothing.
@@ -58,7 +67,13 @@ pub fn pending(tasks: &[Arc<Task>]) -> Vec<Pending> {
     let mut pending = Vec::new();
     for task in tasks {
         for (used, set) in task.converter.uses().into_iter().zip(&task.stages) {
-            pending.push(Pending { task: task.name.clone(), set: set.clone(), used, waiting: "not asked yet".into() });
+            pending.push(Pending {
+                task: task.name.clone(),
+                owner: task.clone(),
+                set: set.clone(),
+                used,
+                waiting: "not asked yet".into(),
+            });
         }
     }
     pending
@@ -155,15 +170,83 @@ fn settle(check: &Pending, round: Round) -> Result<Vec<String>, String> {
 
 /// Asks every worker of the check's set, at once, for the model's metadata.
 async fn ask(check: &Pending) -> Round {
-    let endpoints = check.set.endpoints();
-    if endpoints.is_empty() {
+    if check.set.endpoints().is_empty() {
         return Round::Waiting("no worker known yet".into());
     }
-    let model = &check.set.model;
-    let answers =
-        futures::future::join_all(endpoints.iter().map(|e| async { (e.url.clone(), e.client.metadata(model, METADATA_TIMEOUT).await) }))
-            .await;
-    judge(&check.task, &check.used, answers)
+    judge(&check.task, &check.used, answers(check).await)
+}
+
+/// Each known worker's answer to the question for the check's model's metadata.
+async fn answers(check: &Pending) -> Vec<(String, Result<ModelMetadata, CallError>)> {
+    let endpoints = check.set.endpoints();
+    let (model, version) = (&check.set.model, check.set.version);
+    futures::future::join_all(
+        endpoints.iter().map(|e| async { (e.url.clone(), e.client.metadata(model, version, METADATA_TIMEOUT).await) }),
+    )
+    .await
+}
+
+/// What the answers declare, to tell a change: each worker's versions and tensors (not its
+/// parameters: the memory estimate moves as the worker learns).
+fn declared(answers: &[(String, Result<ModelMetadata, CallError>)]) -> Option<String> {
+    let mut found: Vec<String> = answers
+        .iter()
+        .filter_map(|(url, answer)| answer.as_ref().ok().map(|m| format!("{url} {:?} {:?} {:?}", m.versions, m.inputs, m.outputs)))
+        .collect();
+    found.sort();
+    (!found.is_empty()).then(|| found.join("\n"))
+}
+
+/// Watches `checks` (every model of every task) for as long as the gateway runs: see the
+/// module's documentation.
+pub async fn watch(checks: Vec<Pending>) {
+    let mut seen: Vec<Option<String>> = vec![None; checks.len()];
+    let mut misfits: Vec<Vec<String>> = vec![Vec::new(); checks.len()];
+    loop {
+        tokio::time::sleep(LATER_INTERVAL).await;
+        let rounds = futures::future::join_all(checks.iter().map(answers)).await;
+        let mut changed = false;
+        for (i, (check, answers)) in checks.iter().zip(rounds).enumerate() {
+            let Some(now) = declared(&answers) else { continue };
+            if seen[i].as_ref() == Some(&now) {
+                continue;
+            }
+            seen[i] = Some(now);
+            misfits[i] = match judge(&check.task, &check.used, answers) {
+                Round::Answered(verdict) => verdict.misfits,
+                Round::Refused(_) | Round::Waiting(_) => Vec::new(),
+            };
+            changed = true;
+        }
+        if !changed {
+            continue;
+        }
+        for (i, check) in checks.iter().enumerate() {
+            // A task's first check speaks for all of its models.
+            if checks[..i].iter().any(|c| Arc::ptr_eq(&c.owner, &check.owner)) {
+                continue;
+            }
+            let found: Vec<&String> =
+                checks.iter().zip(&misfits).filter(|(c, _)| Arc::ptr_eq(&c.owner, &check.owner)).flat_map(|(_, m)| m).collect();
+            let task = &check.owner;
+            match (task.misfit(), found.is_empty()) {
+                (false, false) => {
+                    let listed: Vec<&str> = found.iter().map(|m| m.as_str()).collect();
+                    tracing::error!(
+                        task = %task.name,
+                        misfits = %listed.join("\n"),
+                        "a model the task calls changed and the task no longer fits it: its partitions are PAUSED until it fits again"
+                    );
+                    task.set_misfit(true);
+                }
+                (true, true) => {
+                    tracing::info!(task = %task.name, "the task fits its models again: its partitions resume");
+                    task.set_misfit(false);
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 /// A round from each worker's answer.

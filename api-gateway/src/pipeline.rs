@@ -165,6 +165,7 @@ pub async fn run(
     };
     let (misfit_found, mut misfit) = tokio::sync::oneshot::channel();
     let later_checks = tokio::spawn(model_check::later(unchecked, misfit_found));
+    let watch = tokio::spawn(model_check::watch(model_check::pending(&tasks)));
     tracing::info!(
         topics = ?topics,
         group = %config.kafka.group_id,
@@ -204,6 +205,7 @@ pub async fn run(
         }
     };
     later_checks.abort();
+    watch.abort();
     tracing::info!("shutting down: fetching stops, in-flight records finish");
     stop.store(true, Ordering::SeqCst);
     tokio::task::spawn_blocking(move || fetcher.join())

@@ -30,6 +30,9 @@ pub struct Task {
     /// Set when a record waited past `permit_wait_ms` for a permit: the fetch loop pauses this
     /// task's partitions until the waiters are served.
     congested: AtomicBool,
+    /// A model of the task changed at run time so that the task no longer fits it
+    /// ([`crate::model_check::watch`]): its partitions stay paused until it fits again.
+    misfit: AtomicBool,
     /// The task's workers, one set per model it calls (`stages[0]`: the task's `model`; then its
     /// converter's `stage_models`), all from `worker_source` (kept current by
     /// `call::discovery`), each with its own GPU permits. Never empty.
@@ -53,6 +56,7 @@ pub struct Hot {
     pub produced_result: IntCounter,
     pub produced_dead_letter: IntCounter,
     pub record_seconds: prometheus::Histogram,
+    pub misfit: IntGauge,
 }
 
 impl Hot {
@@ -66,6 +70,7 @@ impl Hot {
             produced_result: metrics.produced.with_label_values(&[name, "result"]),
             produced_dead_letter: metrics.produced.with_label_values(&[name, "dead_letter"]),
             record_seconds: metrics.record_seconds.with_label_values(&[name]),
+            misfit: metrics.task_misfit.with_label_values(&[name]),
         }
     }
 }
@@ -95,9 +100,11 @@ impl Task {
         let labels = std::iter::once(name.to_string()).chain(later.iter().map(|m| format!("{name}/{m}")));
         let models = std::iter::once(config.model.clone()).chain(later.iter().cloned());
         let mut stages = Vec::new();
-        for (label, model) in labels.zip(models) {
+        for (stage, (label, model)) in labels.zip(models).enumerate() {
+            let pin = if stage == 0 { config.model_version } else { None };
             let set = WorkerSet::new(&label, &model, routing, timeout, token.clone(), config.gpu_permits.clone(), metrics.clone())
-                .speaking(worker.protocol);
+                .speaking(worker.protocol)
+                .pinned(pin);
             if let WorkerSource::Static(urls) = &worker_source {
                 set.replace(urls)?;
             }
@@ -111,6 +118,7 @@ impl Task {
             config: config.clone(),
             pool,
             congested: AtomicBool::new(false),
+            misfit: AtomicBool::new(false),
             converter,
             stages,
             worker_source,
@@ -122,6 +130,16 @@ impl Task {
     /// are read from.
     pub fn workers(&self) -> &WorkerSet {
         &self.stages[0]
+    }
+
+    /// Marks the task as not fitting its models (its partitions pause) or as fitting again.
+    pub fn set_misfit(&self, misfit: bool) {
+        self.misfit.store(misfit, Ordering::Relaxed);
+        self.hot.misfit.set(i64::from(misfit));
+    }
+
+    pub fn misfit(&self) -> bool {
+        self.misfit.load(Ordering::Relaxed)
     }
 
     pub fn mark_congested(&self) {

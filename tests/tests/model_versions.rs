@@ -98,6 +98,35 @@ async fn budget(worker: &Worker) -> u64 {
     state["admission"]["budget"].as_u64().expect("the budget")
 }
 
+/// A gateway config whose tasks (name, topics, pinned version) each send `x` to `shift` and
+/// ask for `y`.
+fn gateway_toml(root: &Path, worker: &str, tasks: &[(&str, &TaskTopics, Option<u64>)]) -> PathBuf {
+    let mut text = format!(
+        "[kafka]\ngroup_id = \"{}\"\n\n[worker]\nurl = \"{worker}\"\n\n[input]\nfile_root = \"{}\"\n\n\
+         [tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n",
+        unique("versions-gw"),
+        root.display()
+    );
+    for (name, topics, pin) in tasks {
+        let pin = pin.map(|v| format!("model_version = {v}\n")).unwrap_or_default();
+        text.push_str(&format!(
+            "\n[tasks.{name}]\nconverter = \"tensor\"\nmodel = \"{MODEL}\"\n{pin}requests_topic = \"{}\"\nresults_topic = \"{}\"\n\
+             dlq_topic = \"{}\"\n\n[tasks.{name}.tensor]\ninput = \"x\"\ndatatype = \"FP32\"\n\n[[tasks.{name}.outputs]]\nname = \"y\"\n",
+            topics.requests, topics.results, topics.dlq
+        ));
+    }
+    let path = root.join(format!("{}.toml", unique("gateway")));
+    std::fs::write(&path, text).expect("the gateway config");
+    path
+}
+
+/// The event of `task` whose `x` is four times `at`.
+fn shift_event(id: &str, task: &str, at: f32) -> Vec<u8> {
+    let x: Vec<u8> = [at; 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let event = json!({"datatype": "FP32", "shape": [1, 4], "data_b64": base64::engine::general_purpose::STANDARD.encode(x)});
+    request_inline(id, task, &serde_json::to_vec(&event).expect("json"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tritonclient_rolls_a_version_out_and_a_bad_load_leaves_the_served_one() {
     let repo = repository("versions-api", 1024);
@@ -158,23 +187,7 @@ async fn a_rollout_while_events_flow_loses_nothing_and_each_result_names_its_ver
     let worker = start_worker(&worker_toml(&repo, "model_control = \"explicit\"\n")).await.expect("the worker starts");
     let root = repo.parent().expect("scratch").to_path_buf();
     let topics = TaskTopics::create(&unique("rollout"), 2).await.expect("topics");
-    let config = root.join("gateway.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[kafka]\ngroup_id = \"{group}\"\n\n[worker]\nurl = \"{url}\"\n\n[input]\nfile_root = \"{root}\"\n\n\
-             [tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n\n\
-             [tasks.shift]\nconverter = \"tensor\"\nmodel = \"{MODEL}\"\nrequests_topic = \"{req}\"\nresults_topic = \"{res}\"\n\
-             dlq_topic = \"{dlq}\"\n\n[tasks.shift.tensor]\ninput = \"x\"\ndatatype = \"FP32\"\n\n[[tasks.shift.outputs]]\nname = \"y\"\n",
-            group = unique("rollout-gw"),
-            url = worker.url,
-            root = root.display(),
-            req = topics.requests,
-            res = topics.results,
-            dlq = topics.dlq,
-        ),
-    )
-    .expect("the gateway config");
+    let config = gateway_toml(&root, &worker.url, &[("shift", &topics, None)]);
     let gateway = start_gateway_config(&config, &[]).await.expect("the gateway starts");
     let collector = Collector::start(&[&topics.results, &topics.dlq]).expect("collector");
 
@@ -187,10 +200,7 @@ async fn a_rollout_while_events_flow_loses_nothing_and_each_result_names_its_ver
         tokio::spawn(async move {
             let producer = vramgate_tests::producer();
             for (i, id) in ids.iter().enumerate() {
-                let x: Vec<u8> = [i as f32; 4].iter().flat_map(|v| v.to_le_bytes()).collect();
-                let event = json!({"datatype": "FP32", "shape": [1, 4], "data_b64": base64::engine::general_purpose::STANDARD.encode(x)});
-                let body = request_inline(id, "shift", &serde_json::to_vec(&event).expect("json"));
-                vramgate_tests::send(&producer, &requests, id, &body).await.expect("send");
+                vramgate_tests::send(&producer, &requests, id, &shift_event(id, "shift", i as f32)).await.expect("send");
                 if i % 20 == 19 {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -308,4 +318,95 @@ async fn a_hundred_load_unload_cycles_and_twenty_failed_loads_give_their_memory_
     );
     assert!(ratio(rss_last, rss_first) <= 1.05, "resident memory grew: {rss_first} -> {rss_last}");
     assert!((ratio(budget_last, budget_first) - 1.0).abs() <= 0.05, "budget {budget_first} -> {budget_last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_task_keeps_its_version_and_a_task_a_new_version_does_not_fit_pauses_until_it_does() {
+    let repo = repository("versions-pin", 1024);
+    std::fs::write(repo.join(MODEL).join("config.toml"), format!("version_policy = \"all\"\n{DECLARATION}")).expect("config");
+    let worker = start_worker(&worker_toml(&repo, "model_control = \"explicit\"\n")).await.expect("the worker starts");
+    let root = repo.parent().expect("scratch").to_path_buf();
+    let (pinned, newest) = (TaskTopics::create(&unique("pinned"), 1).await.expect("topics"), TaskTopics::create(&unique("newest"), 1).await.expect("topics"));
+    let config = gateway_toml(&root, &worker.url, &[("pinned", &pinned, Some(1)), ("newest", &newest, None)]);
+    let gateway = start_gateway_config(&config, &[]).await.expect("the gateway starts");
+    let collector = Collector::start(&[&pinned.results, &pinned.dlq, &newest.results, &newest.dlq]).expect("collector");
+    let producer = vramgate_tests::producer();
+    let prefix = unique("pin");
+    // Sends round `round`'s 10 events to each task; their ids.
+    let send_round = |round: usize| {
+        let (producer, prefix) = (&producer, &prefix);
+        let (pinned, newest) = (pinned.requests.clone(), newest.requests.clone());
+        async move {
+            let mut ids = Vec::new();
+            for i in 0..10 {
+                for (task, topic) in [("pinned", &pinned), ("newest", &newest)] {
+                    let id = format!("{prefix}-{round}-{task}-{i}");
+                    vramgate_tests::send(producer, topic, &id, &shift_event(&id, task, i as f32)).await.expect("send");
+                    ids.push(id);
+                }
+            }
+            ids
+        }
+    };
+    // Waits for `ids` and returns each one's (task, version answered).
+    let answered = |ids: Vec<String>| {
+        let collector = &collector;
+        async move {
+            let all = collector.wait_until(Duration::from_secs(120), |got| ids.iter().all(|id| got.contains_key(id))).await;
+            assert!(all, "not every event answered");
+            let got = collector.snapshot();
+            ids.iter()
+                .map(|id| {
+                    let record = &got[id][0];
+                    assert_eq!(record.value["status"], "ok", "{id}: {}", record.value);
+                    let version = record.value["model_version"].as_str().expect("model_version").to_string();
+                    let at: f64 = id.rsplit('-').next().expect("i").parse().expect("a number");
+                    let shift: f64 = version.parse().expect("a version");
+                    assert_eq!(record.value["output"]["outputs"]["y"]["data"], json!([at + shift, at + shift, at + shift, at + shift]), "{id}");
+                    (record.value["task"].as_str().expect("task").to_string(), version)
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let versions = |answers: &[(String, String)], task: &str| {
+        let mut v: Vec<String> = answers.iter().filter(|(t, _)| t == task).map(|(_, v)| v.clone()).collect();
+        v.dedup();
+        v
+    };
+
+    let first = answered(send_round(0).await).await;
+    assert_eq!((versions(&first, "pinned"), versions(&first, "newest")), (vec!["1".to_string()], vec!["1".to_string()]));
+    write_version(&repo, 2, 1024);
+    assert_eq!(call(&worker, &format!("/v2/repository/models/{MODEL}/load")).await.0, 200);
+    let second = answered(send_round(1).await).await;
+    assert_eq!((versions(&second, "pinned"), versions(&second, "newest")), (vec!["1".to_string()], vec!["2".to_string()]), "the pin holds");
+
+    // Version 3 declares its output `z`: the rows asking for `y` no longer fit. Both tasks
+    // pause (the declaration is the folder's, so version 1 changes too), nothing is lost.
+    write_version(&repo, 3, 1024);
+    let renamed = DECLARATION.replace("name = \"y\"", "name = \"z\"");
+    std::fs::write(repo.join(MODEL).join("config.toml"), format!("version_policy = \"all\"\n{renamed}")).expect("config");
+    assert_eq!(call(&worker, &format!("/v2/repository/models/{MODEL}/load")).await.0, 200);
+    let paused = gateway
+        .metrics_when(Duration::from_secs(30), |m| {
+            m.sum("vramgate_gateway_task_misfit", &[("task", "newest")]) == 1.0 && m.sum("vramgate_gateway_task_misfit", &[("task", "pinned")]) == 1.0
+        })
+        .await;
+    assert!(paused.is_ok(), "the tasks were not paused; log:\n{}", gateway.log_tail());
+    let third = send_round(2).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(collector.with(|got| third.iter().filter(|id| got.contains_key(*id)).count()), 0, "a paused task answered");
+    let log = gateway.service.log_text();
+    assert!(log.contains("no longer fits it") && log.contains("has no output 'y'"), "the log names the misfit:\n{log}");
+    let scrape = gateway.metrics().await.expect("metrics");
+    assert!(scrape.sum("vramgate_gateway_partition_pauses_total", &[("reason", "misfit")]) >= 2.0, "paused by misfit");
+
+    // The declaration fixed and loaded again: both resume, and the held events are answered.
+    std::fs::write(repo.join(MODEL).join("config.toml"), format!("version_policy = \"all\"\n{DECLARATION}")).expect("config");
+    assert_eq!(call(&worker, &format!("/v2/repository/models/{MODEL}/load")).await.0, 200);
+    let third = answered(third).await;
+    assert_eq!((versions(&third, "pinned"), versions(&third, "newest")), (vec!["1".to_string()], vec!["3".to_string()]));
+    let got = collector.snapshot();
+    assert!(got.values().flatten().all(|r| r.value["status"] == "ok"), "no dead letter");
+    assert!(gateway.metrics().await.expect("metrics").sum("vramgate_gateway_task_misfit", &[]) == 0.0);
 }

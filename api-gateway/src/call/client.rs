@@ -292,17 +292,20 @@ impl WorkerClient {
     /// whose trace context the request carries (`traceparent`), so the worker continues it;
     /// `observe` sees the answer's headers, whatever its status (the worker's admission state
     /// rides on them).
+    /// `version`: the model's version the task is pinned to (`model_version`); `None`, the
+    /// newest the worker serves.
     pub async fn infer(
         &self,
         model: &str,
+        version: Option<u64>,
         call: &InferCall,
         attempt: u32,
         observe: impl FnOnce(&reqwest::header::HeaderMap),
     ) -> Result<ModelOutput, CallError> {
         if let (Some(client), Wire::Grpc(message)) = (&self.grpc, &call.wire) {
-            return self.infer_grpc(client, model, message, call, attempt, observe).await;
+            return self.infer_grpc(client, model, version, message, call, attempt, observe).await;
         }
-        let url = format!("{}/v2/models/{model}/infer", self.base);
+        let url = format!("{}/v2/models/{model}{}/infer", self.base, versioned(version));
         let span = tracing::info_span!(
             "POST",
             otel.kind = "client",
@@ -326,11 +329,11 @@ impl WorkerClient {
     /// `GET /v2/models/{model}`: the model's declared inputs and outputs, within `timeout`,
     /// with this client's token and TLS. A 404 (a model the worker does not serve) is
     /// [`CallError::Rejected`]; a model still loading (503) or no answer is retryable.
-    pub async fn metadata(&self, model: &str, timeout: Duration) -> Result<oip::ModelMetadata, CallError> {
+    pub async fn metadata(&self, model: &str, version: Option<u64>, timeout: Duration) -> Result<oip::ModelMetadata, CallError> {
         if let Some(client) = &self.grpc {
-            return self.metadata_grpc(client, model, timeout).await;
+            return self.metadata_grpc(client, model, version, timeout).await;
         }
-        let url = format!("{}/v2/models/{model}", self.base);
+        let url = format!("{}/v2/models/{model}{}", self.base, versioned(version));
         let response = self.http.get(&url).timeout(timeout).send().await.map_err(|e| transport(&url, "asking", &e))?;
         let status = response.status();
         if response.content_length().is_some_and(|n| n > MAX_METADATA_BYTES) {
@@ -399,6 +402,11 @@ impl WorkerClient {
     }
 }
 
+/// The path part that names a pinned version (`/versions/2`), or nothing.
+fn versioned(version: Option<u64>) -> String {
+    version.map(|v| format!("/versions/{v}")).unwrap_or_default()
+}
+
 /// The outputs named in `names`, in that order, out of an answer's decoded `tensors`.
 fn picked(model: String, version: String, tensors: Vec<Tensor>, names: &[String]) -> Result<ModelOutput, CallError> {
     let mut tensors: Vec<Option<Tensor>> = tensors.into_iter().map(Some).collect();
@@ -438,10 +446,12 @@ impl WorkerClient {
     }
 
     /// [`infer`](Self::infer) through the gRPC door, in a CLIENT span of its own.
+    #[allow(clippy::too_many_arguments)]
     async fn infer_grpc(
         &self,
         client: &grpc::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>,
         model: &str,
+        version: Option<u64>,
         message: &grpc::ModelInferRequest,
         call: &InferCall,
         attempt: u32,
@@ -463,6 +473,7 @@ impl WorkerClient {
         );
         let mut message = message.clone();
         message.model_name = model.to_string();
+        message.model_version = version.map(|v| v.to_string()).unwrap_or_default();
         let timeout = Duration::from_millis(self.timeout_ms);
         let request = self.grpc_request(message, timeout, context::headers_of(&span));
         let result = async {
@@ -494,9 +505,11 @@ impl WorkerClient {
         &self,
         client: &grpc::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>,
         model: &str,
+        version: Option<u64>,
         timeout: Duration,
     ) -> Result<oip::ModelMetadata, CallError> {
-        let message = grpc::ModelMetadataRequest { name: model.to_string(), version: String::new() };
+        let version = version.map(|v| v.to_string()).unwrap_or_default();
+        let message = grpc::ModelMetadataRequest { name: model.to_string(), version };
         let answer = client.clone().model_metadata(self.grpc_request(message, timeout, None)).await.map_err(|status| {
             let headers = status.metadata().clone().into_headers();
             grpc_error(&self.base, &status, &headers)
@@ -740,7 +753,7 @@ mod tests {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
         let client = WorkerClient::new(&format!("http://{closed}"), 2.0, None, Protocol::Grpc).expect("a client");
         let call = InferCall::new("r", &[Tensor::new("x", vec![1], vec![1.0f32])], &["y"], Protocol::Grpc);
-        let err = client.infer("m", &call, 1, |_| {}).await.expect_err("nothing listens");
+        let err = client.infer("m", None, &call, 1, |_| {}).await.expect_err("nothing listens");
         assert!(matches!(err, CallError::Unreachable { .. }), "{err:?}");
         assert!(client.ready(&reqwest::Client::new(), Duration::from_secs(2)).await.is_err());
     }

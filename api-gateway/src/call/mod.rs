@@ -159,7 +159,7 @@ async fn call_on(
     in_flight.inc();
     let sent = endpoint.send(call.elements());
     let started = Instant::now();
-    let result = endpoint.client.infer(&set.model, call, attempt, |headers| endpoint.observe(headers)).await;
+    let result = endpoint.client.infer(&set.model, set.version, call, attempt, |headers| endpoint.observe(headers)).await;
     let took = started.elapsed();
     in_flight.dec();
     let outcome = result.as_ref().map(|_| ());

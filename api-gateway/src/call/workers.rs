@@ -259,6 +259,9 @@ struct Blueprint {
 pub struct WorkerSet {
     pub task: String,
     pub model: String,
+    /// The version of `model` its calls name (the task's `model_version`); `None`: the newest
+    /// the worker serves.
+    pub version: Option<u64>,
     routing: Routing,
     blueprint: Blueprint,
     endpoints: RwLock<Vec<Arc<Endpoint>>>,
@@ -279,6 +282,7 @@ impl WorkerSet {
         WorkerSet {
             task: task.to_string(),
             model: model.to_string(),
+            version: None,
             routing,
             blueprint: Blueprint { timeout_seconds, token, protocol: Protocol::Http, permits },
             endpoints: RwLock::new(Vec::new()),
@@ -291,6 +295,12 @@ impl WorkerSet {
     /// is added.
     pub fn speaking(mut self, protocol: Protocol) -> Self {
         self.blueprint.protocol = protocol;
+        self
+    }
+
+    /// The set calling `version` of its model (`None`: the newest served).
+    pub fn pinned(mut self, version: Option<u64>) -> Self {
+        self.version = version;
         self
     }
 

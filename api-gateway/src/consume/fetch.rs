@@ -231,11 +231,14 @@ impl Fetch {
         };
         let congested: HashSet<&str> =
             self.tasks.iter().filter(|t| t.congested(rf)).map(|t| t.requests_topic.as_str()).collect();
+        let misfit: HashSet<&str> = self.tasks.iter().filter(|t| t.misfit()).map(|t| t.requests_topic.as_str()).collect();
         let reason_for = |tp: &TopicPartition| {
             if stopping {
                 Some(PauseReason::Shutdown)
             } else if let Some(global) = flow.global {
                 Some(global)
+            } else if misfit.contains(tp.0.as_str()) {
+                Some(PauseReason::Misfit)
             } else {
                 congested.contains(tp.0.as_str()).then_some(PauseReason::Permits)
             }

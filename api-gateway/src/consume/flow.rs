@@ -21,6 +21,8 @@ pub struct Flow {
 /// Why partitions are paused, for the pause metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PauseReason {
+    /// A model of the task changed so that the task no longer fits it.
+    Misfit,
     Permits,
     Budget,
     InFlight,
@@ -30,6 +32,7 @@ pub enum PauseReason {
 impl PauseReason {
     pub(super) fn as_str(self) -> &'static str {
         match self {
+            PauseReason::Misfit => "misfit",
             PauseReason::Permits => "permits",
             PauseReason::Budget => "budget",
             PauseReason::InFlight => "in_flight",
