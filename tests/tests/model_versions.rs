@@ -184,7 +184,11 @@ async fn tritonclient_rolls_a_version_out_and_a_bad_load_leaves_the_served_one()
 async fn a_rollout_while_events_flow_loses_nothing_and_each_result_names_its_version() {
     const EVENTS: usize = 2000;
     let repo = repository("versions-rollout", 1024);
-    let worker = start_worker(&worker_toml(&repo, "model_control = \"explicit\"\n")).await.expect("the worker starts");
+    // A cap, so that the budget is the cap's less what models hold, whatever the host has free.
+    let worker = start_worker(&worker_toml(&repo, "model_control = \"explicit\"\nmemory_limit_bytes = 4294967296\nmemory_resample_ms = 50\n"))
+        .await
+        .expect("the worker starts");
+    let budget_before = budget(&worker).await;
     let root = repo.parent().expect("scratch").to_path_buf();
     let topics = TaskTopics::create(&unique("rollout"), 2).await.expect("topics");
     let config = gateway_toml(&root, &worker.url, &[("shift", &topics, None)]);
@@ -233,6 +237,10 @@ async fn a_rollout_while_events_flow_loses_nothing_and_each_result_names_its_ver
     assert!(by_version[1] >= 300 && by_version[2] > 0, "{by_version:?}");
     settled(&worker).await;
     assert!(index(&worker).await.contains(&json!({"name": MODEL, "version": "2", "state": "READY"})));
+    // Version 1's weights went back to the budget, version 2's were taken from it.
+    let file = |v: u64| std::fs::metadata(repo.join(MODEL).join(v.to_string()).join("model.pt")).expect("the model file").len();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(budget(&worker).await, budget_before + file(1) - file(2), "the budget after the rollout");
     assert!(!index(&worker).await.iter().any(|e| e["version"] == "1"), "version 1 is gone once its requests ended");
 }
 
