@@ -60,6 +60,8 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// connection's window across its calls); what it reads is charged to the body budget.
 const STREAM_WINDOW_BYTES: u32 = 1 << 20;
 const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+/// Connections accepted and not yet taken by tonic.
+const ACCEPTED_QUEUE: usize = 64;
 /// The metadata key carrying the seconds to wait before retrying a refused call (HTTP's
 /// `Retry-After`).
 pub const RETRY_AFTER_KEY: &str = "retry-after";
@@ -86,13 +88,48 @@ pub(super) async fn serve(
         .add_service(service)
         // Answers are written at once: without TCP_NODELAY a small answer waited for the
         // client's delayed ACK (P2 over gRPC at 32×32: 0.19× HTTP's rate before, see
-        // docs/performance.md). The builder's `tcp_nodelay` covers only listeners it binds.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
+        // docs/performance.md). The builder's `tcp_nodelay` covers only listeners it binds;
+        // `incoming` sets it on each connection.
+        .serve_with_incoming_shutdown(incoming(listener, Duration::from_millis(config.header_read_timeout_ms)), shutdown)
         .await?;
     Ok(())
+}
+
+/// The connections `listener` accepts, each handed to tonic only once it has sent its first
+/// bytes (HTTP/2's connection preface) within `first_bytes` (`header_read_timeout_ms`): one
+/// that sends nothing is closed then, as the HTTP door closes one that sends no request head,
+/// so silent sockets cannot pile up. `TCP_NODELAY` is set on each.
+fn incoming(
+    listener: TcpListener,
+    first_bytes: Duration,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(ACCEPTED_QUEUE);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = tx.closed() => return, // the server stopped
+            };
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, say: not fatal, but not a busy loop either.
+                    tracing::warn!(error = %e, "gRPC accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut first = [0u8; 1];
+                if let Ok(Ok(1..)) = tokio::time::timeout(first_bytes, stream.peek(&mut first)).await {
+                    let _ = tx.send(Ok(stream)).await;
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 /// The service itself: each call reads the shared [`AppState`].
