@@ -14,7 +14,7 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 pub use vramgate_shared::config::Secret;
 pub use repository::{model_names as repository_model_names, read_folder as repository_read_folder};
-pub use repository::{MAX_MODEL_CONFIG_BYTES, MAX_MODEL_FOLDERS, MAX_VERSION_FOLDERS};
+pub use repository::{MAX_MODEL_CONFIG_BYTES, MAX_MODEL_FOLDERS, MAX_VERSION_FOLDERS, MODEL_CONFIG_FILE};
 use vramgate_shared::oip::DataType;
 
 mod repository;

@@ -111,17 +111,20 @@ impl Repository {
 
     /// Whether `name` is a model of the repository folder.
     pub(super) fn knows(&self, name: &str) -> bool {
-        self.folder.as_ref().is_some_and(|f| crate::config::repository_model_names(f).is_ok_and(|names| names.iter().any(|n| n == name)))
+        // One file looked at, not the folder listed: this runs on every 404. A valid name
+        // cannot leave the folder (no `/`, no leading `.`).
+        crate::config::check_model_name(name).is_ok()
+            && self.folder.as_ref().is_some_and(|f| f.join(name).join(crate::config::MODEL_CONFIG_FILE).is_file())
     }
 
     /// Every model of the repository and every model served, with its versions' states.
     pub(super) fn index(&self, ready_only: bool) -> Vec<IndexEntry> {
         let mut names: Vec<String> = self.folder.as_ref().and_then(|f| crate::config::repository_model_names(f).ok()).unwrap_or_default();
         names.extend(self.engine.models().into_iter().map(|(name, _)| name));
-        names.extend(self.engine.retiring().into_iter().map(|(name, _)| name));
+        let retiring = self.engine.retiring();
+        names.extend(retiring.iter().map(|(name, _)| name.clone()));
         names.sort();
         names.dedup();
-        let retiring = self.engine.retiring();
         let status = self.status();
         let mut entries = Vec::new();
         for name in names {
@@ -310,6 +313,10 @@ impl Repository {
         let mut logged = (std::time::Instant::now(), 0usize);
         loop {
             ticker.tick().await;
+            // The log allowance renews every minute, whether the reads succeed or not.
+            if logged.0.elapsed() >= Duration::from_secs(60) {
+                logged = (std::time::Instant::now(), 0);
+            }
             let names = match crate::config::repository_model_names(&folder) {
                 Ok(names) => names,
                 Err(e) => {
@@ -320,9 +327,6 @@ impl Repository {
                     continue;
                 }
             };
-            if logged.0.elapsed() >= Duration::from_secs(60) {
-                logged = (std::time::Instant::now(), 0);
-            }
             for name in &names {
                 let prints: Vec<Fingerprint> = match crate::config::repository_read_folder(&folder, name) {
                     Ok(models) => models.iter().map(fingerprint).collect(),
