@@ -397,7 +397,12 @@ async fn a_pinned_task_keeps_its_version_and_a_task_a_new_version_does_not_fit_p
     assert_eq!(call(&worker, &format!("/v2/repository/models/{MODEL}/load")).await.0, 200);
     let paused = gateway
         .metrics_when(Duration::from_secs(30), |m| {
-            m.sum("vramgate_gateway_task_misfit", &[("task", "newest")]) == 1.0 && m.sum("vramgate_gateway_task_misfit", &[("task", "pinned")]) == 1.0
+            // The gauge says the check found the misfit; the pause counter that the fetch loop
+            // has paused the partitions (it acts on the flag at its next turn, up to a poll later).
+            ["newest", "pinned"].iter().all(|task| {
+                m.sum("vramgate_gateway_task_misfit", &[("task", task)]) == 1.0
+                    && m.sum("vramgate_gateway_partition_pauses_total", &[("task", task), ("reason", "misfit")]) >= 1.0
+            })
         })
         .await;
     assert!(paused.is_ok(), "the tasks were not paused; log:\n{}", gateway.log_tail());
