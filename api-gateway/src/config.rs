@@ -33,6 +33,9 @@ pub struct GatewayConfig {
     /// Defaults for every task's worker calls.
     pub worker: WorkerEndpoint,
     pub input: InputConfig,
+    /// The S3-compatible object store: the buckets events may name as inputs, and the
+    /// server that `[[outputs]]` rows with `store` write to.
+    pub s3: S3Config,
     /// The task table, by task type (the `task` field of a request). Built in: `voice` and
     /// `image`; either can be switched off with `enabled = false`.
     pub tasks: BTreeMap<String, TaskConfig>,
@@ -83,6 +86,7 @@ impl Default for GatewayConfig {
             kafka: KafkaConfig::default(),
             worker: WorkerEndpoint::default(),
             input: InputConfig::default(),
+            s3: S3Config::default(),
             tasks,
             max_in_flight: 1024,
             max_held_bytes: 256 * 1024 * 1024,
@@ -114,6 +118,7 @@ impl GatewayConfig {
     /// Checks what the types cannot: bounds that contradict each other, topics used twice.
     pub fn validate(&self) -> Result<(), String> {
         self.telemetry.validate()?;
+        self.s3.validate()?;
         if self.enabled_tasks().next().is_none() {
             return Err("no task is enabled; enable at least one under [tasks]".into());
         }
@@ -520,13 +525,126 @@ pub struct InputConfig {
 
 impl Default for InputConfig {
     fn default() -> Self {
-        InputConfig { file_root: PathBuf::from("."), max_input_bytes: 64 * 1024 * 1024, read_timeout_seconds: 30.0 }
+        InputConfig {
+            file_root: PathBuf::from("."),
+            max_input_bytes: 64 * 1024 * 1024,
+            read_timeout_seconds: 30.0,
+        }
     }
 }
 
 impl InputConfig {
     pub fn read_timeout(&self) -> Duration {
         seconds(self.read_timeout_seconds)
+    }
+}
+
+/// Most buckets one gateway reads from (one S3 client each).
+pub const MAX_S3_BUCKETS: usize = 64;
+/// Most retries of one S3 request (on 5xx, throttling, timeouts and refused connections).
+pub const MAX_S3_RETRIES: usize = 100;
+/// Longest time one S3 request, its retries included, may take.
+pub const MAX_S3_RETRY_SECONDS: f64 = 600.0;
+
+/// An S3-compatible object store (AWS S3, SeaweedFS, MinIO, Ceph). Credentials come from the
+/// AWS chain (`AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, web identity
+/// through `AWS_WEB_IDENTITY_TOKEN_FILE` and `AWS_ROLE_ARN`, ECS and EC2 instance metadata)
+/// unless both keys are set here; they are never printed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct S3Config {
+    /// The buckets events may name as inputs (`s3://bucket/key`). Any other bucket is refused
+    /// before a request is made, so an event cannot reach a bucket the operator did not list.
+    /// Empty: no `s3://` inputs. A list, or one
+    /// comma-separated string (the environment's form).
+    #[serde(deserialize_with = "url_list")]
+    pub buckets: Vec<String>,
+    /// The endpoint of an S3-compatible server (`http://127.0.0.1:8333`); empty for AWS S3 in
+    /// `region`. When empty, `AWS_ENDPOINT` or `AWS_ENDPOINT_URL_S3` from the environment is used.
+    pub endpoint: String,
+    pub region: String,
+    /// Plain `http://` to the endpoint (a server on loopback or a private network).
+    pub allow_http: bool,
+    /// Path-style requests (`endpoint/bucket/key`), which S3-compatible servers expect;
+    /// `false` uses virtual-hosted style (`bucket.endpoint/key`).
+    pub path_style: bool,
+    pub access_key_id: Option<Secret>,
+    pub secret_access_key: Option<Secret>,
+    /// One request (a HEAD, or a GET with its whole body) longer than this is cut off and,
+    /// being idempotent, retried.
+    pub request_timeout_seconds: f64,
+    pub connect_timeout_seconds: f64,
+    /// Retries of one request that failed for a reason worth retrying (5xx, 429 throttling,
+    /// 408, a refused or reset connection, a timeout), with exponential backoff.
+    pub max_retries: usize,
+    /// No retry starts after this long since the request's first try.
+    pub retry_timeout_seconds: f64,
+}
+
+impl Default for S3Config {
+    fn default() -> Self {
+        S3Config {
+            buckets: Vec::new(),
+            endpoint: String::new(),
+            region: "us-east-1".into(),
+            allow_http: false,
+            path_style: true,
+            access_key_id: None,
+            secret_access_key: None,
+            request_timeout_seconds: 30.0,
+            connect_timeout_seconds: 5.0,
+            // Enough that the backoff (0.1 s doubling to 5 s, jittered) spans retry_timeout:
+            // a server restarting for some seconds costs waiting, not records.
+            max_retries: 30,
+            retry_timeout_seconds: 60.0,
+        }
+    }
+}
+
+impl S3Config {
+    pub fn request_timeout(&self) -> Duration {
+        seconds(self.request_timeout_seconds)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        seconds(self.connect_timeout_seconds)
+    }
+
+    pub fn retry_timeout(&self) -> Duration {
+        seconds(self.retry_timeout_seconds)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.buckets.len() > MAX_S3_BUCKETS {
+            return Err(format!("s3.buckets lists {} buckets; at most {MAX_S3_BUCKETS}", self.buckets.len()));
+        }
+        for bucket in &self.buckets {
+            if !crate::storage::valid_bucket(bucket) {
+                return Err(format!("s3.buckets: '{bucket}' is not a valid bucket name (3-63 of a-z, 0-9, '.', '-')"));
+            }
+        }
+        if !self.endpoint.is_empty() && !(self.endpoint.starts_with("http://") || self.endpoint.starts_with("https://")) {
+            return Err(format!("s3.endpoint must start with http:// or https://, got '{}'", self.endpoint));
+        }
+        if self.endpoint.starts_with("http://") && !self.allow_http {
+            return Err("s3.endpoint is plain http://: set s3.allow_http = true to allow it".into());
+        }
+        if self.access_key_id.is_some() != self.secret_access_key.is_some() {
+            return Err("s3: set both access_key_id and secret_access_key, or neither (the AWS chain)".into());
+        }
+        for (key, value, max) in [
+            ("request_timeout_seconds", self.request_timeout_seconds, 3600.0),
+            ("connect_timeout_seconds", self.connect_timeout_seconds, 600.0),
+            ("retry_timeout_seconds", self.retry_timeout_seconds, MAX_S3_RETRY_SECONDS),
+        ] {
+            if !(value > 0.0 && value <= max) {
+                return Err(format!("s3.{key} must be in (0, {max}], got {value}"));
+            }
+        }
+        if self.max_retries > MAX_S3_RETRIES {
+            return Err(format!("s3.max_retries must be at most {MAX_S3_RETRIES}, got {}", self.max_retries));
+        }
+        Ok(())
     }
 }
 

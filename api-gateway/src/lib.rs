@@ -17,6 +17,7 @@ pub mod model_check;
 pub mod pipeline;
 pub mod produce;
 pub mod record;
+pub mod storage;
 pub mod task;
 pub mod tasks;
 

@@ -28,6 +28,8 @@ use crate::consume::fetch::Fetch;
 use crate::consume::offsets::SharedOffsets;
 use crate::consume::flow::Flow;
 use crate::consume::rebalance::RebalanceContext;
+use crate::input::objects::ObjectInputs;
+use crate::storage::buckets::Buckets;
 use crate::input::InputSource;
 use crate::produce::{Outputs, Producer};
 use crate::metrics::Metrics;
@@ -106,12 +108,17 @@ pub async fn run(
         },
         "the kafka consumer",
     )?;
+    // A client per bucket: those events may name, and those [[outputs]] rows store to.
+    let store_buckets = config.enabled_tasks().flat_map(|(_, task)| crate::tasks::outputs::Outputs::store_buckets(&task.outputs)).collect::<Vec<_>>();
+    let buckets = Arc::new(Buckets::new(&config.s3, store_buckets)?);
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
-        .with_context(|| format!("input root {}", config.input.file_root.display()))?;
+        .with_context(|| format!("input root {}", config.input.file_root.display()))?
+        .with_objects(ObjectInputs::new(&config.s3, &buckets)?);
     let shared = Arc::new(Shared {
         output,
         offsets,
         input,
+        buckets,
         budget: ByteBudget::new(config.max_held_bytes),
         metrics: metrics.clone(),
         in_flight: Default::default(),

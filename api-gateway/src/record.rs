@@ -30,6 +30,7 @@ use vramgate_shared::telemetry::{self, bounded, LogLimit, LOG_FIELD_MAX_BYTES};
 use crate::budget::{ByteBudget, Held};
 use crate::failure::Failure;
 use crate::input::{InputSource, Opened};
+use crate::storage::buckets::Buckets;
 use crate::metrics::Metrics;
 use crate::consume::offsets::{SharedOffsets, Ticket};
 use crate::consume::transaction::{Outbox, Pending};
@@ -59,6 +60,8 @@ pub struct Shared {
     pub output: Output,
     pub offsets: Arc<SharedOffsets>,
     pub input: InputSource,
+    /// The object store's clients, by bucket: inputs' and stored outputs'.
+    pub buckets: Arc<Buckets>,
     pub budget: Arc<ByteBudget>,
     pub metrics: Arc<Metrics>,
     /// Records fetched and not yet finished (or dropped as stale), all tasks.
@@ -512,11 +515,14 @@ async fn convert_and_call(
 ) -> Result<ResultEvent, Rejection> {
     let convert_started = Instant::now();
     let record_bytes = held.bytes();
-    // Read the input, its bytes reserved from the budget first.
-    held.grow(checked.opened.size()).await;
     let Checked { id, task: task_name, plan, opened } = checked;
     let reject = |failure: Failure| Rejection { failure, id: Some(id.clone()), task: Some(task_name.clone()) };
-    let bytes = shared.input.read(opened).await.map_err(|e| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string())))?;
+    let fetch_failed = |e: crate::input::FetchError| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string()));
+    // Read the input, its bytes reserved from the budget first (an object's size is asked
+    // for, and checked against the limit, before its body is downloaded).
+    let opened = shared.input.locate(opened).await.map_err(fetch_failed)?;
+    held.grow(opened.size()).await;
+    let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
 
     // Check the header (limits, format) and reserve what decoding will hold, before decoding.
     held.grow(plan.probe(&bytes).map_err(reject)?).await;
@@ -581,6 +587,23 @@ async fn convert_and_call(
         };
         match step.map_err(reject)? {
             Step::Done(output) => break output,
+            Step::Store { mut output, stored } => {
+                // The claim check: each stored output written, then its reference in the result.
+                let store_started = Instant::now();
+                // Encoded already: counted now, so the budget sees them while they upload.
+                held.grow(stored.iter().map(|s| s.bytes.len() as u64).sum()).await;
+                for object in stored {
+                    let name = object.output.clone();
+                    let reference = shared
+                        .buckets
+                        .put(&task_name, &id, object)
+                        .await
+                        .map_err(|message| reject(Failure::new(ErrorKind::StoreFailed, Stage::Store, message)))?;
+                    output["outputs"][name.as_str()] = reference;
+                }
+                convert_ms += call::ms(store_started.elapsed());
+                break output;
+            }
             Step::Next(next) => converted = next,
         }
     };

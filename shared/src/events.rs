@@ -35,7 +35,8 @@ pub struct RequestEvent {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged, deny_unknown_fields)]
 pub enum InputRef {
-    /// A `file://` URI, resolved under the gateway's configured input root.
+    /// A `file://` URI, resolved under the gateway's configured input root, or an
+    /// `s3://bucket/key` object in one of the buckets the gateway reads (`s3.buckets`).
     Uri { uri: String },
     /// The bytes themselves, standard base64.
     Inline { data_b64: String },
@@ -134,8 +135,8 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The request names a task this gateway does not serve on that topic.
     UnknownTask,
-    /// The input is in a form this task does not take (a URI scheme other than `file://`, an
-    /// image format without a decoder here).
+    /// The input is in a form this task does not take (a URI scheme the gateway does not read,
+    /// a bucket it was not given, an image format without a decoder here).
     UnsupportedInput,
     /// The input is a WAV file that cannot be decoded (corrupt, truncated, an unknown encoding).
     InvalidAudio,
@@ -164,6 +165,9 @@ pub enum ErrorKind {
     /// the topic takes, the topic missing or not writable); this trimmed dead letter stands
     /// in for it.
     OutputRejected,
+    /// An output its `[[outputs]]` row stores in object storage could not be written there
+    /// after the retries `[s3]` allows; the message names the object.
+    StoreFailed,
     /// A bug in vramgate; the message says where.
     Internal,
 }
@@ -186,6 +190,7 @@ impl ErrorKind {
             ErrorKind::WorkerUnavailable => "worker_unavailable",
             ErrorKind::Timeout => "timeout",
             ErrorKind::OutputRejected => "output_rejected",
+            ErrorKind::StoreFailed => "store_failed",
             ErrorKind::Internal => "internal",
         }
     }
@@ -200,6 +205,8 @@ pub enum Stage {
     Convert,
     Infer,
     Postprocess,
+    /// Writing outputs to object storage (`[[outputs]]` rows with `store`).
+    Store,
     /// Writing the output record.
     Produce,
 }
@@ -212,6 +219,7 @@ impl Stage {
             Stage::Convert => "convert",
             Stage::Infer => "infer",
             Stage::Postprocess => "postprocess",
+            Stage::Store => "store",
             Stage::Produce => "produce",
         }
     }
@@ -433,6 +441,7 @@ mod tests {
             ErrorKind::WorkerUnavailable,
             ErrorKind::Timeout,
             ErrorKind::OutputRejected,
+            ErrorKind::StoreFailed,
             ErrorKind::Internal,
         ] {
             assert_eq!(serde_json::to_value(kind).expect("serialises"), kind.as_str());

@@ -14,6 +14,7 @@ pub mod gpu_kit;
 pub mod images;
 pub mod jaeger;
 pub mod metrics;
+pub mod object_store;
 pub mod oip_client;
 pub mod tls;
 pub mod contract;
@@ -940,9 +941,15 @@ pub async fn start_gateway_with(overrides: &[(&str, String)], env: &[(&str, &str
 /// [`start_gateway`] reading the TOML file `config` (a task table a test writes), with the
 /// environment's overrides on top.
 pub async fn start_gateway_config(config: &Path, overrides: &[(&str, String)]) -> anyhow::Result<Gateway> {
+    start_gateway_config_with(config, overrides, &[]).await
+}
+
+/// [`start_gateway_config`], with further environment variables set as given (e.g. the AWS
+/// chain's credentials).
+pub async fn start_gateway_config_with(config: &Path, overrides: &[(&str, String)], env: &[(&str, &str)]) -> anyhow::Result<Gateway> {
     let mut command = Command::new(binary("api-gateway"));
     command.arg("--config").arg(config);
-    start_gateway_command(command, overrides, &[]).await
+    start_gateway_command(command, overrides, env).await
 }
 
 async fn start_gateway_command(mut command: Command, overrides: &[(&str, String)], env: &[(&str, &str)]) -> anyhow::Result<Gateway> {

@@ -1,5 +1,6 @@
-//! Reading a request's input bytes: `file://` URIs confined to a configured root, or inline
-//! base64. Every failure is a [`FetchError`] that names the path (as the producer gave it,
+//! Reading a request's input bytes: `file://` URIs confined to a configured root, inline
+//! base64, or `s3://bucket/key` objects in the buckets the operator listed ([`objects`]).
+//! Every failure is a [`FetchError`] that names the path (as the producer gave it,
 //! truncated) or the limit, so the dead-letter record tells the producer what to fix.
 //!
 //! A file is opened once, by the kernel's own confinement: `openat2(root, path,
@@ -24,13 +25,26 @@ use std::time::Duration;
 use base64::Engine;
 use vramgate_shared::events::{ErrorKind, InputRef};
 
+pub mod objects;
+use objects::{Located, Named, ObjectInputs};
+
 /// Longest path or URI echoed in an error message.
 const SHOWN_CHARS: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    #[error("input uri '{0}' is not a file:// uri")]
+    #[error("input uri '{0}' is not a uri this gateway reads (file://, and s3:// for the buckets in s3.buckets)")]
     UnsupportedScheme(String),
+    #[error("bucket '{0}' is not one this gateway reads (s3.buckets)")]
+    BucketNotListed(String),
+    #[error("input uri '{uri}' does not name a valid object key: {reason}")]
+    BadKey { uri: String, reason: String },
+    #[error("object {0} was not found")]
+    ObjectNotFound(String),
+    #[error("object {uri} may not be read with the gateway's credentials: {reason}")]
+    ObjectDenied { uri: String, reason: String },
+    #[error("object {uri} could not be read (after the retries s3 allows): {reason}")]
+    ObjectFailed { uri: String, reason: String },
     #[error("input uri '{0}' has a host; use file:///absolute/path")]
     UriHasHost(String),
     #[error("input file {0} was not found under the gateway's input root")]
@@ -53,10 +67,12 @@ impl FetchError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             FetchError::TooLarge { .. } => ErrorKind::InputTooLarge,
-            FetchError::UnsupportedScheme(_) | FetchError::UriHasHost(_) | FetchError::NotRegular { .. } => {
-                ErrorKind::UnsupportedInput
-            }
-            FetchError::NotFound(_) => ErrorKind::InputNotFound,
+            FetchError::UnsupportedScheme(_)
+            | FetchError::UriHasHost(_)
+            | FetchError::NotRegular { .. }
+            | FetchError::BucketNotListed(_)
+            | FetchError::BadKey { .. } => ErrorKind::UnsupportedInput,
+            FetchError::NotFound(_) | FetchError::ObjectNotFound(_) => ErrorKind::InputNotFound,
             _ => ErrorKind::FetchFailed,
         }
     }
@@ -79,6 +95,8 @@ pub struct InputSource {
     dir: Arc<OwnedFd>,
     max_bytes: u64,
     read_timeout: Duration,
+    /// `s3://` inputs, when a bucket is listed.
+    objects: Option<Arc<ObjectInputs>>,
 }
 
 /// An input ready to read: its size is known and was checked against the limit, so the
@@ -87,6 +105,10 @@ pub struct InputSource {
 pub enum Opened {
     Inline(String),
     File { file: File, size: u64, shown: String },
+    /// An object named, its size not yet asked for: [`InputSource::locate`] asks.
+    Named(Named),
+    /// An object whose size was asked for and is within the limit.
+    Object(Located),
 }
 
 impl Opened {
@@ -95,6 +117,8 @@ impl Opened {
         match self {
             Opened::Inline(b64) => (b64.len() as u64).div_ceil(4) * 3,
             Opened::File { size, .. } => *size,
+            Opened::Named(_) => 0,
+            Opened::Object(located) => located.size,
         }
     }
 }
@@ -110,7 +134,13 @@ impl InputSource {
         if root.is_absolute() && !roots.contains(&root.to_path_buf()) {
             roots.push(root.to_path_buf());
         }
-        Ok(InputSource { roots, dir: Arc::new(dir.into()), max_bytes, read_timeout })
+        Ok(InputSource { roots, dir: Arc::new(dir.into()), max_bytes, read_timeout, objects: None })
+    }
+
+    /// Reads `s3://` inputs from these buckets too.
+    pub fn with_objects(mut self, objects: Option<ObjectInputs>) -> Self {
+        self.objects = objects.map(Arc::new);
+        self
     }
 
     pub fn root(&self) -> &Path {
@@ -130,6 +160,10 @@ impl InputSource {
                 }
                 Ok(Opened::Inline(data_b64))
             }
+            InputRef::Uri { uri } if uri.starts_with("s3://") => match &self.objects {
+                Some(objects) => objects.name(&uri).map(Opened::Named),
+                None => Err(FetchError::UnsupportedScheme(shown(&uri))),
+            },
             InputRef::Uri { uri } => {
                 // Opened on the calling thread: one openat2 and one fstat on a local file
                 // system cost less than handing the work to tokio's blocking pool and back
@@ -141,9 +175,26 @@ impl InputSource {
         }
     }
 
+    /// Asks a named object's size (one request, with its retries) and checks it against the
+    /// limit, so that its bytes can be reserved before they are downloaded; other inputs
+    /// are already sized.
+    pub async fn locate(&self, opened: Opened) -> Result<Opened, FetchError> {
+        match (opened, &self.objects) {
+            (Opened::Named(named), Some(objects)) => objects.locate(named, self.max_bytes).await.map(Opened::Object),
+            (Opened::Named(named), None) => Err(FetchError::UnsupportedScheme(named.shown)),
+            (opened, _) => Ok(opened),
+        }
+    }
+
     /// Reads an opened input, within the size limit and the read timeout.
     pub async fn read(&self, opened: Opened) -> Result<Vec<u8>, FetchError> {
         match opened {
+            // Not sized yet (a caller that reserves nothing): sized first, all the same.
+            opened @ Opened::Named(_) => Box::pin(self.read(self.locate(opened).await?)).await,
+            Opened::Object(located) => match &self.objects {
+                Some(objects) => objects.read(located, self.max_bytes).await,
+                None => Err(FetchError::UnsupportedScheme(located.shown)),
+            },
             Opened::Inline(b64) => base64::engine::general_purpose::STANDARD.decode(b64.trim()).map_err(FetchError::BadBase64),
             Opened::File { file, size, shown } => {
                 let limit = self.max_bytes;
@@ -168,7 +219,7 @@ impl InputSource {
 
     /// Opens, then reads: for callers that reserve nothing in between.
     pub async fn fetch(&self, input: InputRef) -> Result<Vec<u8>, FetchError> {
-        let opened = self.open(input)?;
+        let opened = self.locate(self.open(input)?).await?;
         self.read(opened).await
     }
 
@@ -366,7 +417,8 @@ mod tests {
         check("file:///etc/passwd".into(), ErrorKind::InputNotFound, "not found").await;
         check(format!("file://{}/big", inner.display()), ErrorKind::InputTooLarge, "limit of 10").await;
         check(format!("file://{}", inner.display()), ErrorKind::InputNotFound, "not found").await;
-        check("http://example.com/a.wav".into(), ErrorKind::UnsupportedInput, "not a file://").await;
+        check("http://example.com/a.wav".into(), ErrorKind::UnsupportedInput, "not a uri this gateway reads").await;
+        check("s3://samples/a.wav".into(), ErrorKind::UnsupportedInput, "not a uri this gateway reads").await;
         check("file://host/a.wav".into(), ErrorKind::UnsupportedInput, "has a host").await;
         let err = src.fetch(InputRef::Inline { data_b64: "@@@@".into() }).await.expect_err("bad b64");
         assert_eq!(err.kind(), ErrorKind::FetchFailed);

@@ -19,7 +19,8 @@ impl InputConverter for ImageInput {
 
     fn convert(&self, bytes: &[u8]) -> Result<ModelInput, Failure> {
         let (tensor, input, placement) = tensor::convert(bytes, &self.options)?;
-        Ok(ModelInput { tensors: vec![tensor], input, placement: Some(placement) })
+        let model_size = (self.options.width, self.options.height);
+        Ok(ModelInput { tensors: vec![tensor], input, placement: Some((placement, model_size)) })
     }
 
     fn sends(&self) -> Sent {

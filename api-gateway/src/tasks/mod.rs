@@ -18,6 +18,8 @@ pub mod audio;
 pub mod fit;
 pub mod image;
 pub mod image_model;
+pub mod mask;
+pub mod npy;
 pub mod outputs;
 pub mod tensor;
 pub mod voice;
@@ -108,6 +110,9 @@ pub trait Finish: Send {
 pub enum Step {
     /// The result's `output`.
     Done(serde_json::Value),
+    /// The result's `output`, once `stored` are written to object storage and their
+    /// references put under `output.outputs.<name>` ([`crate::storage`]).
+    Store { output: serde_json::Value, stored: Vec<crate::storage::StoredOutput> },
     /// More calls.
     Next(Converted),
 }

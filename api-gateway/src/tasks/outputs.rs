@@ -45,10 +45,12 @@ use serde_json::{json, Value};
 use vramgate_shared::events::{ErrorKind, Stage};
 
 use super::image::{faces, ImageOptions, Placement};
+use crate::storage::{StoreTarget, StoredOutput};
 use super::voice::SegmentConfig;
 use vramgate_shared::oip::{DataType, Tensor, TensorData};
 
 use super::fit::{Asked, ModelUse, Sent, Takes};
+use super::{mask, npy};
 use super::{only_answer, Converted, Converter, Finish, Plan, Step};
 use crate::audio::segments::{speech_segments, SegmentParams};
 use crate::call::client::OutputTensor;
@@ -87,11 +89,19 @@ pub enum PostOp {
     SpeechSegments,
     /// P-Net-style face maps → boxes in image pixels. Alone; `image` tensor mode only.
     FaceBoxes,
+    /// A `[h, w]` map (`[1, h, w]`, `[1, 1, h, w]`) → a PNG the input image's size, mapped
+    /// back through the image's placement: probabilities (after any `sigmoid`/`softmax`)
+    /// thresholded at `threshold` to 0/255, integer class labels as the indices of a
+    /// palette image. Last; needs `store`.
+    MaskPng,
 }
 
 impl PostOp {
     fn is_terminal(self) -> bool {
-        matches!(self, PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments | PostOp::FaceBoxes)
+        matches!(
+            self,
+            PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments | PostOp::FaceBoxes | PostOp::MaskPng
+        )
     }
 
     /// Its name in a row's `post`.
@@ -104,6 +114,7 @@ impl PostOp {
             PostOp::Threshold => "threshold",
             PostOp::SpeechSegments => "speech_segments",
             PostOp::FaceBoxes => "face_boxes",
+            PostOp::MaskPng => "mask_png",
         }
     }
 
@@ -120,6 +131,7 @@ impl PostOp {
             }
             PostOp::Argmax | PostOp::TopK => (floating || integer || datatype == DataType::Bool, "a numeric or BOOL output"),
             PostOp::Threshold => (floating || integer, "a numeric output (a BOOL output is already decided)"),
+            PostOp::MaskPng => (floating || integer || datatype == DataType::Bool, "a numeric or BOOL map"),
         };
         if fits {
             Ok(())
@@ -166,6 +178,13 @@ pub struct OutputRule {
     /// For `face_boxes`: the most boxes reported, best first.
     #[serde(default = "default_max_faces")]
     pub max_faces: usize,
+    /// `s3://bucket/prefix/`: the output is written to `<prefix><task>/<id>/<name>.<ext>`
+    /// (`.npy` for values, `.png` for `mask_png`, `.json` for what `argmax`, `top_k`,
+    /// `threshold`, `speech_segments` or `face_boxes` give) before the result is produced, and
+    /// the result carries `{"uri", "bytes", "sha256", "shape", "datatype"}` instead of the
+    /// values; `max_output_elements` does not bound it.
+    #[serde(default)]
+    pub store: Option<StoreTarget>,
 }
 
 fn default_nms_iou() -> f32 {
@@ -198,6 +217,9 @@ impl OutputRule {
         }
         if let Some(boxes) = &self.boxes {
             text.push_str(&format!(", boxes = {boxes:?}"));
+        }
+        if let Some(store) = &self.store {
+            text.push_str(&format!(", store = {:?}", String::from(store.clone())));
         }
         text
     }
@@ -243,6 +265,9 @@ impl OutputRule {
             }
         } else if self.boxes.is_some() {
             return Err(format!("{at}.boxes is only read by post = [\"face_boxes\"]"));
+        }
+        if self.post.contains(&PostOp::MaskPng) && self.store.is_none() {
+            return Err(format!("{at}.post: mask_png writes a PNG, which goes to object storage: set {at}.store = \"s3://bucket/prefix/\""));
         }
         if !(1..=1 << 20).contains(&self.window_samples) {
             return Err(format!("{at}.window_samples must be 1 to {}, got {}", 1 << 20, self.window_samples));
@@ -336,6 +361,16 @@ impl Outputs {
         self.names
     }
 
+    /// Whether a row stores its output in object storage.
+    pub fn stores(&self) -> bool {
+        self.rules.iter().any(|(rule, _)| rule.store.is_some())
+    }
+
+    /// The buckets the rows store to (each needs a client).
+    pub fn store_buckets(rules: &[OutputRule]) -> impl Iterator<Item = String> + '_ {
+        rules.iter().filter_map(|rule| rule.store.as_ref().map(|t| t.bucket.clone()))
+    }
+
     /// The rows, in order.
     pub fn rules(&self) -> impl Iterator<Item = &OutputRule> {
         self.rules.iter().map(|(rule, _)| rule)
@@ -356,7 +391,22 @@ impl Outputs {
     /// said about the input (`speech_segments` reads its `samples` and `sample_rate_hz`).
     /// `placement` is where the image sits in the model input (`face_boxes` maps through it).
     pub fn render(&self, tensors: &[OutputTensor], input: &Value, placement: Option<&Placement>) -> Result<Value, Failure> {
+        self.render_all(tensors, input, placement.map(|p| (p, (0, 0)))).map(|(value, _)| value)
+    }
+
+    /// [`render`](Self::render), and the outputs its rows store (`store`), which are not in
+    /// the value: the caller writes them and puts their references there. `frame` is where
+    /// an image sits in the model input, and the model input's width and height (`mask_png`
+    /// maps through it).
+    pub fn render_all(
+        &self,
+        tensors: &[OutputTensor],
+        input: &Value,
+        frame: Option<(&Placement, (u32, u32))>,
+    ) -> Result<(Value, Vec<StoredOutput>), Failure> {
+        let placement = frame.map(|(p, _)| p);
         let mut out = serde_json::Map::new();
+        let mut stored = Vec::new();
         for (rule, labels) in &self.rules {
             let Some(tensor) = tensors.iter().find(|t| t.name == rule.name) else {
                 return Err(Failure::new(
@@ -365,6 +415,10 @@ impl Outputs {
                     format!("the worker's answer has no output '{}'", rule.name),
                 ));
             };
+            if let Some(target) = &rule.store {
+                stored.push(store(rule, labels.as_deref(), tensor, tensors, input, frame, target)?);
+                continue;
+            }
             if tensor.data.len() > self.max_output_elements {
                 return Err(Failure::new(
                     ErrorKind::OutputRejected,
@@ -384,7 +438,7 @@ impl Outputs {
             };
             out.insert(rule.name.clone(), value);
         }
-        Ok(Value::Object(out))
+        Ok((Value::Object(out), stored))
     }
 }
 
@@ -410,6 +464,86 @@ fn cut(s: &str, max: usize) -> &str {
         end -= 1;
     }
     &s[..end]
+}
+
+/// A stored row's output as the object it writes: a mask as PNG, what a last step gives as
+/// JSON, values (after `softmax` / `sigmoid`) as `.npy`.
+fn store(
+    rule: &OutputRule,
+    labels: Option<&[String]>,
+    tensor: &OutputTensor,
+    tensors: &[OutputTensor],
+    input: &Value,
+    frame: Option<(&Placement, (u32, u32))>,
+    target: &StoreTarget,
+) -> Result<StoredOutput, Failure> {
+    let datatype = tensor.datatype().as_str();
+    let failed = |why: String| Failure::new(ErrorKind::Internal, Stage::Postprocess, format!("output '{}' ({datatype}): {why}", rule.name));
+    if tensor.shape.iter().product::<usize>() != tensor.data.len() {
+        return Err(failed(format!("shape {:?} but {} values", tensor.shape, tensor.data.len())));
+    }
+    post_fits(&rule.post, tensor.datatype()).map_err(failed)?;
+    match rule.post.last() {
+        Some(PostOp::MaskPng) => {
+            let (png, width, height, _) = mask_png(rule, tensor, frame).map_err(failed)?;
+            Ok(StoredOutput::new(&rule.name, target, "png", png, &[height as usize, width as usize], "UINT8"))
+        }
+        Some(op) if op.is_terminal() => {
+            let value = match op {
+                PostOp::FaceBoxes => face_boxes(rule, tensor, tensors, frame.map(|(p, _)| p))?,
+                _ => apply(rule, labels, tensor, input)?,
+            };
+            let bytes = serde_json::to_vec(&value).map_err(|e| failed(e.to_string()))?;
+            Ok(StoredOutput::new(&rule.name, target, "json", bytes, &tensor.shape, datatype))
+        }
+        _ if rule.post.is_empty() => {
+            let bytes = npy::encode(&tensor.shape, &tensor.data).map_err(failed)?;
+            Ok(StoredOutput::new(&rule.name, target, "npy", bytes, &tensor.shape, datatype))
+        }
+        _ => {
+            let values = transformed(rule, &tensor.shape, tensor.floats().map_err(|f| failed(f.message))?.into_owned());
+            let bytes = npy::encode(&tensor.shape, &TensorData::Fp32(values)).map_err(failed)?;
+            Ok(StoredOutput::new(&rule.name, target, "npy", bytes, &tensor.shape, "FP32"))
+        }
+    }
+}
+
+/// A row's map as a PNG ([`mask`]): its width and height, and what its pixels are.
+fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement, (u32, u32))>) -> Result<(Vec<u8>, u32, u32, &'static str), String> {
+    let labels = |values: Vec<i64>| -> Result<mask::Map, String> {
+        values
+            .into_iter()
+            .map(|v| u8::try_from(v).map_err(|_| format!("class label {v} is not one of a palette's 0 to 255")))
+            .collect::<Result<Vec<u8>, String>>()
+            .map(mask::Map::Labels)
+    };
+    let (map, kind) = match &tensor.data {
+        TensorData::Fp32(_) | TensorData::Fp16(_) => {
+            let values = transformed(rule, &tensor.shape, tensor.floats().map_err(|f| f.message)?.into_owned());
+            (mask::Map::Binary(values.iter().map(|&v| v >= rule.threshold).collect()), "mask")
+        }
+        TensorData::Bool(v) => (mask::Map::Binary(v.clone()), "mask"),
+        TensorData::Uint8(v) => (mask::Map::Labels(v.clone()), "labels"),
+        TensorData::Int32(v) => (labels(v.iter().map(|&x| i64::from(x)).collect())?, "labels"),
+        TensorData::Int64(v) => (labels(v.clone())?, "labels"),
+        other => return Err(format!("mask_png does not read {}", other.datatype().as_str())),
+    };
+    let (png, width, height) = mask::render(&map, &tensor.shape, frame)?;
+    Ok((png, width, height, kind))
+}
+
+/// The values through the row's `softmax` / `sigmoid` steps (softmax along the last
+/// dimension, as the inline rendering does).
+fn transformed(rule: &OutputRule, shape: &[usize], mut values: Vec<f32>) -> Vec<f32> {
+    let row_len = row_len(shape);
+    for op in &rule.post {
+        match op {
+            PostOp::Softmax => values.chunks_mut(row_len).for_each(softmax),
+            PostOp::Sigmoid => values.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            _ => {}
+        }
+    }
+    values
 }
 
 /// One output through its rule.
@@ -671,8 +805,9 @@ pub struct ModelInput {
     pub tensors: Vec<Tensor>,
     /// What the converter says about the input (`format`, sizes, duration), under `input`.
     pub input: Value,
-    /// Where an image sits in the model input (the `image` converter's).
-    pub placement: Option<Placement>,
+    /// Where an image sits in the model input, and the model input's width and height (the
+    /// `image` converter's).
+    pub placement: Option<(Placement, (u32, u32))>,
 }
 
 /// The input side of a configured converter (`audio`, `tensor`, `image` in tensor mode): its
@@ -733,14 +868,25 @@ impl Plan for ConfiguredPlan {
 struct OutputsFinish {
     outputs: Arc<Outputs>,
     input: Value,
-    placement: Option<Placement>,
+    placement: Option<(Placement, (u32, u32))>,
 }
 
 impl Finish for OutputsFinish {
     fn output(self: Box<Self>, answers: Vec<Vec<OutputTensor>>) -> Result<Step, Failure> {
         let tensors = only_answer(answers)?;
-        let outputs = self.outputs.render(&tensors, &self.input, self.placement.as_ref())?;
-        Ok(Step::Done(json!({ "input": self.input, "outputs": outputs })))
+        let frame = self.placement.as_ref().map(|(p, size)| (p, *size));
+        let (outputs, stored) = self.outputs.render_all(&tensors, &self.input, frame)?;
+        let output = json!({ "input": self.input, "outputs": outputs });
+        Ok(match stored.is_empty() {
+            true => Step::Done(output),
+            false => Step::Store { output, stored },
+        })
+    }
+
+    fn cpu_bound(&self) -> bool {
+        // Encoding a stored output (a PNG the image's size, a large .npy, its SHA-256) is
+        // work for the task's pool.
+        self.outputs.stores()
     }
 }
 
@@ -971,5 +1117,39 @@ mod tests {
         let all = top_k(&[f32::NAN, 0.2], 2);
         assert_eq!(all[0], (1, 0.2));
         assert!(all[1].1.is_nan());
+    }
+
+    #[test]
+    fn stored_rows_leave_the_value_and_become_objects_of_any_size() {
+        let rows = [
+            rule(r#"{"name": "map", "store": "s3://outputs/run/"}"#),
+            rule(r#"{"name": "mask", "post": ["sigmoid", "mask_png"], "threshold": 0.5, "store": "s3://outputs/run/"}"#),
+            rule(r#"{"name": "class", "post": ["argmax"], "store": "s3://outputs/"}"#),
+            rule(r#"{"name": "small"}"#),
+        ];
+        // max_output_elements 4 bounds the inline row only.
+        let outputs = Outputs::load(&rows, 4).expect("loads");
+        assert!(outputs.stores());
+        assert_eq!(Outputs::store_buckets(&rows).collect::<Vec<_>>(), vec!["outputs"; 3]);
+        let map = typed("map", vec![1, 2, 3], vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let mask = typed("mask", vec![1, 2, 2], vec![-5.0f32, 5.0, 5.0, -5.0]);
+        let class = typed("class", vec![1, 3], vec![0.1f32, 0.7, 0.2]);
+        let small = typed("small", vec![2], vec![1.0f32, 2.0]);
+        let (value, stored) = outputs.render_all(&[map, mask, class, small], &Value::Null, None).expect("renders");
+        assert_eq!(value, json!({"small": {"shape": [2], "data": [1.0, 2.0]}}));
+        let by: std::collections::HashMap<&str, &StoredOutput> = stored.iter().map(|s| (s.output.as_str(), s)).collect();
+        assert_eq!((by["map"].ext, by["mask"].ext, by["class"].ext), ("npy", "png", "json"));
+        assert_eq!(by["map"].bytes, npy::encode(&[1, 2, 3], &TensorData::Fp32(vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0])).expect("npy"));
+        assert_eq!(by["map"].reference["shape"], json!([1, 2, 3]));
+        assert_eq!(by["map"].reference["datatype"], "FP32");
+        assert_eq!(by["mask"].reference["shape"], json!([2, 2]), "the map's own size without an image");
+        assert_eq!(serde_json::from_slice::<Value>(&by["class"].bytes).expect("json"), json!({"shape": [1], "index": [1]}));
+        assert_eq!(by["class"].target.prefix, "");
+        // mask_png needs a store; a map of the wrong rank is the event's failure, named.
+        let err = Outputs::load(&[rule(r#"{"name": "m", "post": ["mask_png"]}"#)], 4).expect_err("no store");
+        assert!(err.contains("store"), "{err}");
+        let flat = Outputs::load(&[rule(r#"{"name": "m", "post": ["mask_png"], "store": "s3://outputs/"}"#)], 4).expect("loads");
+        let err = flat.render_all(&[typed("m", vec![2, 2, 2], vec![0.0f32; 8])], &Value::Null, None).expect_err("rank 3");
+        assert!(err.message.contains("[h, w]"), "{}", err.message);
     }
 }

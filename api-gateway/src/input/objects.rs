@@ -1,0 +1,181 @@
+//! Inputs named by `s3://bucket/key`, read through the `object_store` crate from AWS S3 or an
+//! S3-compatible server (SeaweedFS, MinIO, Ceph).
+//!
+//! Only the buckets the operator listed (`s3.buckets`) can be named: one client per
+//! bucket is built at start-up, and an event naming any other bucket is refused before a
+//! request is made. A fetch is two requests: a HEAD, whose size is checked against
+//! `max_input_bytes` before a byte of the body is read (and reserved from `max_held_bytes` by
+//! the caller), then a GET of that version of the object (`If-Match` its ETag), whose body is
+//! counted as it streams in and cut off one byte past the limit. Each request has a timeout;
+//! those worth retrying (5xx, 429, 408, a refused or reset connection, a timeout) are retried
+//! by `object_store` with exponential backoff, within `max_retries` and
+//! `retry_timeout_seconds`; the rest fail at once. Every failure names the object as the event
+//! gave it, never a credential.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
+
+use super::{shown, FetchError};
+use crate::config::S3Config;
+use crate::storage::buckets::Buckets;
+
+/// The buckets events may name, each with its client.
+#[derive(Debug, Clone)]
+pub struct ObjectInputs {
+    buckets: HashMap<String, Arc<dyn ObjectStore>>,
+    /// Bounds one whole read (HEAD, GET and every retry of either): a backstop past
+    /// `object_store`'s own per-request timeout and retry budget.
+    deadline: Duration,
+}
+
+/// An object found by its HEAD: the size is known and within the limit.
+#[derive(Debug)]
+pub struct Located {
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+    e_tag: Option<String>,
+    pub size: u64,
+    pub shown: String,
+}
+
+/// An object named by an event, not yet asked for.
+#[derive(Debug)]
+pub struct Named {
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+    pub shown: String,
+}
+
+impl ObjectInputs {
+    /// The clients of the buckets events may name (`s3.buckets`); `None` when none is listed.
+    pub fn new(config: &S3Config, clients: &Buckets) -> anyhow::Result<Option<Self>> {
+        if config.buckets.is_empty() {
+            return Ok(None);
+        }
+        let mut buckets = HashMap::new();
+        for bucket in &config.buckets {
+            let client = clients.get(bucket).ok_or_else(|| anyhow::anyhow!("s3: no client for bucket '{bucket}'"))?;
+            buckets.insert(bucket.clone(), client.clone());
+        }
+        Ok(Some(ObjectInputs { buckets, deadline: clients.deadline() }))
+    }
+
+    /// The bucket and key of an `s3://` URI, checked without a request: the bucket must be
+    /// listed and the key a valid object path.
+    pub fn name(&self, uri: &str) -> Result<Named, FetchError> {
+        let rest = uri.strip_prefix("s3://").ok_or_else(|| FetchError::UnsupportedScheme(shown(uri)))?;
+        let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+        let store = self.buckets.get(bucket).ok_or_else(|| FetchError::BucketNotListed(shown(bucket)))?;
+        if key.is_empty() {
+            return Err(FetchError::BadKey { uri: shown(uri), reason: "the key is empty".into() });
+        }
+        let path = ObjectPath::parse(key).map_err(|e| FetchError::BadKey { uri: shown(uri), reason: shown(&e.to_string()) })?;
+        Ok(Named { store: store.clone(), path, shown: shown(uri) })
+    }
+
+    /// Asks for the object's size (HEAD) and checks it against `limit` before any download.
+    pub async fn locate(&self, named: Named, limit: u64) -> Result<Located, FetchError> {
+        let Named { store, path, shown } = named;
+        let head = tokio::time::timeout(self.deadline, store.head(&path))
+            .await
+            .map_err(|_| FetchError::TimedOut { path: shown.clone(), seconds: self.deadline.as_secs_f64() })?
+            .map_err(|e| object_error(e, &shown))?;
+        if head.size > limit {
+            return Err(FetchError::TooLarge { size: head.size, limit });
+        }
+        Ok(Located { store, path, e_tag: head.e_tag, size: head.size, shown })
+    }
+
+    /// Downloads the located object, its body cut off one byte past `limit`.
+    pub async fn read(&self, located: Located, limit: u64) -> Result<Vec<u8>, FetchError> {
+        let Located { store, path, e_tag, size, shown } = located;
+        let download = async {
+            // The version the HEAD sized: an object replaced in between fails the precondition
+            // instead of arriving at a size nobody reserved.
+            let options = GetOptions { if_match: e_tag, ..GetOptions::default() };
+            let got = store.get_opts(&path, options).await.map_err(|e| object_error(e, &shown))?;
+            let mut bytes = Vec::with_capacity(size.min(limit) as usize);
+            let mut body = got.into_stream();
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|e| object_error(e, &shown))?;
+                if (bytes.len() + chunk.len()) as u64 > limit {
+                    return Err(FetchError::TooLarge { size: (bytes.len() + chunk.len()) as u64, limit });
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok(bytes)
+        };
+        tokio::time::timeout(self.deadline, download)
+            .await
+            .map_err(|_| FetchError::TimedOut { path: shown.clone(), seconds: self.deadline.as_secs_f64() })?
+    }
+}
+
+/// An `object_store` error as the dead letter says it: what happened to which object.
+fn object_error(e: object_store::Error, shown_uri: &str) -> FetchError {
+    let uri = shown_uri.to_string();
+    match e {
+        object_store::Error::NotFound { .. } => FetchError::ObjectNotFound(uri),
+        object_store::Error::PermissionDenied { source, .. } | object_store::Error::Unauthenticated { source, .. } => {
+            FetchError::ObjectDenied { uri, reason: shown(&source.to_string()) }
+        }
+        object_store::Error::Precondition { .. } => {
+            FetchError::ObjectFailed { uri, reason: "the object changed while it was being read".into() }
+        }
+        other => FetchError::ObjectFailed { uri, reason: shown(&other.to_string()) },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listed bucket on a port nothing listens on.
+    fn unreachable(secret: &str) -> S3Config {
+        S3Config {
+            buckets: vec!["samples".into()],
+            endpoint: "http://127.0.0.1:9".into(),
+            allow_http: true,
+            access_key_id: Some(vramgate_shared::config::Secret::new("id")),
+            secret_access_key: Some(vramgate_shared::config::Secret::new(secret)),
+            ..S3Config::default()
+        }
+    }
+
+    fn inputs(config: &S3Config) -> ObjectInputs {
+        ObjectInputs::new(config, &Buckets::new(config, []).expect("clients")).expect("builds").expect("a bucket is listed")
+    }
+
+    #[tokio::test]
+    async fn names_are_checked_before_any_request() {
+        let objects = inputs(&unreachable("secret"));
+        assert!(objects.name("s3://samples/a/b.wav").is_ok());
+        let err = objects.name("s3://other/a.wav").expect_err("not listed");
+        assert!(err.to_string().contains("'other'") && err.to_string().contains("s3.buckets"), "{err}");
+        assert_eq!(err.kind(), vramgate_shared::events::ErrorKind::UnsupportedInput);
+        for bad in ["s3://samples", "s3://samples/", "s3://samples/a//b", "s3://samples/../x"] {
+            let err = objects.name(bad).expect_err(bad);
+            assert!(err.to_string().contains("key"), "{bad}: {err}");
+        }
+        // A bucket name far past S3's 63 characters is shown cut, not echoed whole.
+        let err = objects.name(&format!("s3://{}/k", "b".repeat(5000))).expect_err("long");
+        assert!(err.to_string().len() < 600, "{err}");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_server_is_a_bounded_failure_naming_the_object() {
+        let config = S3Config { max_retries: 2, retry_timeout_seconds: 1.0, ..unreachable("do-not-print-me") };
+        let objects = inputs(&config);
+        let started = std::time::Instant::now();
+        let err = objects.locate(objects.name("s3://samples/x.wav").expect("named"), 1 << 20).await.expect_err("no server");
+        assert!(started.elapsed() < Duration::from_secs(30), "bounded: {:?}", started.elapsed());
+        let text = err.to_string();
+        assert!(text.contains("s3://samples/x.wav") && !text.contains("do-not-print-me"), "{text}");
+        assert_eq!(err.kind(), vramgate_shared::events::ErrorKind::FetchFailed);
+    }
+}

@@ -1,0 +1,346 @@
+//! Object storage, end to end: a real S3-compatible server (SeaweedFS, started by
+//! `scripts/object-store`), the real broker, gateway and worker.
+//! - Inputs: an event naming `s3://bucket/key` gets the result the same bytes get by `file://`;
+//!   every failure of storage is a dead letter naming the object or the limit, and the next
+//!   event goes on; a server that goes away and comes back costs retries, not events.
+//! - Outputs (the claim check): a `[1, 512, 512]` map stored as `.npy` and as a mask PNG the
+//!   input photograph's size; read back, they equal the model's own output, and the result names
+//!   them with their SHA-256.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use vramgate_tests::object_store::ObjectServer;
+use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
+use vramgate_tests::{
+    collect, photo, producer, python_check, repo_root, request_file, scratch_dir, send,
+    start_gateway_config_with, start_worker, unique, venv_python, worker_config, Received, TaskTopics,
+    FACE_MODELS, VAD_MODEL,
+};
+
+/// The S3 ports of this file's servers, one per test (the default, 18333, is left to the
+/// user's).
+const PORT: u16 = 18_433;
+const OUTPUTS_PORT: u16 = 18_443;
+/// `input.max_input_bytes` for the test's gateway: the oversized object is just past it.
+const MAX_INPUT_BYTES: u64 = 8 << 20;
+
+fn request_uri(id: &str, task: &str, uri: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({"id": id, "task": task, "input": {"uri": uri}})).expect("json")
+}
+
+/// A result without what differs between two runs of the same input.
+fn comparable(record: &Received) -> Value {
+    let mut value = record.value.clone();
+    for key in ["id", "timings_ms"] {
+        value.as_object_mut().expect("an object").remove(key);
+    }
+    value
+}
+
+/// The classifier from the model repository, as `models.rs` configures it.
+fn classifier_repository(root: &Path) -> std::path::PathBuf {
+    let repository = root.join("repository");
+    let folder = repository.join("classifier");
+    std::fs::create_dir_all(&folder).expect("model folder");
+    let from = repo_root().join("models/repository/mobilenet_v2/model.pt");
+    assert!(from.is_file(), "{} missing: run scripts/setup", from.display());
+    std::fs::copy(&from, folder.join("model.pt")).expect("copying the model");
+    std::fs::write(
+        folder.join("config.toml"),
+        "input = { name = \"image\", datatype = \"UINT8\", shape = [-1, 224, 224, 3] }\n\
+         outputs = [{ name = \"logits\", shape = [-1, 1000] }]\n",
+    )
+    .expect("config.toml");
+    repository
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_inputs_get_the_results_their_files_get_and_each_storage_failure_is_a_dead_letter() {
+    let root = scratch_dir("s3-inputs");
+    let server = ObjectServer::start(PORT).expect("the object store starts (scripts/object-store)");
+
+    // --- The samples, on disk and in the bucket. -------------------------------------------
+    let speech = speak("Objects in a bucket are read by the gateway, and the worker listens.").expect("espeak-ng");
+    let wav = root.join("speech.wav");
+    write_wav(&wav, &change_rate(&speech.samples, speech.sample_rate, 16_000), 16_000, 1, SampleFormat::I16).expect("wav");
+    let mut files = vec![("voice", wav)];
+    for name in ["t1.jpg", "astronaut.png"] {
+        let to = root.join(name);
+        std::fs::copy(photo(name), &to).expect("copying a photograph");
+        files.push(("image", to));
+    }
+    let coffee = root.join("coffee.png");
+    std::fs::copy(photo("coffee.png"), &coffee).expect("copying a photograph");
+    files.push(("classify", coffee));
+    for (task, file) in &files {
+        let key = format!("{task}/{}", file.file_name().expect("a name").to_string_lossy());
+        server.put("samples", &key, std::fs::read(file).expect("read")).await.expect("put a sample");
+    }
+    server.put("samples", "image/not-an-image.jpg", b"this is text, not a JPEG".to_vec()).await.expect("put");
+    server.put("samples", "image/huge.png", vec![0u8; MAX_INPUT_BYTES as usize + 1]).await.expect("put");
+    server.put("forbidden", "image/t1.jpg", std::fs::read(photo("t1.jpg")).expect("read")).await.expect_err("the test identity may not write there");
+
+    // --- The worker and a gateway that reads the two buckets. ----------------------------
+    let repository = classifier_repository(&root);
+    let mut models = FACE_MODELS.to_vec();
+    models.push(VAD_MODEL);
+    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", repository.display()), &models))
+        .await
+        .expect("the worker starts");
+    let (voice, image, classify) = (
+        TaskTopics::create(&unique("s3-voice"), 1).await.expect("topics"),
+        TaskTopics::create(&unique("s3-image"), 1).await.expect("topics"),
+        TaskTopics::create(&unique("s3-classify"), 1).await.expect("topics"),
+    );
+    let topics = |t: &TaskTopics| format!("requests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n", t.requests, t.results, t.dlq);
+    let config = root.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "commit_interval_ms = 200\n\n[kafka]\ngroup_id = \"{group}\"\n\n[worker]\nurl = \"{worker}\"\n\n\
+             [input]\nfile_root = \"{root}\"\nmax_input_bytes = {MAX_INPUT_BYTES}\n\n\
+             [s3]\nbuckets = [\"samples\", \"forbidden\"]\nendpoint = \"{endpoint}\"\nallow_http = true\nrequest_timeout_seconds = 5.0\n\n\
+             [tasks.voice]\n{voice}\n[tasks.image]\n{image}\n\
+             [tasks.classify]\nconverter = \"image\"\nmodel = \"classifier\"\n{classify}\n\
+             [tasks.classify.image]\nmode = \"tensor\"\nresize = \"shorter_side_crop\"\nshorter_side = 256\nwidth = 224\nheight = 224\n\
+             layout = \"nhwc\"\ndatatype = \"UINT8\"\n\n\
+             [[tasks.classify.outputs]]\nname = \"logits\"\npost = [\"softmax\", \"top_k\"]\ntop_k = 5\n",
+            group = unique("s3-gw"),
+            worker = worker.url,
+            root = root.display(),
+            endpoint = server.endpoint(),
+            voice = topics(&voice),
+            image = topics(&image),
+            classify = topics(&classify),
+        ),
+    )
+    .expect("gateway.toml");
+    // Credentials through the AWS chain's environment variables, as a deployment gives them.
+    let aws: Vec<(&str, &str)> = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+        .iter()
+        .map(|k| (*k, server.var(k).expect("scripts/object-store env exports it")))
+        .collect();
+    let gateway = start_gateway_config_with(&config, &[], &aws).await.expect("the gateway starts");
+    let topic = |task: &str| match task {
+        "voice" => voice.requests.clone(),
+        "image" => image.requests.clone(),
+        _ => classify.requests.clone(),
+    };
+    let outputs: Vec<&str> =
+        [&voice.results, &voice.dlq, &image.results, &image.dlq, &classify.results, &classify.dlq].map(String::as_str).to_vec();
+
+    // --- Each sample by file:// and by s3://: the same result. ----------------------------
+    let producer = producer();
+    let mut pairs = Vec::new();
+    for (task, file) in &files {
+        let name = file.file_name().expect("a name").to_string_lossy().into_owned();
+        let (by_file, by_key) = (unique(&format!("file-{task}")), unique(&format!("s3-{task}")));
+        send(&producer, &topic(task), &by_file, &request_file(&by_file, task, file)).await.expect("send");
+        let uri = format!("s3://samples/{task}/{name}");
+        send(&producer, &topic(task), &by_key, &request_uri(&by_key, task, &uri)).await.expect("send");
+        pairs.push((name, by_file, by_key));
+    }
+    // --- Each failure of storage, then one good event after them. -----------------------
+    let failures: Vec<(String, &str, &str, &str, Vec<&str>)> = vec![
+        (unique("missing"), "image", "s3://samples/image/no-such-key.jpg", "input_not_found", vec!["s3://samples/image/no-such-key.jpg", "not found"]),
+        (unique("denied"), "image", "s3://forbidden/image/t1.jpg", "fetch_failed", vec!["s3://forbidden/image/t1.jpg", "may not be read"]),
+        (unique("unlisted"), "image", "s3://elsewhere/t1.jpg", "unsupported_input", vec!["'elsewhere'", "s3.buckets"]),
+        (unique("text"), "image", "s3://samples/image/not-an-image.jpg", "invalid_image", vec![]),
+        (unique("huge"), "image", "s3://samples/image/huge.png", "input_too_large", vec!["limit of 8388608 bytes", "max_input_bytes"]),
+    ];
+    for (id, task, uri, _, _) in &failures {
+        send(&producer, &topic(task), id, &request_uri(id, task, uri)).await.expect("send");
+    }
+    let after = unique("after");
+    send(&producer, &image.requests, &after, &request_uri(&after, "image", "s3://samples/image/t1.jpg")).await.expect("send");
+
+    let mut ids: Vec<String> = pairs.iter().flat_map(|(_, a, b)| [a.clone(), b.clone()]).collect();
+    ids.extend(failures.iter().map(|f| f.0.clone()));
+    ids.push(after.clone());
+    let got = collect(&outputs, Duration::from_secs(300), |got| ids.iter().all(|id| got.contains_key(id))).await.expect("collect");
+    let one = |id: &str| -> &Received {
+        let records = got.get(id).unwrap_or_else(|| panic!("no output for {id}; gateway log:\n{}", gateway.log_tail()));
+        assert_eq!(records.len(), 1, "{id}: {records:?}");
+        &records[0]
+    };
+    for (name, by_file, by_key) in &pairs {
+        let (file, key) = (one(by_file), one(by_key));
+        assert_eq!(file.value["status"], "ok", "{name} by file: {}", file.value);
+        assert_eq!(comparable(key), comparable(file), "{name}: s3:// and file:// differ");
+        eprintln!("{name}: the same result by s3:// and file:// (model {})", key.value["model"]);
+    }
+    for (id, _, uri, kind, needles) in &failures {
+        let record = one(id);
+        assert_eq!(record.topic, image.dlq, "{uri}: {}", record.value);
+        assert_eq!(record.value["error"]["kind"], *kind, "{uri}: {}", record.value);
+        let message = record.value["error"]["message"].as_str().unwrap_or_default();
+        for needle in needles {
+            assert!(message.contains(needle), "{uri}: '{message}' does not say '{needle}'");
+        }
+        assert!(!message.contains(server.var("AWS_SECRET_ACCESS_KEY").expect("secret")), "a secret in a dead letter");
+        eprintln!("{uri}: {kind}: {message}");
+    }
+    assert_eq!(one(&after).value["status"], "ok", "the event after the failures: {}", one(&after).value);
+
+    // --- The server stopped mid-run and started again: retries, then every result. -------
+    server.stop().expect("stop the object store");
+    let stopped_at = Instant::now();
+    let during: Vec<String> = (0..4).map(|i| unique(&format!("outage{i}"))).collect();
+    for id in &during {
+        send(&producer, &voice.requests, id, &request_uri(id, "voice", "s3://samples/voice/speech.wav")).await.expect("send");
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    server.restart().expect("restart the object store");
+    eprintln!("outage: the object store was down for {:.1?}", stopped_at.elapsed());
+    let back = collect(&[&voice.results, &voice.dlq], Duration::from_secs(180), |got| during.iter().all(|id| got.contains_key(id)))
+        .await
+        .expect("collect");
+    let want = comparable(one(&pairs[0].1));
+    for id in &during {
+        let records = back.get(id).unwrap_or_else(|| panic!("{id} lost over the outage; gateway log:\n{}", gateway.log_tail()));
+        assert_eq!(records.len(), 1, "{id}: {records:?}");
+        assert_eq!(comparable(&records[0]), want, "{id} over the outage: {}", records[0].value);
+    }
+    let scrape = gateway.metrics_when(Duration::from_secs(30), |m| m.sum("vramgate_gateway_held_bytes", &[]) == 0.0).await;
+    assert!(scrape.is_ok(), "bytes still held after every event ended");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_result_names_them() {
+    let root = scratch_dir("s3-outputs");
+    let server = ObjectServer::start(OUTPUTS_PORT).expect("the object store starts (scripts/object-store)");
+
+    // A model whose [1, 512, 512] map is the red channel over 255 (tests/python/red_map_model.py).
+    let folder = root.join("repository/red_map");
+    std::fs::create_dir_all(&folder).expect("model folder");
+    let status = std::process::Command::new(venv_python())
+        .arg(repo_root().join("tests/python/red_map_model.py"))
+        .arg(folder.join("model.pt"))
+        .status()
+        .expect("python");
+    assert!(status.success(), "writing the model");
+    std::fs::write(
+        folder.join("config.toml"),
+        "input = { name = \"image\", datatype = \"UINT8\", shape = [-1, 512, 512, 3] }\n\
+         outputs = [{ name = \"map\", shape = [-1, 512, 512] }, { name = \"mask\", shape = [-1, 512, 512] }]\n",
+    )
+    .expect("config.toml");
+    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", root.join("repository").display()), &[]))
+        .await
+        .expect("the worker starts");
+
+    // Two tasks on it: one stores to `outputs`, one to `forbidden` (which the gateway's
+    // identity may not write: every event of it is a store_failed dead letter).
+    let (segment, denied) =
+        (TaskTopics::create(&unique("segment"), 1).await.expect("topics"), TaskTopics::create(&unique("denied"), 1).await.expect("topics"));
+    let task = |name: &str, topics: &TaskTopics, store: &str| {
+        format!(
+            "[tasks.{name}]\nconverter = \"image\"\nmodel = \"red_map\"\nrequests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n\n\
+             [tasks.{name}.image]\nmode = \"tensor\"\nresize = \"letterbox\"\nwidth = 512\nheight = 512\nlayout = \"nhwc\"\ndatatype = \"UINT8\"\n\n\
+             [[tasks.{name}.outputs]]\nname = \"map\"\nstore = \"{store}\"\n\n\
+             [[tasks.{name}.outputs]]\nname = \"mask\"\npost = [\"mask_png\"]\nthreshold = 0.5\nstore = \"{store}\"\n\n",
+            topics.requests, topics.results, topics.dlq
+        )
+    };
+    let config = root.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "commit_interval_ms = 200\n\n[kafka]\ngroup_id = \"{}\"\n\n[worker]\nurl = \"{}\"\n\n[input]\nfile_root = \"{}\"\n\n\
+             [s3]\nendpoint = \"{}\"\nallow_http = true\nrequest_timeout_seconds = 30.0\n\n\
+             [tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n\n{}{}",
+            unique("s3-out-gw"),
+            worker.url,
+            root.display(),
+            server.endpoint(),
+            task("segment", &segment, "s3://outputs/runs/"),
+            task("denied", &denied, "s3://forbidden/runs/"),
+        ),
+    )
+    .expect("gateway.toml");
+    // The gateway reads its credentials through the AWS chain: its process environment.
+    let aws: Vec<(&str, &str)> =
+        ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"].iter().map(|k| (*k, server.var(k).expect("exported"))).collect();
+    let gateway = start_gateway_config_with(&config, &[], &aws).await.expect("the gateway starts");
+
+    // astronaut.png is the model input's size (the map is its red channel, exactly); coffee.png
+    // (600 x 400) is letterboxed into it, and its mask comes back at 600 x 400.
+    let producer = producer();
+    let mut cases = Vec::new();
+    for (name, mode) in [("astronaut.png", "exact"), ("coffee.png", "resized")] {
+        let file = root.join(name);
+        std::fs::copy(photo(name), &file).expect("copying a photograph");
+        let id = format!("{}/{}", unique("seg"), name);
+        send(&producer, &segment.requests, &id, &request_file(&id, "segment", &file)).await.expect("send");
+        cases.push((id, file, mode));
+    }
+    let refused = unique("denied");
+    send(&producer, &denied.requests, &refused, &request_file(&refused, "denied", &cases[0].1)).await.expect("send");
+    let after = unique("after-denied");
+    send(&producer, &segment.requests, &after, &request_file(&after, "segment", &cases[0].1)).await.expect("send");
+
+    let mut ids: Vec<String> = cases.iter().map(|c| c.0.clone()).collect();
+    ids.extend([refused.clone(), after.clone()]);
+    let got = collect(&[&segment.results, &segment.dlq, &denied.results, &denied.dlq], Duration::from_secs(300), |got| {
+        ids.iter().all(|id| got.contains_key(id))
+    })
+    .await
+    .expect("collect");
+    let one = |id: &str| -> Value {
+        let records = got.get(id).unwrap_or_else(|| panic!("no output for {id}; gateway log:\n{}", gateway.log_tail()));
+        assert_eq!(records.len(), 1, "{id}: {records:?}");
+        records[0].value.clone()
+    };
+    for (id, file, mode) in &cases {
+        let result = one(id);
+        assert_eq!(result["status"], "ok", "{id}: {result}");
+        let mut local = Vec::new();
+        for output in ["map", "mask"] {
+            let reference = &result["output"]["outputs"][output];
+            let uri = reference["uri"].as_str().unwrap_or_else(|| panic!("{id}: {output} has no uri: {result}"));
+            let ext = if output == "map" { "npy" } else { "png" };
+            // The key: <prefix><task>/<id>/<output>.<ext>, the id's '/' escaped.
+            let want_key = format!("runs/segment/{}/{output}.{ext}", id.replace('/', "%2F"));
+            assert_eq!(uri, format!("s3://outputs/{want_key}"), "{id}: {result}");
+            let bytes = server.get("outputs", &want_key).await.expect("the stored object");
+            assert_eq!(reference["bytes"].as_u64(), Some(bytes.len() as u64), "{id} {output}");
+            let digest = sha256_hex(&bytes);
+            assert_eq!(reference["sha256"].as_str(), Some(digest.as_str()), "{id} {output}");
+            let path = root.join(format!("{}-{output}.{ext}", unique("read-back")));
+            std::fs::write(&path, &bytes).expect("write");
+            local.push(path);
+        }
+        assert_eq!(result["output"]["outputs"]["map"]["shape"], json!([1, 512, 512]));
+        assert_eq!(result["output"]["outputs"]["map"]["datatype"], "FP32");
+        let size = image::image_dimensions(file).expect("photo size");
+        assert_eq!(result["output"]["outputs"]["mask"]["shape"], json!([size.1, size.0]), "the mask is the photo's size");
+        let figures = python_check("stored_outputs_check.py", [file.as_os_str(), local[0].as_os_str(), local[1].as_os_str(), std::ffi::OsStr::new(mode)], || {
+            gateway.log_tail()
+        });
+        eprintln!("{id}: stored map and mask agree with the photograph: {}", figures.trim());
+    }
+    let letter = one(&refused);
+    assert_eq!(letter["error"]["kind"], "store_failed", "{letter}");
+    assert_eq!(letter["error"]["stage"], "store", "{letter}");
+    let message = letter["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&format!("s3://forbidden/runs/denied/{refused}/")), "names the object: {message}");
+    assert_eq!(one(&after)["status"], "ok", "the event after a failed store");
+    let scrape = gateway.metrics_when(Duration::from_secs(30), |m| m.sum("vramgate_gateway_held_bytes", &[]) == 0.0).await;
+    assert!(scrape.is_ok(), "bytes still held after every event ended");
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    let output = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().expect("stdin").write_all(bytes)?;
+            child.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8_lossy(&output.stdout).split_whitespace().next().unwrap_or_default().to_string()
+}
