@@ -65,7 +65,8 @@ enum Command {
         /// as given, instead of this event's own.
         #[arg(long = "header", value_name = "NAME=VALUE")]
         headers: Vec<String>,
-        /// Files or folders.
+        /// Files or folders, or `s3://bucket/key` objects (sent as they are: the gateway
+        /// reads them from the buckets its `s3.buckets` lists).
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
@@ -147,9 +148,16 @@ impl Cli {
     }
 }
 
+/// An `s3://` argument: an object the gateway reads, not a local file.
+fn object_uri(path: &std::path::Path) -> Option<&str> {
+    path.to_str().filter(|p| p.starts_with("s3://"))
+}
+
 fn collect_files(paths: &[PathBuf], ext: &str, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     for path in paths {
-        if path.is_dir() {
+        if object_uri(path).is_some() {
+            out.push(path.clone());
+        } else if path.is_dir() {
             let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
                 .with_context(|| format!("reading folder {}", path.display()))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
@@ -196,7 +204,10 @@ async fn produce(
     tokio::task::block_in_place(|| check_reachable(producer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
     for file in files {
         let id = format!("{id_prefix}{}-{}", stem(&file), &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let input = if inline {
+        let input = if let Some(uri) = object_uri(&file) {
+            anyhow::ensure!(!inline, "--inline sends local files; {uri} is an object the gateway reads");
+            InputRef::Uri { uri: uri.to_string() }
+        } else if inline {
             let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
             InputRef::Inline { data_b64: base64::engine::general_purpose::STANDARD.encode(bytes) }
         } else {
