@@ -178,4 +178,73 @@ mod tests {
         assert!(text.contains("s3://samples/x.wav") && !text.contains("do-not-print-me"), "{text}");
         assert_eq!(err.kind(), vramgate_shared::events::ErrorKind::FetchFailed);
     }
+
+    /// A server that answers HEAD with a size and stalls after the first bytes of every GET's
+    /// body, for ever: the read is cut off by the request timeout, retried within the budget,
+    /// then failed, naming the object; nothing waits past the bound.
+    #[tokio::test]
+    async fn a_server_that_stalls_mid_body_is_a_bounded_failure() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let gets = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = gets.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut conn, _)) = listener.accept().await else { return };
+                let gets = counted.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let headers = "Content-Length: 1000\r\nETag: \"e1\"\r\nLast-Modified: Thu, 26 Nov 2026 10:00:00 GMT\r\n";
+                    if head.starts_with(b"HEAD") {
+                        let _ = conn.write_all(format!("HTTP/1.1 200 OK\r\n{headers}\r\n").as_bytes()).await;
+                        return;
+                    }
+                    gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    // A retry asks for the rest (`Range: bytes=N-`), as a real server answers it.
+                    let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                    let from: usize = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("range: bytes=")?.split('-').next()?.trim().parse().ok())
+                        .unwrap_or(0);
+                    let status = match from {
+                        0 => format!("HTTP/1.1 200 OK\r\n{headers}\r\n"),
+                        _ => format!(
+                            "HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: bytes {from}-999/1000\r\n\
+                             ETag: \"e1\"\r\nLast-Modified: Thu, 26 Nov 2026 10:00:00 GMT\r\n\r\n",
+                            1000 - from
+                        ),
+                    };
+                    let _ = conn.write_all(status.as_bytes()).await;
+                    let _ = conn.write_all(&[7u8; 100]).await;
+                    // ...and never the rest.
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                });
+            }
+        });
+        let config = S3Config {
+            endpoint: format!("http://127.0.0.1:{port}"),
+            request_timeout_seconds: 1.0,
+            max_retries: 2,
+            retry_timeout_seconds: 2.0,
+            ..unreachable("secret")
+        };
+        let objects = inputs(&config);
+        let started = std::time::Instant::now();
+        let located = objects.locate(objects.name("s3://samples/stall.wav").expect("named"), 1 << 20).await.expect("HEAD answers");
+        assert_eq!(located.size, 1000);
+        let err = objects.read(located, 1 << 20).await.expect_err("the body never ends");
+        let took = started.elapsed();
+        assert!(took < objects.deadline + Duration::from_secs(1), "bounded: {took:?}");
+        assert!(err.to_string().contains("s3://samples/stall.wav"), "{err}");
+        assert_eq!(err.kind(), vramgate_shared::events::ErrorKind::FetchFailed, "{err}");
+        eprintln!("stalled body: failed after {took:.1?} and {} GETs: {err}", gets.load(std::sync::atomic::Ordering::SeqCst));
+    }
 }
