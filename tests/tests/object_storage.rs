@@ -7,6 +7,7 @@
 //!   input photograph's size; read back, they equal the model's own output, and the result names
 //!   them with their SHA-256.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -14,7 +15,7 @@ use serde_json::{json, Value};
 use vramgate_tests::object_store::ObjectServer;
 use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
 use vramgate_tests::{
-    collect, photo, producer, python_check, repo_root, request_file, scratch_dir, send,
+    collect, photo, producer, Collector, Isolation, python_check, repo_root, request_file, scratch_dir, send,
     start_gateway_config_with, start_worker, unique, venv_python, worker_config, Received, TaskTopics,
     FACE_MODELS, VAD_MODEL,
 };
@@ -23,6 +24,7 @@ use vramgate_tests::{
 /// user's).
 const PORT: u16 = 18_433;
 const OUTPUTS_PORT: u16 = 18_443;
+const EXACTLY_ONCE_PORT: u16 = 18_453;
 /// `input.max_input_bytes` for the test's gateway: the oversized object is just past it.
 const MAX_INPUT_BYTES: u64 = 8 << 20;
 
@@ -212,21 +214,7 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
     let root = scratch_dir("s3-outputs");
     let server = ObjectServer::start(OUTPUTS_PORT).expect("the object store starts (scripts/object-store)");
 
-    // A model whose [1, 512, 512] map is the red channel over 255 (tests/python/red_map_model.py).
-    let folder = root.join("repository/red_map");
-    std::fs::create_dir_all(&folder).expect("model folder");
-    let status = std::process::Command::new(venv_python())
-        .arg(repo_root().join("tests/python/red_map_model.py"))
-        .arg(folder.join("model.pt"))
-        .status()
-        .expect("python");
-    assert!(status.success(), "writing the model");
-    std::fs::write(
-        folder.join("config.toml"),
-        "input = { name = \"image\", datatype = \"UINT8\", shape = [-1, 512, 512, 3] }\n\
-         outputs = [{ name = \"map\", shape = [-1, 512, 512] }, { name = \"mask\", shape = [-1, 512, 512] }]\n",
-    )
-    .expect("config.toml");
+    red_map_repository(&root);
     let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", root.join("repository").display()), &[]))
         .await
         .expect("the worker starts");
@@ -235,15 +223,7 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
     // identity may not write: every event of it is a store_failed dead letter).
     let (segment, denied) =
         (TaskTopics::create(&unique("segment"), 1).await.expect("topics"), TaskTopics::create(&unique("denied"), 1).await.expect("topics"));
-    let task = |name: &str, topics: &TaskTopics, store: &str| {
-        format!(
-            "[tasks.{name}]\nconverter = \"image\"\nmodel = \"red_map\"\nrequests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n\n\
-             [tasks.{name}.image]\nmode = \"tensor\"\nresize = \"letterbox\"\nwidth = 512\nheight = 512\nlayout = \"nhwc\"\ndatatype = \"UINT8\"\n\n\
-             [[tasks.{name}.outputs]]\nname = \"map\"\nstore = \"{store}\"\n\n\
-             [[tasks.{name}.outputs]]\nname = \"mask\"\npost = [\"mask_png\"]\nthreshold = 0.5\nstore = \"{store}\"\n\n",
-            topics.requests, topics.results, topics.dlq
-        )
-    };
+    let task = segment_task;
     let config = root.join("gateway.toml");
     std::fs::write(
         &config,
@@ -343,4 +323,134 @@ fn sha256_hex(bytes: &[u8]) -> String {
         })
         .expect("sha256sum");
     String::from_utf8_lossy(&output.stdout).split_whitespace().next().unwrap_or_default().to_string()
+}
+
+/// A model whose `[1, 512, 512]` map is the red channel over 255 (tests/python/red_map_model.py),
+/// in `root/repository/red_map`.
+fn red_map_repository(root: &Path) {
+    let folder = root.join("repository/red_map");
+    std::fs::create_dir_all(&folder).expect("model folder");
+    let status = std::process::Command::new(venv_python())
+        .arg(repo_root().join("tests/python/red_map_model.py"))
+        .arg(folder.join("model.pt"))
+        .status()
+        .expect("python");
+    assert!(status.success(), "writing the model");
+    std::fs::write(
+        folder.join("config.toml"),
+        "input = { name = \"image\", datatype = \"UINT8\", shape = [-1, 512, 512, 3] }\n\
+         outputs = [{ name = \"map\", shape = [-1, 512, 512] }, { name = \"mask\", shape = [-1, 512, 512] }]\n",
+    )
+    .expect("config.toml");
+}
+
+/// A task row on the red-map model that stores its map (`.npy`) and its mask (PNG) at `store`.
+fn segment_task(name: &str, topics: &TaskTopics, store: &str) -> String {
+    format!(
+        "[tasks.{name}]\nconverter = \"image\"\nmodel = \"red_map\"\nrequests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n\n\
+         [tasks.{name}.image]\nmode = \"tensor\"\nresize = \"letterbox\"\nwidth = 512\nheight = 512\nlayout = \"nhwc\"\ndatatype = \"UINT8\"\n\n\
+         [[tasks.{name}.outputs]]\nname = \"map\"\nstore = \"{store}\"\n\n\
+         [[tasks.{name}.outputs]]\nname = \"mask\"\npost = [\"mask_png\"]\nthreshold = 0.5\nstore = \"{store}\"\n\n",
+        topics.requests, topics.results, topics.dlq
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_with_the_gateway_killed_mid_store_every_committed_result_names_an_object_that_matches() {
+    const EVENTS: usize = 120;
+    let root = scratch_dir("s3-eos");
+    let server = ObjectServer::start(EXACTLY_ONCE_PORT).expect("the object store starts (scripts/object-store)");
+    red_map_repository(&root);
+    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", root.join("repository").display()), &[]))
+        .await
+        .expect("the worker starts");
+    let topics = TaskTopics::create(&unique("eos-segment"), 2).await.expect("topics");
+    let config = root.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "commit_interval_ms = 100\ndelivery = \"exactly-once\"\ndrain_timeout_seconds = 2\n\n\
+             [kafka]\ngroup_id = \"{}\"\ntransactional_id = \"{}\"\nsession_timeout_ms = 6000\ntransaction_timeout_ms = 10000\n\n\
+             [worker]\nurl = \"{}\"\n\n[input]\nfile_root = \"{}\"\n\n\
+             [s3]\nendpoint = \"{}\"\nallow_http = true\n\n\
+             [tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n\n{}",
+            unique("s3-eos-gw"),
+            unique("s3-eos-tx"),
+            worker.url,
+            root.display(),
+            server.endpoint(),
+            segment_task("segment", &topics, "s3://outputs/eos/"),
+        ),
+    )
+    .expect("gateway.toml");
+    let aws: Vec<(&str, &str)> =
+        ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"].iter().map(|k| (*k, server.var(k).expect("exported"))).collect();
+
+    // Photographs of both shapes, each event its own id.
+    let photos: Vec<std::path::PathBuf> = ["astronaut.png", "coffee.png", "chelsea.png", "camera.png"]
+        .iter()
+        .map(|name| {
+            let to = root.join(name);
+            std::fs::copy(photo(name), &to).expect("copying a photograph");
+            to
+        })
+        .collect();
+    let producer = producer();
+    let mut ids = Vec::new();
+    for i in 0..EVENTS {
+        let id = unique(&format!("eos{i}"));
+        send(&producer, &topics.requests, &id, &request_file(&id, "segment", &photos[i % photos.len()])).await.expect("send");
+        ids.push(id);
+    }
+    let wanted: HashSet<String> = ids.iter().cloned().collect();
+    let committed = Collector::start_with(&[&topics.results, &topics.dlq], Isolation::ReadCommitted).expect("collector");
+    let seen = |c: &Collector| c.with(|got| got.keys().filter(|k| wanted.contains(*k)).count());
+
+    // The gateway SIGKILLed twice while it writes outputs (soon after results start to commit:
+    // it writes about two objects per event as it goes), restarted under its transactional id.
+    let mut gateway = start_gateway_config_with(&config, &[], &aws).await.expect("the gateway starts");
+    let mut kills = Vec::new();
+    for round in 0..2 {
+        // The first kill once results commit; the second once the restarted gateway holds
+        // records again (it is then writing their objects: two per event).
+        if round == 0 {
+            let reached = committed.wait_until(Duration::from_secs(300), |got| got.keys().filter(|k| wanted.contains(*k)).count() >= 5).await;
+            assert!(reached, "only {} committed; gateway log:\n{}", seen(&committed), gateway.log_tail());
+        } else {
+            let busy = gateway.metrics_when(Duration::from_secs(120), |m| m.sum("vramgate_gateway_records_in_flight", &[]) >= 4.0).await;
+            assert!(busy.is_ok(), "the restarted gateway took no records; log:\n{}", gateway.log_tail());
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let held = gateway.metrics().await.map(|m| m.sum("vramgate_gateway_records_in_flight", &[])).unwrap_or(f64::NAN);
+        let status = gateway.service.kill().expect("SIGKILL the gateway");
+        kills.push(seen(&committed));
+        eprintln!("gateway killed ({status}) with {} results committed and {held} records in flight", seen(&committed));
+        gateway = start_gateway_config_with(&config, &[], &aws).await.expect("the gateway restarts");
+    }
+    let all = committed.wait_until(Duration::from_secs(400), |got| wanted.iter().all(|id| got.contains_key(id))).await;
+    assert!(all, "{} of {EVENTS} committed; gateway log:\n{}", seen(&committed), gateway.log_tail());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // One committed result per event, and every object it names exists with its SHA-256.
+    let got = committed.snapshot();
+    let mut digests: HashMap<String, String> = HashMap::new();
+    for id in &ids {
+        let records = &got[id];
+        assert_eq!(records.len(), 1, "{id}: {} committed outputs", records.len());
+        let result = &records[0].value;
+        assert_eq!(result["status"], "ok", "{id}: {result}");
+        for output in ["map", "mask"] {
+            let reference = &result["output"]["outputs"][output];
+            let uri = reference["uri"].as_str().unwrap_or_else(|| panic!("{id}: {result}"));
+            let key = uri.strip_prefix("s3://outputs/").unwrap_or_else(|| panic!("{uri}"));
+            let bytes = server.get("outputs", key).await.unwrap_or_else(|e| panic!("{uri} named by a committed result: {e}"));
+            let digest = sha256_hex(&bytes);
+            assert_eq!(reference["sha256"].as_str(), Some(digest.as_str()), "{uri}");
+            digests.insert(uri.to_string(), digest);
+        }
+    }
+    eprintln!(
+        "exactly-once: {EVENTS} committed results (the gateway killed at {kills:?} committed), {} objects, each present with the SHA-256 its result names",
+        digests.len()
+    );
 }
