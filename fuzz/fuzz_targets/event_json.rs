@@ -74,6 +74,9 @@ fuzz_target!(|data: &[u8]| {
         }
         // Nothing is beneath the empty root to open.
         Ok(Opened::File { shown, .. }) => panic!("opened {shown} beneath an empty root"),
+        // No bucket and no host is configured here: no URI may name an object.
+        Ok(Opened::Named(named)) => panic!("named {} with no object storage configured", named.shown),
+        Ok(Opened::Object(located)) => panic!("located {} with no object storage configured", located.shown),
         Err(FetchError::TooLarge { size, limit }) => assert!(size > limit),
         Err(_) => {}
     }
