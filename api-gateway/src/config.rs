@@ -119,6 +119,7 @@ impl GatewayConfig {
     pub fn validate(&self) -> Result<(), String> {
         self.telemetry.validate()?;
         self.s3.validate()?;
+        self.input.validate()?;
         if self.enabled_tasks().next().is_none() {
             return Err("no task is enabled; enable at least one under [tasks]".into());
         }
@@ -521,6 +522,8 @@ pub struct InputConfig {
     /// How long reading one input file may take before the record is dead-lettered
     /// (`fetch_failed`): a file on a hung network mount must not hold a record for ever.
     pub read_timeout_seconds: f64,
+    /// `https://` inputs from the hosts listed.
+    pub http: HttpInputConfig,
 }
 
 impl Default for InputConfig {
@@ -529,6 +532,7 @@ impl Default for InputConfig {
             file_root: PathBuf::from("."),
             max_input_bytes: 64 * 1024 * 1024,
             read_timeout_seconds: 30.0,
+            http: HttpInputConfig::default(),
         }
     }
 }
@@ -536,6 +540,111 @@ impl Default for InputConfig {
 impl InputConfig {
     pub fn read_timeout(&self) -> Duration {
         seconds(self.read_timeout_seconds)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        self.http.validate()
+    }
+}
+
+/// Most hosts `input.http.hosts` may list.
+pub const MAX_HTTP_HOSTS: usize = 64;
+
+/// `https://host/path` inputs: only from the hosts the operator listed, so that an event cannot
+/// make the gateway fetch an internal address. Redirects are never followed (a listed host
+/// could otherwise send the fetch anywhere), and URLs with a query string are refused.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpInputConfig {
+    /// `host` or `host:port` (the URL's own port, or 443 / 80 by default), exactly as events
+    /// name them, compared without case. A list, or one comma-separated string (the
+    /// environment's form). Empty: no `https://` inputs.
+    #[serde(deserialize_with = "url_list")]
+    pub hosts: Vec<String>,
+    /// Plain `http://` URLs too, to the same hosts (a server on a private network).
+    pub allow_http: bool,
+    /// One request (a HEAD, or a GET with its whole body) longer than this is cut off.
+    pub request_timeout_seconds: f64,
+    pub connect_timeout_seconds: f64,
+    /// Retries of a request that failed for a reason worth retrying (5xx, 429, 408, a refused
+    /// or reset connection, a timeout), with backoff, none started past `retry_timeout_seconds`.
+    pub max_retries: usize,
+    pub retry_timeout_seconds: f64,
+}
+
+impl Default for HttpInputConfig {
+    fn default() -> Self {
+        HttpInputConfig {
+            hosts: Vec::new(),
+            allow_http: false,
+            request_timeout_seconds: 30.0,
+            connect_timeout_seconds: 5.0,
+            max_retries: 10,
+            retry_timeout_seconds: 30.0,
+        }
+    }
+}
+
+impl HttpInputConfig {
+    pub fn timeouts(&self) -> Timeouts {
+        Timeouts::new(self.request_timeout_seconds, self.connect_timeout_seconds, self.retry_timeout_seconds)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.hosts.len() > MAX_HTTP_HOSTS {
+            return Err(format!("input.http.hosts lists {} hosts; at most {MAX_HTTP_HOSTS}", self.hosts.len()));
+        }
+        for host in &self.hosts {
+            let (name, port) = match host.rsplit_once(':') {
+                Some((name, port)) => (name, Some(port)),
+                None => (host.as_str(), None),
+            };
+            let name_ok = !name.is_empty()
+                && name.len() <= 253
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
+            let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0));
+            if !name_ok || !port_ok {
+                return Err(format!("input.http.hosts: '{host}' is not host or host:port (no scheme, no path)"));
+            }
+        }
+        self.timeouts().validate("input.http", self.max_retries)
+    }
+}
+
+/// The waits of a client of remote inputs or outputs (`[s3]`, `[input.http]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// One request: a HEAD, or a GET or PUT with its whole body.
+    pub request: Duration,
+    pub connect: Duration,
+    /// No retry starts after this long since the first try.
+    pub retry: Duration,
+    seconds: [f64; 3],
+}
+
+impl Timeouts {
+    fn new(request: f64, connect: f64, retry: f64) -> Self {
+        Timeouts { request: seconds(request), connect: seconds(connect), retry: seconds(retry), seconds: [request, connect, retry] }
+    }
+
+    /// One whole read or write, every retry included: the backstop past the client's own
+    /// per-request timeout and retry budget.
+    pub fn deadline(&self) -> Duration {
+        self.retry + self.request * 2
+    }
+
+    /// Each wait within its range, and `max_retries` too; `at` is the section (`s3`).
+    fn validate(&self, at: &str, max_retries: usize) -> Result<(), String> {
+        let names = ["request_timeout_seconds", "connect_timeout_seconds", "retry_timeout_seconds"];
+        for ((key, value), max) in names.iter().zip(self.seconds).zip([3600.0, 600.0, MAX_S3_RETRY_SECONDS]) {
+            if !(value > 0.0 && value <= max) {
+                return Err(format!("{at}.{key} must be in (0, {max}], got {value}"));
+            }
+        }
+        if max_retries > MAX_S3_RETRIES {
+            return Err(format!("{at}.max_retries must be at most {MAX_S3_RETRIES}, got {max_retries}"));
+        }
+        Ok(())
     }
 }
 
@@ -602,16 +711,8 @@ impl Default for S3Config {
 }
 
 impl S3Config {
-    pub fn request_timeout(&self) -> Duration {
-        seconds(self.request_timeout_seconds)
-    }
-
-    pub fn connect_timeout(&self) -> Duration {
-        seconds(self.connect_timeout_seconds)
-    }
-
-    pub fn retry_timeout(&self) -> Duration {
-        seconds(self.retry_timeout_seconds)
+    pub fn timeouts(&self) -> Timeouts {
+        Timeouts::new(self.request_timeout_seconds, self.connect_timeout_seconds, self.retry_timeout_seconds)
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -632,19 +733,7 @@ impl S3Config {
         if self.access_key_id.is_some() != self.secret_access_key.is_some() {
             return Err("s3: set both access_key_id and secret_access_key, or neither (the AWS chain)".into());
         }
-        for (key, value, max) in [
-            ("request_timeout_seconds", self.request_timeout_seconds, 3600.0),
-            ("connect_timeout_seconds", self.connect_timeout_seconds, 600.0),
-            ("retry_timeout_seconds", self.retry_timeout_seconds, MAX_S3_RETRY_SECONDS),
-        ] {
-            if !(value > 0.0 && value <= max) {
-                return Err(format!("s3.{key} must be in (0, {max}], got {value}"));
-            }
-        }
-        if self.max_retries > MAX_S3_RETRIES {
-            return Err(format!("s3.max_retries must be at most {MAX_S3_RETRIES}, got {}", self.max_retries));
-        }
-        Ok(())
+        self.timeouts().validate("s3", self.max_retries)
     }
 }
 

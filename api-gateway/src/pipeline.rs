@@ -113,7 +113,7 @@ pub async fn run(
     let buckets = Arc::new(Buckets::new(&config.s3, store_buckets)?);
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
         .with_context(|| format!("input root {}", config.input.file_root.display()))?
-        .with_objects(ObjectInputs::new(&config.s3, &buckets)?);
+        .with_objects(ObjectInputs::new(&config.s3, &config.input.http, &buckets)?);
     let shared = Arc::new(Shared {
         output,
         offsets,

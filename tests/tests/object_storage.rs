@@ -97,12 +97,28 @@ async fn s3_inputs_get_the_results_their_files_get_and_each_storage_failure_is_a
         TaskTopics::create(&unique("s3-classify"), 1).await.expect("topics"),
     );
     let topics = |t: &TaskTopics| format!("requests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n", t.requests, t.results, t.dlq);
+    // https:// inputs (here plain http://, on loopback) from two listed hosts: the object
+    // store's filer, which serves the same files over HTTP, and a server that redirects every
+    // request to it, which must not be followed.
+    let filer = format!("127.0.0.1:{}", server.port + 6);
+    let mut redirector = std::process::Command::new(venv_python())
+        .args(["-c", REDIRECTOR, &format!("http://{filer}/buckets/samples/image/t1.jpg")])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the redirecting server");
+    let redirect = {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(redirector.stdout.take().expect("stdout")).read_line(&mut line).expect("its port");
+        format!("127.0.0.1:{}", line.trim())
+    };
     let config = root.join("gateway.toml");
     std::fs::write(
         &config,
         format!(
             "commit_interval_ms = 200\n\n[kafka]\ngroup_id = \"{group}\"\n\n[worker]\nurl = \"{worker}\"\n\n\
              [input]\nfile_root = \"{root}\"\nmax_input_bytes = {MAX_INPUT_BYTES}\n\n\
+             [input.http]\nhosts = [\"{filer}\", \"{redirect}\"]\nallow_http = true\nrequest_timeout_seconds = 5.0\nmax_retries = 2\nretry_timeout_seconds = 3.0\n\n\
              [s3]\nbuckets = [\"samples\", \"forbidden\"]\nendpoint = \"{endpoint}\"\nallow_http = true\nrequest_timeout_seconds = 5.0\n\n\
              [tasks.voice]\n{voice}\n[tasks.image]\n{image}\n\
              [tasks.classify]\nconverter = \"image\"\nmodel = \"classifier\"\n{classify}\n\
@@ -142,15 +158,23 @@ async fn s3_inputs_get_the_results_their_files_get_and_each_storage_failure_is_a
         send(&producer, &topic(task), &by_file, &request_file(&by_file, task, file)).await.expect("send");
         let uri = format!("s3://samples/{task}/{name}");
         send(&producer, &topic(task), &by_key, &request_uri(&by_key, task, &uri)).await.expect("send");
-        pairs.push((name, by_file, by_key));
+        let by_url = unique(&format!("url-{task}"));
+        let url = format!("http://{filer}/buckets/samples/{task}/{name}");
+        send(&producer, &topic(task), &by_url, &request_uri(&by_url, task, &url)).await.expect("send");
+        pairs.push((name, by_file, by_key, by_url));
     }
     // --- Each failure of storage, then one good event after them. -----------------------
+    let elsewhere = format!("http://localhost:{}/buckets/samples/image/t1.jpg", server.port + 6);
+    let redirected = format!("http://{redirect}/t1.jpg");
     let failures: Vec<(String, &str, &str, &str, Vec<&str>)> = vec![
         (unique("missing"), "image", "s3://samples/image/no-such-key.jpg", "input_not_found", vec!["s3://samples/image/no-such-key.jpg", "not found"]),
         (unique("denied"), "image", "s3://forbidden/image/t1.jpg", "fetch_failed", vec!["s3://forbidden/image/t1.jpg", "may not be read"]),
         (unique("unlisted"), "image", "s3://elsewhere/t1.jpg", "unsupported_input", vec!["'elsewhere'", "s3.buckets"]),
         (unique("text"), "image", "s3://samples/image/not-an-image.jpg", "invalid_image", vec![]),
         (unique("huge"), "image", "s3://samples/image/huge.png", "input_too_large", vec!["limit of 8388608 bytes", "max_input_bytes"]),
+        (unique("host"), "image", &elsewhere, "unsupported_input", vec!["'localhost:", "input.http.hosts"]),
+        (unique("metadata"), "image", "http://169.254.169.254/latest/meta-data/iam", "unsupported_input", vec!["'169.254.169.254'"]),
+        (unique("redirect"), "image", &redirected, "fetch_failed", vec![&redirected, "302"]),
     ];
     for (id, task, uri, _, _) in &failures {
         send(&producer, &topic(task), id, &request_uri(id, task, uri)).await.expect("send");
@@ -158,7 +182,7 @@ async fn s3_inputs_get_the_results_their_files_get_and_each_storage_failure_is_a
     let after = unique("after");
     send(&producer, &image.requests, &after, &request_uri(&after, "image", "s3://samples/image/t1.jpg")).await.expect("send");
 
-    let mut ids: Vec<String> = pairs.iter().flat_map(|(_, a, b)| [a.clone(), b.clone()]).collect();
+    let mut ids: Vec<String> = pairs.iter().flat_map(|(_, a, b, c)| [a.clone(), b.clone(), c.clone()]).collect();
     ids.extend(failures.iter().map(|f| f.0.clone()));
     ids.push(after.clone());
     let got = collect(&outputs, Duration::from_secs(300), |got| ids.iter().all(|id| got.contains_key(id))).await.expect("collect");
@@ -167,11 +191,12 @@ async fn s3_inputs_get_the_results_their_files_get_and_each_storage_failure_is_a
         assert_eq!(records.len(), 1, "{id}: {records:?}");
         &records[0]
     };
-    for (name, by_file, by_key) in &pairs {
-        let (file, key) = (one(by_file), one(by_key));
+    for (name, by_file, by_key, by_url) in &pairs {
+        let (file, key, url) = (one(by_file), one(by_key), one(by_url));
         assert_eq!(file.value["status"], "ok", "{name} by file: {}", file.value);
         assert_eq!(comparable(key), comparable(file), "{name}: s3:// and file:// differ");
-        eprintln!("{name}: the same result by s3:// and file:// (model {})", key.value["model"]);
+        assert_eq!(comparable(url), comparable(file), "{name}: http:// and file:// differ");
+        eprintln!("{name}: the same result by s3://, http:// and file:// (model {})", key.value["model"]);
     }
     for (id, _, uri, kind, needles) in &failures {
         let record = one(id);
@@ -207,7 +232,30 @@ async fn s3_inputs_get_the_results_their_files_get_and_each_storage_failure_is_a
     }
     let scrape = gateway.metrics_when(Duration::from_secs(30), |m| m.sum("vramgate_gateway_held_bytes", &[]) == 0.0).await;
     assert!(scrape.is_ok(), "bytes still held after every event ended");
+    let _ = redirector.kill();
 }
+
+/// An HTTP server on a free port (printed first) that answers every request with a 302 to the
+/// URL it is given.
+const REDIRECTOR: &str = r#"
+import http.server, sys
+
+class H(http.server.BaseHTTPRequestHandler):
+    def redirect(self):
+        self.send_response(302)
+        self.send_header("Location", sys.argv[1])
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD = redirect
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_result_names_them() {

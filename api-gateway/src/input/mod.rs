@@ -26,6 +26,7 @@ use base64::Engine;
 use vramgate_shared::events::{ErrorKind, InputRef};
 
 pub mod objects;
+mod web;
 use objects::{Located, Named, ObjectInputs};
 
 /// Longest path or URI echoed in an error message.
@@ -33,8 +34,14 @@ const SHOWN_CHARS: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    #[error("input uri '{0}' is not a uri this gateway reads (file://, and s3:// for the buckets in s3.buckets)")]
+    #[error(
+        "input uri '{0}' is not a uri this gateway reads (file://; s3:// for the buckets in s3.buckets; https:// for the hosts in input.http.hosts)"
+    )]
     UnsupportedScheme(String),
+    #[error("host '{0}' is not one this gateway reads from (input.http.hosts)")]
+    HostNotListed(String),
+    #[error("input url '{url}' is not read: {reason}")]
+    BadUrl { url: String, reason: String },
     #[error("bucket '{0}' is not one this gateway reads (s3.buckets)")]
     BucketNotListed(String),
     #[error("input uri '{uri}' does not name a valid object key: {reason}")]
@@ -43,7 +50,7 @@ pub enum FetchError {
     ObjectNotFound(String),
     #[error("object {uri} may not be read with the gateway's credentials: {reason}")]
     ObjectDenied { uri: String, reason: String },
-    #[error("object {uri} could not be read (after the retries s3 allows): {reason}")]
+    #[error("object {uri} could not be read (after the retries [s3] or [input.http] allow): {reason}")]
     ObjectFailed { uri: String, reason: String },
     #[error("input uri '{0}' has a host; use file:///absolute/path")]
     UriHasHost(String),
@@ -71,6 +78,8 @@ impl FetchError {
             | FetchError::UriHasHost(_)
             | FetchError::NotRegular { .. }
             | FetchError::BucketNotListed(_)
+            | FetchError::HostNotListed(_)
+            | FetchError::BadUrl { .. }
             | FetchError::BadKey { .. } => ErrorKind::UnsupportedInput,
             FetchError::NotFound(_) | FetchError::ObjectNotFound(_) => ErrorKind::InputNotFound,
             _ => ErrorKind::FetchFailed,
@@ -160,7 +169,7 @@ impl InputSource {
                 }
                 Ok(Opened::Inline(data_b64))
             }
-            InputRef::Uri { uri } if uri.starts_with("s3://") => match &self.objects {
+            InputRef::Uri { uri } if ObjectInputs::reads(&uri) => match &self.objects {
                 Some(objects) => objects.name(&uri).map(Opened::Named),
                 None => Err(FetchError::UnsupportedScheme(shown(&uri))),
             },

@@ -1,9 +1,10 @@
 //! Inputs named by `s3://bucket/key`, read through the `object_store` crate from AWS S3 or an
-//! S3-compatible server (SeaweedFS, MinIO, Ceph).
+//! S3-compatible server (SeaweedFS, MinIO, Ceph), and by `https://host/path` from the hosts
+//! the operator listed ([`super::web`]).
 //!
-//! Only the buckets the operator listed (`s3.buckets`) can be named: one client per
-//! bucket is built at start-up, and an event naming any other bucket is refused before a
-//! request is made. A fetch is two requests: a HEAD, whose size is checked against
+//! Only the buckets the operator listed (`s3.buckets`) and the hosts (`input.http.hosts`) can
+//! be named: one client per bucket and per host is built at start-up, and an event naming any
+//! other is refused before a request is made. A fetch is two requests: a HEAD, whose size is checked against
 //! `max_input_bytes` before a byte of the body is read (and reserved from `max_held_bytes` by
 //! the caller), then a GET of that version of the object (`If-Match` its ETag), whose body is
 //! counted as it streams in and cut off one byte past the limit. Each request has a timeout;
@@ -20,17 +21,18 @@ use futures::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, ObjectStore, ObjectStoreExt};
 
-use super::{shown, FetchError};
-use crate::config::S3Config;
+use super::{shown, web, FetchError};
+use crate::config::{HttpInputConfig, S3Config};
 use crate::storage::buckets::Buckets;
 
-/// The buckets events may name, each with its client.
+/// The buckets and hosts events may name, each with its client.
 #[derive(Debug, Clone)]
 pub struct ObjectInputs {
     buckets: HashMap<String, Arc<dyn ObjectStore>>,
-    /// Bounds one whole read (HEAD, GET and every retry of either): a backstop past
-    /// `object_store`'s own per-request timeout and retry budget.
+    /// Bounds one whole read of an object (HEAD, GET and every retry of either): a backstop
+    /// past `object_store`'s own per-request timeout and retry budget.
     deadline: Duration,
+    web: Option<web::WebInputs>,
 }
 
 /// An object found by its HEAD: the size is known and within the limit.
@@ -41,6 +43,7 @@ pub struct Located {
     e_tag: Option<String>,
     pub size: u64,
     pub shown: String,
+    deadline: Duration,
 }
 
 /// An object named by an event, not yet asked for.
@@ -49,12 +52,16 @@ pub struct Named {
     store: Arc<dyn ObjectStore>,
     path: ObjectPath,
     pub shown: String,
+    /// Bounds its whole read (HEAD and GET, every retry included).
+    deadline: Duration,
 }
 
+
 impl ObjectInputs {
-    /// The clients of the buckets events may name (`s3.buckets`); `None` when none is listed.
-    pub fn new(config: &S3Config, clients: &Buckets) -> anyhow::Result<Option<Self>> {
-        if config.buckets.is_empty() {
+    /// The clients of the buckets events may name (`s3.buckets`) and of the hosts
+    /// (`input.http.hosts`); `None` when neither lists any.
+    pub fn new(config: &S3Config, http: &HttpInputConfig, clients: &Buckets) -> anyhow::Result<Option<Self>> {
+        if config.buckets.is_empty() && http.hosts.is_empty() {
             return Ok(None);
         }
         let mut buckets = HashMap::new();
@@ -62,12 +69,27 @@ impl ObjectInputs {
             let client = clients.get(bucket).ok_or_else(|| anyhow::anyhow!("s3: no client for bucket '{bucket}'"))?;
             buckets.insert(bucket.clone(), client.clone());
         }
-        Ok(Some(ObjectInputs { buckets, deadline: clients.deadline() }))
+        let web = (!http.hosts.is_empty()).then(|| web::WebInputs::new(http)).transpose()?;
+        Ok(Some(ObjectInputs { buckets, deadline: clients.deadline(), web }))
+    }
+
+    /// Whether `uri` is one of the schemes read here.
+    pub fn reads(uri: &str) -> bool {
+        ["s3://", "https://", "http://"].iter().any(|scheme| uri.starts_with(scheme))
     }
 
     /// The bucket and key of an `s3://` URI, checked without a request: the bucket must be
     /// listed and the key a valid object path.
     pub fn name(&self, uri: &str) -> Result<Named, FetchError> {
+        if !uri.starts_with("s3://") {
+            return match &self.web {
+                Some(web) => web.name(uri).map(|t| Named { store: t.store, path: t.path, shown: shown(uri), deadline: t.deadline }),
+                None => Err(FetchError::UnsupportedScheme(shown(uri))),
+            };
+        }
+        if self.buckets.is_empty() {
+            return Err(FetchError::UnsupportedScheme(shown(uri)));
+        }
         let rest = uri.strip_prefix("s3://").ok_or_else(|| FetchError::UnsupportedScheme(shown(uri)))?;
         let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
         let store = self.buckets.get(bucket).ok_or_else(|| FetchError::BucketNotListed(shown(bucket)))?;
@@ -75,25 +97,25 @@ impl ObjectInputs {
             return Err(FetchError::BadKey { uri: shown(uri), reason: "the key is empty".into() });
         }
         let path = ObjectPath::parse(key).map_err(|e| FetchError::BadKey { uri: shown(uri), reason: shown(&e.to_string()) })?;
-        Ok(Named { store: store.clone(), path, shown: shown(uri) })
+        Ok(Named { store: store.clone(), path, shown: shown(uri), deadline: self.deadline })
     }
 
     /// Asks for the object's size (HEAD) and checks it against `limit` before any download.
     pub async fn locate(&self, named: Named, limit: u64) -> Result<Located, FetchError> {
-        let Named { store, path, shown } = named;
-        let head = tokio::time::timeout(self.deadline, store.head(&path))
+        let Named { store, path, shown, deadline } = named;
+        let head = tokio::time::timeout(deadline, store.head(&path))
             .await
-            .map_err(|_| FetchError::TimedOut { path: shown.clone(), seconds: self.deadline.as_secs_f64() })?
+            .map_err(|_| FetchError::TimedOut { path: shown.clone(), seconds: deadline.as_secs_f64() })?
             .map_err(|e| object_error(e, &shown))?;
         if head.size > limit {
             return Err(FetchError::TooLarge { size: head.size, limit });
         }
-        Ok(Located { store, path, e_tag: head.e_tag, size: head.size, shown })
+        Ok(Located { store, path, e_tag: head.e_tag, size: head.size, shown, deadline })
     }
 
     /// Downloads the located object, its body cut off one byte past `limit`.
     pub async fn read(&self, located: Located, limit: u64) -> Result<Vec<u8>, FetchError> {
-        let Located { store, path, e_tag, size, shown } = located;
+        let Located { store, path, e_tag, size, shown, deadline } = located;
         let download = async {
             // The version the HEAD sized: an object replaced in between fails the precondition
             // instead of arriving at a size nobody reserved.
@@ -110,9 +132,9 @@ impl ObjectInputs {
             }
             Ok(bytes)
         };
-        tokio::time::timeout(self.deadline, download)
+        tokio::time::timeout(deadline, download)
             .await
-            .map_err(|_| FetchError::TimedOut { path: shown.clone(), seconds: self.deadline.as_secs_f64() })?
+            .map_err(|_| FetchError::TimedOut { path: shown.clone(), seconds: deadline.as_secs_f64() })?
     }
 }
 
@@ -148,7 +170,9 @@ mod tests {
     }
 
     fn inputs(config: &S3Config) -> ObjectInputs {
-        ObjectInputs::new(config, &Buckets::new(config, []).expect("clients")).expect("builds").expect("a bucket is listed")
+        ObjectInputs::new(config, &HttpInputConfig::default(), &Buckets::new(config, []).expect("clients"))
+            .expect("builds")
+            .expect("a bucket is listed")
     }
 
     #[tokio::test]

@@ -10,7 +10,17 @@ use object_store::{BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, Pu
 use serde_json::Value;
 
 use super::{key_part, StoredOutput};
-use crate::config::S3Config;
+use crate::config::{S3Config, Timeouts};
+
+/// `object_store`'s retries of one request: backoff from 0.1 s doubling to 5 s (jittered), at
+/// most `max_retries`, none started past the retry timeout.
+pub fn retries(max_retries: usize, timeouts: &Timeouts) -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig { init_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(5), base: 2.0 },
+        max_retries,
+        retry_timeout: timeouts.retry,
+    }
+}
 
 /// One client per bucket, with the `[s3]` settings.
 #[derive(Debug, Clone, Default)]
@@ -22,15 +32,12 @@ pub struct Buckets {
 impl Buckets {
     /// Clients for `s3.buckets` and every bucket in `more` (the outputs' stores).
     pub fn new(config: &S3Config, more: impl IntoIterator<Item = String>) -> anyhow::Result<Self> {
+        let timeouts = config.timeouts();
         let options = ClientOptions::new()
-            .with_timeout(config.request_timeout())
-            .with_connect_timeout(config.connect_timeout())
+            .with_timeout(timeouts.request)
+            .with_connect_timeout(timeouts.connect)
             .with_allow_http(config.allow_http);
-        let retry = RetryConfig {
-            backoff: BackoffConfig { init_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(5), base: 2.0 },
-            max_retries: config.max_retries,
-            retry_timeout: config.retry_timeout(),
-        };
+        let retry = retries(config.max_retries, &timeouts);
         let mut clients = HashMap::new();
         for bucket in config.buckets.iter().cloned().chain(more) {
             if clients.contains_key(&bucket) {
@@ -53,9 +60,7 @@ impl Buckets {
             let store = builder.build().map_err(|e| anyhow::anyhow!("s3: the client for bucket '{bucket}': {e}"))?;
             clients.insert(bucket, Arc::new(store) as Arc<dyn ObjectStore>);
         }
-        // One whole read or write, every retry included: a backstop past the crate's own
-        // per-request timeout and retry budget.
-        let deadline = config.retry_timeout() + config.request_timeout() * 2;
+        let deadline = timeouts.deadline();
         Ok(Buckets { clients, deadline })
     }
 
