@@ -1,11 +1,7 @@
 //! A real Jaeger for the trace tests, started and stopped through `scripts/jaeger` on a port
 //! of the test's own, so it never meets a Jaeger the user runs.
 
-use std::process::Command;
-
-use anyhow::{bail, Context};
-
-use crate::repo_root;
+use crate::run_script;
 
 /// A running Jaeger; stopped when dropped.
 pub struct JaegerProcess {
@@ -40,14 +36,7 @@ impl JaegerProcess {
     }
 
     fn script(&self, action: &str) -> anyhow::Result<()> {
-        let output = Command::new(repo_root().join("scripts/jaeger"))
-            .args([action, "--port", &self.port.to_string()])
-            .output()
-            .with_context(|| format!("running scripts/jaeger {action}"))?;
-        if !output.status.success() {
-            bail!("scripts/jaeger {action} failed: {}", String::from_utf8_lossy(&output.stderr));
-        }
-        Ok(())
+        run_script("jaeger", &[action, "--port", &self.port.to_string()]).map(drop)
     }
 }
 

@@ -57,6 +57,18 @@ pub fn binary(name: &str) -> PathBuf {
 }
 
 /// The Python of the project's venv (tritonclient lives there).
+/// Runs `scripts/<name> <args>`; its standard output, or an error with its standard error.
+pub fn run_script(name: &str, args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new(repo_root().join("scripts").join(name))
+        .args(args)
+        .output()
+        .with_context(|| format!("running scripts/{name} {}", args.join(" ")))?;
+    if !output.status.success() {
+        anyhow::bail!("scripts/{name} {} failed: {}", args.join(" "), String::from_utf8_lossy(&output.stderr));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 pub fn venv_python() -> PathBuf {
     let venv = std::env::var_os("VRAMGATE_VENV").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".venv"));
     venv.join("bin").join("python")

@@ -2,15 +2,14 @@
 //! through `scripts/object-store` on a port of the test's own, and a client that puts the
 //! samples the events name.
 
-use std::process::Command;
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
-use crate::repo_root;
+use crate::run_script;
 
 /// A running server; stopped when dropped.
 pub struct ObjectServer {
@@ -81,14 +80,7 @@ impl ObjectServer {
     }
 
     fn script(&self, action: &str) -> anyhow::Result<String> {
-        let output = Command::new(repo_root().join("scripts/object-store"))
-            .args([action, "--port", &self.port.to_string()])
-            .output()
-            .with_context(|| format!("running scripts/object-store {action}"))?;
-        if !output.status.success() {
-            bail!("scripts/object-store {action} failed: {}", String::from_utf8_lossy(&output.stderr));
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        run_script("object-store", &[action, "--port", &self.port.to_string()])
     }
 }
 

@@ -60,7 +60,7 @@ pub enum FetchError {
     NotRegular { path: String, what: &'static str },
     #[error("input file {path} could not be read: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("input file {path} was not read within the {seconds} s read timeout")]
+    #[error("input {path} was not read within the {seconds} s it may take")]
     TimedOut { path: String, seconds: f64 },
     #[error("input is {size} bytes, more than the limit of {limit} bytes (input.max_input_bytes)")]
     TooLarge { size: u64, limit: u64 },

@@ -81,16 +81,15 @@ impl ObjectInputs {
     /// The bucket and key of an `s3://` URI, checked without a request: the bucket must be
     /// listed and the key a valid object path.
     pub fn name(&self, uri: &str) -> Result<Named, FetchError> {
-        if !uri.starts_with("s3://") {
+        let Some(rest) = uri.strip_prefix("s3://") else {
             return match &self.web {
                 Some(web) => web.name(uri).map(|t| Named { store: t.store, path: t.path, shown: shown(uri), deadline: t.deadline }),
                 None => Err(FetchError::UnsupportedScheme(shown(uri))),
             };
-        }
+        };
         if self.buckets.is_empty() {
             return Err(FetchError::UnsupportedScheme(shown(uri)));
         }
-        let rest = uri.strip_prefix("s3://").ok_or_else(|| FetchError::UnsupportedScheme(shown(uri)))?;
         let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
         let store = self.buckets.get(bucket).ok_or_else(|| FetchError::BucketNotListed(shown(bucket)))?;
         if key.is_empty() {

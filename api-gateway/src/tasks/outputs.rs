@@ -485,7 +485,7 @@ fn store(
     post_fits(&rule.post, tensor.datatype()).map_err(failed)?;
     match rule.post.last() {
         Some(PostOp::MaskPng) => {
-            let (png, width, height, _) = mask_png(rule, tensor, frame).map_err(failed)?;
+            let (png, width, height) = mask_png(rule, tensor, frame).map_err(failed)?;
             Ok(StoredOutput::new(&rule.name, target, "png", png, &[height as usize, width as usize], "UINT8"))
         }
         Some(op) if op.is_terminal() => {
@@ -508,8 +508,8 @@ fn store(
     }
 }
 
-/// A row's map as a PNG ([`mask`]): its width and height, and what its pixels are.
-fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement, (u32, u32))>) -> Result<(Vec<u8>, u32, u32, &'static str), String> {
+/// A row's map as a PNG ([`mask`]), with its width and height.
+fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement, (u32, u32))>) -> Result<(Vec<u8>, u32, u32), String> {
     let labels = |values: Vec<i64>| -> Result<mask::Map, String> {
         values
             .into_iter()
@@ -517,19 +517,18 @@ fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement,
             .collect::<Result<Vec<u8>, String>>()
             .map(mask::Map::Labels)
     };
-    let (map, kind) = match &tensor.data {
+    let map = match &tensor.data {
         TensorData::Fp32(_) | TensorData::Fp16(_) => {
             let values = transformed(rule, &tensor.shape, tensor.floats().map_err(|f| f.message)?.into_owned());
-            (mask::Map::Binary(values.iter().map(|&v| v >= rule.threshold).collect()), "mask")
+            mask::Map::Binary(values.iter().map(|&v| v >= rule.threshold).collect())
         }
-        TensorData::Bool(v) => (mask::Map::Binary(v.clone()), "mask"),
-        TensorData::Uint8(v) => (mask::Map::Labels(v.clone()), "labels"),
-        TensorData::Int32(v) => (labels(v.iter().map(|&x| i64::from(x)).collect())?, "labels"),
-        TensorData::Int64(v) => (labels(v.clone())?, "labels"),
+        TensorData::Bool(v) => mask::Map::Binary(v.clone()),
+        TensorData::Uint8(v) => mask::Map::Labels(v.clone()),
+        TensorData::Int32(v) => labels(v.iter().map(|&x| i64::from(x)).collect())?,
+        TensorData::Int64(v) => labels(v.clone())?,
         other => return Err(format!("mask_png does not read {}", other.datatype().as_str())),
     };
-    let (png, width, height) = mask::render(&map, &tensor.shape, frame)?;
-    Ok((png, width, height, kind))
+    mask::render(&map, &tensor.shape, frame)
 }
 
 /// The values through the row's `softmax` / `sigmoid` steps (softmax along the last
@@ -572,17 +571,12 @@ fn apply(rule: &OutputRule, labels: Option<&[String]>, tensor: &OutputTensor, in
 }
 
 /// A floating-point output (FP16 widened) through its rule: the transforms, then the last step.
-fn floats(rule: &OutputRule, labels: Option<&[String]>, shape: &[usize], mut values: Vec<f32>, input: &Value) -> Result<Value, Failure> {
-    let row_len = row_len(shape);
-    for op in &rule.post {
-        match op {
-            PostOp::SpeechSegments => return segments(rule, &values, input),
-            PostOp::Softmax => values.chunks_mut(row_len).for_each(softmax),
-            PostOp::Sigmoid => values.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
-            _ => {}
-        }
+fn floats(rule: &OutputRule, labels: Option<&[String]>, shape: &[usize], values: Vec<f32>, input: &Value) -> Result<Value, Failure> {
+    // speech_segments is a row's only step (`OutputRule::validate`).
+    if rule.post.contains(&PostOp::SpeechSegments) {
+        return segments(rule, &values, input);
     }
-    Ok(last_step(rule, labels, shape, &values))
+    Ok(last_step(rule, labels, shape, &transformed(rule, shape, values)))
 }
 
 /// The values of a row's length: the last dimension's (a scalar or empty-row output has no last
