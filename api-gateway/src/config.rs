@@ -1032,6 +1032,34 @@ mod tests {
     }
 
     #[test]
+    fn object_storage_keys_come_from_the_environment_and_the_secret_stays_hidden() {
+        let vars = [
+            ("VGGW_S3__BUCKETS", "media,raw-audio"),
+            ("VGGW_S3__ACCESS_KEY_ID", "AKIAEXAMPLE"),
+            ("VGGW_S3__SECRET_ACCESS_KEY", "0123s3cret"),
+            ("VGGW_INPUT__HTTP__HOSTS", "media.example.com,127.0.0.1:8888"),
+        ];
+        with_env(&vars, |config| {
+            assert_eq!(config.s3.buckets, ["media", "raw-audio"]);
+            assert_eq!(config.s3.access_key_id.as_ref().map(Secret::expose), Some("AKIAEXAMPLE"));
+            assert_eq!(config.s3.secret_access_key.as_ref().map(Secret::expose), Some("0123s3cret"), "taken verbatim");
+            assert_eq!(config.input.http.hosts, ["media.example.com", "127.0.0.1:8888"]);
+            assert!(config.validate().is_ok(), "{:?}", config.validate());
+            assert!(!format!("{config:?}").contains("0123s3cret"), "the secret is printed");
+        });
+        // One key without the other, a bucket S3 would refuse, a host with a scheme.
+        with_env(&[("VGGW_S3__ACCESS_KEY_ID", "AKIAEXAMPLE")], |config| {
+            assert!(config.validate().expect_err("half a key pair").contains("both"));
+        });
+        with_env(&[("VGGW_S3__BUCKETS", "Media_Bucket")], |config| {
+            assert!(config.validate().expect_err("bad bucket").contains("Media_Bucket"));
+        });
+        with_env(&[("VGGW_INPUT__HTTP__HOSTS", "https://media.example.com")], |config| {
+            assert!(config.validate().expect_err("a scheme").contains("host:port"));
+        });
+    }
+
+    #[test]
     fn librdkafka_properties_reach_their_names_from_the_environment_and_stay_hidden() {
         // The underscore form a shell can export, a secret of digits, and the dotted form
         // Kubernetes allows.

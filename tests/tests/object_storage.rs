@@ -288,10 +288,14 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
         ),
     )
     .expect("gateway.toml");
-    // The gateway reads its credentials through the AWS chain: its process environment.
-    let aws: Vec<(&str, &str)> =
-        ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"].iter().map(|k| (*k, server.var(k).expect("exported"))).collect();
-    let gateway = start_gateway_config_with(&config, &[], &aws).await.expect("the gateway starts");
+    // This gateway's credentials come from its configuration (the environment's form of
+    // s3.access_key_id / s3.secret_access_key), not the AWS chain the other tests use.
+    let keys = [
+        ("S3__ACCESS_KEY_ID", server.var("AWS_ACCESS_KEY_ID").expect("exported").to_string()),
+        ("S3__SECRET_ACCESS_KEY", server.var("AWS_SECRET_ACCESS_KEY").expect("exported").to_string()),
+    ];
+    let gateway = start_gateway_config_with(&config, &keys, &[]).await.expect("the gateway starts");
+    assert!(!gateway.service.log_text().contains(&keys[1].1), "the secret is in the gateway's log");
 
     // astronaut.png is the model input's size (the map is its red channel, exactly); coffee.png
     // (600 x 400) is letterboxed into it, and its mask comes back at 600 x 400.
@@ -360,17 +364,8 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    let output = std::process::Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().expect("stdin").write_all(bytes)?;
-            child.wait_with_output()
-        })
-        .expect("sha256sum");
-    String::from_utf8_lossy(&output.stdout).split_whitespace().next().unwrap_or_default().to_string()
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A model whose `[1, 512, 512]` map is the red channel over 255 (tests/python/red_map_model.py),
