@@ -26,12 +26,25 @@
 //! good (too large, topic missing or forbidden) is replaced by its trimmed dead letter
 //! ([`crate::produce::trimmed_dead_letter`]), as in at-least-once delivery; if that is refused
 //! too, the record is committed past with no output, counted and logged.
+//!
+//! librdkafka's transactional calls take a timeout but do not always keep it: with the group
+//! coordinator gone and back (a broker restart), `send_offsets_to_transaction` can wait for a
+//! coordinator request that is never sent again (librdkafka issues 5456 and 5511), and the
+//! whole gateway's commits with it. Each call that cannot commit a transaction
+//! (`init_transactions`, `send_offsets_to_transaction`, `abort_transaction`) runs on a thread
+//! of its own ([`bounded`]); one that has not returned [`STUCK_GRACE`] past its timeout is
+//! abandoned with its producer, which is treated as failed for good: a new producer under the
+//! same id fences it, and the transaction is redone. The abandoned producer can commit nothing
+//! (only `commit_transaction` commits, and it is never called on it again); its thread keeps
+//! it until librdkafka returns. `commit_transaction` itself is never abandoned: left running,
+//! it could still commit after the redone transaction, and write its outputs twice.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, ConsumerGroupMetadata};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{BaseRecord, Producer as _};
@@ -53,6 +66,13 @@ const QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
 const PURGE_WAIT: Duration = Duration::from_secs(2);
 /// `commit_transaction` attempts when the broker answers with a retriable error.
 const COMMIT_ATTEMPTS: u32 = 3;
+/// How long past its own timeout a transactional call of librdkafka may run before it is
+/// abandoned with its producer ([`bounded`]).
+const STUCK_GRACE: Duration = if cfg!(test) { Duration::from_millis(100) } else { Duration::from_secs(5) };
+/// Abandoned calls still running (each holds its producer): past this, the next one is waited
+/// for instead, so stuck producers never pile up.
+const MAX_ABANDONED: usize = 4;
+static ABANDONED: AtomicUsize = AtomicUsize::new(0);
 
 static TRANSACTION_LOG: LogLimit = LogLimit::new(5);
 
@@ -226,7 +246,7 @@ pub type MakeProducer = Box<dyn Fn() -> Result<Producer, KafkaError> + Send>;
 /// The transactional producer and the outbox it empties.
 pub struct Transactional {
     /// None after a fatal error whose replacement failed: the next commit makes one.
-    producer: Option<Producer>,
+    producer: Option<Arc<Producer>>,
     make: MakeProducer,
     pub outbox: Arc<Outbox>,
     metrics: Arc<Metrics>,
@@ -292,7 +312,7 @@ impl Transactional {
     /// refused for good are marked for their stand-ins.
     fn transaction<C: ConsumerContext>(
         &self,
-        producer: &Producer,
+        producer: &Arc<Producer>,
         consumer: &BaseConsumer<C>,
         positions: &[(TopicPartition, i64, u64)],
         outputs: &mut [Pending],
@@ -311,7 +331,7 @@ impl Transactional {
             let group = consumer
                 .group_metadata()
                 .ok_or(KafkaError::ConsumerCommit(RDKafkaErrorCode::UnknownMemberId))?;
-            producer.send_offsets_to_transaction(&offsets, &group, self.timeout)?;
+            send_offsets(producer, offsets, group, self.timeout)?;
             // Every output acknowledged before the commit: rdkafka's `commit_transaction`
             // flushes first, and its flush, finding anything outstanding, waits on the event
             // queue for up to 100 ms, while the producer's own polling thread takes the events
@@ -326,6 +346,8 @@ impl Transactional {
             }
             let mut attempt = 1;
             loop {
+                // Never abandoned: a commit left running could still land after its
+                // transaction was redone by the next producer, and write its outputs twice.
                 match producer.commit_transaction(self.timeout) {
                     Err(KafkaError::Transaction(e)) if e.is_retriable() && attempt < COMMIT_ATTEMPTS => attempt += 1,
                     other => return other,
@@ -334,7 +356,7 @@ impl Transactional {
         })();
         let Err(error) = sent else { return Ok(()) };
         if !is_fatal(&error) {
-            if let Err(abort) = producer.abort_transaction(self.timeout) {
+            if let Err(abort) = bounded(producer, self.timeout, "abort_transaction", |p, t| p.abort_transaction(t)) {
                 tracing::warn!(error = %abort, "aborting the transaction failed");
                 // A producer that cannot abort cannot begin either: replaced.
                 return Err(abort_as_fatal(abort));
@@ -404,10 +426,66 @@ fn settle(acks: &mut [Option<oneshot::Receiver<Acked>>], acked: &mut Vec<Option<
 }
 
 /// A new transactional producer, its transactions initialised.
-fn ready(make: &MakeProducer, timeout: Duration) -> Result<Producer, KafkaError> {
-    let producer = make()?;
-    producer.init_transactions(timeout)?;
+fn ready(make: &MakeProducer, timeout: Duration) -> Result<Arc<Producer>, KafkaError> {
+    let producer = Arc::new(make()?);
+    bounded(&producer, timeout, "init_transactions", |p, t| p.init_transactions(t))?;
     Ok(producer)
+}
+
+fn send_offsets(
+    producer: &Arc<Producer>,
+    offsets: TopicPartitionList,
+    group: ConsumerGroupMetadata,
+    timeout: Duration,
+) -> Result<(), KafkaError> {
+    bounded(producer, timeout, "send_offsets_to_transaction", move |p, t| p.send_offsets_to_transaction(&offsets, &group, t))
+}
+
+/// Runs `call(producer, timeout)`, a transactional call of librdkafka that cannot commit, on a
+/// thread of its own
+/// and waits for it up to `timeout` and [`STUCK_GRACE`]. One that has not returned by then is
+/// abandoned (its thread keeps the producer until librdkafka returns) and answers a fatal
+/// error, so the producer is replaced. With [`MAX_ABANDONED`] calls abandoned and still
+/// running, it waits for this one however long it takes rather than leave another behind.
+fn bounded<T: Send + 'static>(
+    producer: &Arc<Producer>,
+    timeout: Duration,
+    name: &'static str,
+    call: impl FnOnce(&Producer, Duration) -> Result<T, KafkaError> + Send + 'static,
+) -> Result<T, KafkaError> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    let own = Arc::clone(producer);
+    let (abandoned_tx, abandoned_rx) = mpsc::sync_channel::<()>(1);
+    let spawned = std::thread::Builder::new().name("kafka-txn".into()).spawn(move || {
+        let _ = tx.send(call(&own, timeout));
+        drop(own);
+        // Told it was abandoned (the sender is dropped without a word otherwise): no longer.
+        if abandoned_rx.recv().is_ok() {
+            ABANDONED.fetch_sub(1, Ordering::SeqCst);
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, call = name, "no thread for a transactional call");
+        return Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal));
+    }
+    match rx.recv_timeout(timeout + STUCK_GRACE).or_else(|_| rx.try_recv()) {
+        Ok(result) => result,
+        Err(_) if ABANDONED.load(Ordering::SeqCst) >= MAX_ABANDONED => {
+            tracing::error!(call = name, "a transactional call is past its timeout, and {MAX_ABANDONED} more are still running; waiting for this one");
+            rx.recv().unwrap_or(Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal)))
+        }
+        Err(_) => {
+            ABANDONED.fetch_add(1, Ordering::SeqCst);
+            let _ = abandoned_tx.send(());
+            tracing::error!(
+                call = name,
+                timeout_ms = timeout.as_millis() as u64,
+                "a transactional call of librdkafka did not return within its timeout; its producer is abandoned and \
+                 replaced under the same transactional id, and the transaction redone"
+            );
+            Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))
+        }
+    }
 }
 
 /// Whether the producer can go on after this error (else it is replaced).
@@ -497,6 +575,46 @@ mod tests {
         outbox.put_back(vec![slipped]);
         let taken = outbox.take(&[(tp.clone(), 10, epoch)]);
         assert_eq!(taken.iter().map(|p| p.ticket.offset).collect::<Vec<_>>(), vec![0]);
+    }
+
+    #[test]
+    fn a_transactional_call_past_its_timeout_is_abandoned_as_fatal() {
+        use crate::consume::client::KafkaEvents;
+        use crate::health::Health;
+        use rdkafka::ClientConfig;
+        // No broker: the client is made, never connected.
+        let producer: Arc<Producer> = Arc::new(
+            ClientConfig::new()
+                .set("bootstrap.servers", "127.0.0.1:9")
+                .create_with_context(produce::Outputs(KafkaEvents::new(Arc::new(Health::default()), Metrics::new())))
+                .expect("producer"),
+        );
+        let timeout = Duration::from_millis(200);
+        // In time: its own answer, and nothing left running.
+        let quick = bounded(&producer, timeout, "quick", |_, t| Ok(t));
+        assert_eq!(quick.expect("answered"), timeout);
+        assert_eq!(ABANDONED.load(Ordering::SeqCst), 0);
+        // Stuck (librdkafka ignoring its timeout): abandoned after the timeout and the grace,
+        // as a fatal error, so the producer is replaced; its thread holds the producer.
+        let (release, held) = mpsc::channel::<()>();
+        let started = Instant::now();
+        let stuck = bounded(&producer, timeout, "stuck", move |_, _| {
+            let _ = held.recv();
+            Ok(())
+        });
+        let waited = started.elapsed();
+        assert!(matches!(stuck, Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))), "{stuck:?}");
+        assert!(is_fatal(&stuck.unwrap_err()));
+        assert!(waited >= timeout + STUCK_GRACE, "gave up after {waited:?}");
+        assert_eq!(ABANDONED.load(Ordering::SeqCst), 1);
+        assert_eq!(Arc::strong_count(&producer), 2, "the abandoned call keeps its producer");
+        // When librdkafka returns at last, the thread lets the producer go.
+        release.send(()).expect("still waiting");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (ABANDONED.load(Ordering::SeqCst) > 0 || Arc::strong_count(&producer) > 1) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!((ABANDONED.load(Ordering::SeqCst), Arc::strong_count(&producer)), (0, 1));
     }
 
     #[test]
