@@ -83,7 +83,8 @@ pub struct WorkerConfig {
     pub body_read_timeout_ms: u64,
     /// Longest a keep-alive connection may stay idle (no request in progress and no byte of
     /// the next one) before the worker closes it. Also bounds writing a response to a
-    /// client that stopped reading.
+    /// client that stopped reading. On the gRPC door: longest a connection may go without a
+    /// call in progress (HTTP/2 pings do not count) before it is closed.
     pub idle_timeout_ms: u64,
     /// Bearer token the inference endpoints require (`Authorization: Bearer <token>`):
     /// `POST /v2/models/{name}[/versions/{v}]/infer` and `GET /v2/models/{name}[/versions/{v}]`.

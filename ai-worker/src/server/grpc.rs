@@ -21,6 +21,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -90,7 +91,14 @@ pub(super) async fn serve(
         // client's delayed ACK (P2 over gRPC at 32×32: 0.19× HTTP's rate before, see
         // docs/performance.md). The builder's `tcp_nodelay` covers only listeners it binds;
         // `incoming` sets it on each connection.
-        .serve_with_incoming_shutdown(incoming(listener, Duration::from_millis(config.header_read_timeout_ms)), shutdown)
+        .serve_with_incoming_shutdown(
+            incoming(
+                listener,
+                Duration::from_millis(config.header_read_timeout_ms),
+                Duration::from_millis(config.idle_timeout_ms),
+            ),
+            shutdown,
+        )
         .await?;
     Ok(())
 }
@@ -98,11 +106,13 @@ pub(super) async fn serve(
 /// The connections `listener` accepts, each handed to tonic only once it has sent its first
 /// bytes (HTTP/2's connection preface) within `first_bytes` (`header_read_timeout_ms`): one
 /// that sends nothing is closed then, as the HTTP door closes one that sends no request head,
-/// so silent sockets cannot pile up. `TCP_NODELAY` is set on each.
+/// so silent sockets cannot pile up. `TCP_NODELAY` is set on each, and each is closed once it
+/// has had no call for `idle` ([`IdleClosing`]).
 fn incoming(
     listener: TcpListener,
     first_bytes: Duration,
-) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>> {
+    idle: Duration,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<IdleClosing>> {
     let (tx, rx) = tokio::sync::mpsc::channel(ACCEPTED_QUEUE);
     tokio::spawn(async move {
         loop {
@@ -124,12 +134,123 @@ fn incoming(
             tokio::spawn(async move {
                 let mut first = [0u8; 1];
                 if let Ok(Ok(1..)) = tokio::time::timeout(first_bytes, stream.peek(&mut first)).await {
-                    let _ = tx.send(Ok(stream)).await;
+                    let _ = tx.send(Ok(IdleClosing::new(stream, idle))).await;
                 }
             });
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// The calls in progress on one connection, and since when it has had none. Tonic hands it to
+/// each call as the connection's info ([`tonic::transport::server::Connected`]), and
+/// [`BodyGate`] counts the call while it runs.
+#[derive(Clone)]
+struct Calls(Arc<CallsInner>);
+
+struct CallsInner {
+    running: AtomicUsize,
+    idle_since: std::sync::Mutex<tokio::time::Instant>,
+}
+
+impl Calls {
+    fn new() -> Self {
+        Calls(Arc::new(CallsInner { running: AtomicUsize::new(0), idle_since: std::sync::Mutex::new(tokio::time::Instant::now()) }))
+    }
+
+    /// A call begins; it ends when the guard is dropped.
+    fn begin(&self) -> CallRunning {
+        self.0.running.fetch_add(1, Ordering::SeqCst);
+        CallRunning(self.clone())
+    }
+
+    /// When the connection's idle time runs out, or `None` while a call runs.
+    fn idle_until(&self, idle: Duration) -> Option<tokio::time::Instant> {
+        let since = *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner());
+        (self.0.running.load(Ordering::SeqCst) == 0).then_some(since + idle)
+    }
+}
+
+struct CallRunning(Calls);
+
+impl Drop for CallRunning {
+    fn drop(&mut self) {
+        let inner = &self.0 .0;
+        let mut since = inner.idle_since.lock().unwrap_or_else(|p| p.into_inner());
+        if inner.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            *since = tokio::time::Instant::now();
+        }
+    }
+}
+
+/// A gRPC connection's socket that reads as closed once the connection has had no call in
+/// progress for `idle` (`idle_timeout_ms`, as on the HTTP door), so hyper closes it. HTTP/2
+/// pings are answered without a call, so a client that pings and never calls no longer holds
+/// a connection, with its windows' buffers, for ever. Only a read that would wait ends it:
+/// bytes that arrived are always read first, and a call that begins restarts the count. The
+/// connection's task reads again whenever it has written (a call's answer), which arms the
+/// timer once the last call ended.
+struct IdleClosing {
+    stream: tokio::net::TcpStream,
+    calls: Calls,
+    idle: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl IdleClosing {
+    fn new(stream: tokio::net::TcpStream, idle: Duration) -> Self {
+        let calls = Calls::new();
+        let timer = Box::pin(tokio::time::sleep(idle));
+        IdleClosing { stream, calls, idle, timer }
+    }
+}
+
+impl tonic::transport::server::Connected for IdleClosing {
+    type ConnectInfo = Calls;
+
+    fn connect_info(&self) -> Calls {
+        self.calls.clone()
+    }
+}
+
+impl tokio::io::AsyncRead for IdleClosing {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let ready @ Poll::Ready(_) = Pin::new(&mut this.stream).poll_read(cx, buf) {
+            return ready;
+        }
+        let Some(until) = this.calls.idle_until(this.idle) else { return Poll::Pending };
+        if this.timer.deadline() != until {
+            this.timer.as_mut().reset(until);
+        }
+        if this.timer.as_mut().poll(cx).is_ready() {
+            tracing::debug!(idle_ms = this.idle.as_millis() as u64, "closing a gRPC connection idle past idle_timeout_ms");
+            return Poll::Ready(Ok(())); // read as the end of the stream: hyper closes it
+        }
+        Poll::Pending
+    }
+}
+
+impl tokio::io::AsyncWrite for IdleClosing {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }
 
 /// The service itself: each call reads the shared [`AppState`].
@@ -616,7 +737,10 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let state = self.state.clone();
+        // Counted from its headers to its answer: the connection is not idle meanwhile.
+        let running = request.extensions().get::<Calls>().map(Calls::begin);
         Box::pin(async move {
+            let _running = running;
             let method = request.uri().path().rsplit('/').next().unwrap_or_default();
             if GUARDED.contains(&method) {
                 if let Some(token) = &state.auth_token {
