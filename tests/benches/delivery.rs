@@ -58,11 +58,11 @@ use rdkafka::message::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use vramgate_tests::bench::median;
-use vramgate_tests::bench::throughput::{p2_cases, p2_gateway_env, p2_input, PARTITIONS};
+use vramgate_tests::bench::throughput::{p2_cases, p2_gateway_env, p2_input, start_p2_gateway, PARTITIONS};
 use vramgate_tests::ceiling::{self, CeilingCase};
 use vramgate_tests::metrics::Scrape;
 use vramgate_tests::{
-    brokers, delete_topics, env_or, producer, request_file, scratch_dir, send_all, start_gateway, unique, TaskTopics,
+    brokers, delete_topics, env_or, producer, request_file, scratch_dir, send_all, unique, TaskTopics,
 };
 
 /// How the gateway delivers.
@@ -273,7 +273,7 @@ async fn run(
     let mut reader = Reader::start(&topics)?;
     let mut env = p2_gateway_env(case, &topics, &unique("bench-delivery"), worker_url, &input.root);
     env.extend(mode.env());
-    let gateway = start_gateway(&env).await?;
+    let gateway = start_p2_gateway(case, &env, &input.root).await?;
 
     // Throughput: from the first consumed record to the last output read.
     let limit = Duration::from_secs(600);

@@ -34,7 +34,14 @@ pub enum CeilingModel {
     Pnet,
     /// Silero VAD (`models/silero_vad.jit`), one clip `[1, samples]` at 16 kHz per request.
     SileroVad,
+    /// torchvision's MobileNetV2 of the model repository (`models/repository/mobilenet_v2`),
+    /// one 224×224 RGB crop as bytes, `[1, 224, 224, 3]` UINT8, per request.
+    MobileNetV2,
 }
+
+/// The worker's MobileNetV2, as its repository's `config.toml` declares it.
+const MOBILENET_KEYS: &str = "input = { name = \"image\", datatype = \"UINT8\", shape = [-1, 224, 224, 3] }\n\
+    outputs = [{ name = \"logits\", shape = [-1, 1000] }]";
 
 impl CeilingModel {
     /// The model's name in the worker config and in the table.
@@ -42,14 +49,22 @@ impl CeilingModel {
         match self {
             CeilingModel::Pnet => "mtcnn_pnet",
             CeilingModel::SileroVad => "silero_vad",
+            CeilingModel::MobileNetV2 => "mobilenet_v2",
         }
     }
 
+    /// Under `models/`.
     fn file(self) -> &'static str {
         match self {
             CeilingModel::Pnet => "mtcnn_pnet.jit",
             CeilingModel::SileroVad => "silero_vad.jit",
+            CeilingModel::MobileNetV2 => "repository/mobilenet_v2/model.pt",
         }
+    }
+
+    /// Whether it takes bytes (UINT8), not FP32.
+    pub fn takes_bytes(self) -> bool {
+        self == CeilingModel::MobileNetV2
     }
 
     /// The `raw_loop` arguments that call it as its declared keys say.
@@ -57,6 +72,7 @@ impl CeilingModel {
         match self {
             CeilingModel::Pnet => &["--method", "forward"],
             CeilingModel::SileroVad => &["--method", "audio_forward", "--args", "16000"],
+            CeilingModel::MobileNetV2 => &["--method", "forward", "--dtype", "u8"],
         }
     }
 
@@ -65,12 +81,13 @@ impl CeilingModel {
         match self {
             CeilingModel::Pnet => PNET_KEYS,
             CeilingModel::SileroVad => VAD_KEYS,
+            CeilingModel::MobileNetV2 => MOBILENET_KEYS,
         }
     }
 
     fn input(self) -> &'static str {
         match self {
-            CeilingModel::Pnet => "image",
+            CeilingModel::Pnet | CeilingModel::MobileNetV2 => "image",
             CeilingModel::SileroVad => "audio",
         }
     }
@@ -80,13 +97,14 @@ impl CeilingModel {
         match self {
             CeilingModel::Pnet => &["face_prob", "box_offsets"],
             CeilingModel::SileroVad => &["speech_prob"],
+            CeilingModel::MobileNetV2 => &["logits"],
         }
     }
 
     /// What one item is called in the table.
     pub fn unit(self) -> &'static str {
         match self {
-            CeilingModel::Pnet => "images/s",
+            CeilingModel::Pnet | CeilingModel::MobileNetV2 => "images/s",
             CeilingModel::SileroVad => "clips/s",
         }
     }
@@ -113,11 +131,19 @@ impl CeilingCase {
         CeilingCase { model: CeilingModel::SileroVad, label: format!("{seconds} s"), shape: vec![1, seconds * 16_000] }
     }
 
-    /// The deterministic input data, the same the tests use ([`test_image`], [`test_audio`]).
+    /// A MobileNetV2 crop: 224×224 RGB bytes, NHWC.
+    pub fn crop() -> Self {
+        CeilingCase { model: CeilingModel::MobileNetV2, label: "224x224 u8".into(), shape: vec![1, 224, 224, 3] }
+    }
+
+    /// The deterministic input data, the same the tests use ([`test_image`], [`test_audio`]);
+    /// for a model that takes bytes, values in [-0.5, 0.5] that [`as_byte`] maps to 0..=255
+    /// (as `raw_loop --dtype u8` does).
     pub fn data(&self) -> Vec<f32> {
         match self.model {
             CeilingModel::Pnet => test_image(self.shape[2], self.shape[3], 1),
             CeilingModel::SileroVad => test_audio(self.shape[1], 1),
+            CeilingModel::MobileNetV2 => (0..self.shape.iter().product::<usize>()).map(|i| ((i % 997) as f32 / 997.0) - 0.5).collect(),
         }
     }
 }
@@ -144,7 +170,7 @@ impl CeilingOptions {
     /// P-Net at 160×160, 320×320 and 480×640; Silero on clips of 1, 5 and 30 s; concurrency 1
     /// and 8; 4 s per figure, best of 2 rounds; one torch thread. Environment overrides:
     /// `VRAMGATE_BENCH_SECONDS`, `VRAMGATE_BENCH_CONCURRENCY` (comma-separated),
-    /// `VRAMGATE_BENCH_MODELS` (`pnet`, `vad` or both, comma-separated), `VRAMGATE_BENCH_ROUNDS`
+    /// `VRAMGATE_BENCH_MODELS` (`pnet`, `vad`, `mobilenet`, comma-separated; default `pnet,vad`), `VRAMGATE_BENCH_ROUNDS`
     /// (default 2), `VRAMGATE_BENCH_BUSY_RAW` (`0` leaves out the raw loop with one more CPU
     /// kept busy; default on).
     pub fn from_env() -> Self {
@@ -162,6 +188,9 @@ impl CeilingOptions {
         }
         if models.contains("vad") {
             cases.extend([CeilingCase::clip(1), CeilingCase::clip(5), CeilingCase::clip(30)]);
+        }
+        if models.contains("mobilenet") {
+            cases.push(CeilingCase::crop());
         }
         let busy_raw = std::env::var("VRAMGATE_BENCH_BUSY_RAW").map_or(true, |v| v != "0");
         CeilingOptions { cases, concurrency, seconds, torch_threads: 1, worker_extra: String::new(), rounds, busy_raw }
@@ -293,7 +322,7 @@ fn batch_threads_schedstat(pid: u32, model: CeilingModel) -> (u64, u64) {
 
 /// Starts a worker serving both models the way the benchmark measures them.
 pub async fn start_ceiling_worker(options: &CeilingOptions) -> anyhow::Result<Worker> {
-    let models: Vec<(&str, &str, &str, &str)> = [CeilingModel::Pnet, CeilingModel::SileroVad]
+    let models: Vec<(&str, &str, &str, &str)> = [CeilingModel::Pnet, CeilingModel::SileroVad, CeilingModel::MobileNetV2]
         .into_iter()
         .filter(|m| options.cases.iter().any(|c| c.model == *m))
         .map(|m| (m.name(), m.file(), m.keys(), "max_input_elements = 20000000"))
@@ -305,6 +334,12 @@ pub async fn start_ceiling_worker(options: &CeilingOptions) -> anyhow::Result<Wo
     start_worker(&config).await
 }
 
+/// A value of [`CeilingCase::data`] as the byte a model that takes bytes gets, the way
+/// `raw_loop --dtype u8` makes it.
+pub fn as_byte(v: f32) -> u8 {
+    ((v + 0.5).clamp(0.0, 1.0) * 255.0) as u8
+}
+
 /// Calls the worker with `concurrency` requests in flight, each the same pre-encoded body, for
 /// `seconds`; returns (answers per second, requests that did not answer 200).
 pub async fn worker_rate(
@@ -314,7 +349,11 @@ pub async fn worker_rate(
     concurrency: usize,
     seconds: f64,
 ) -> anyhow::Result<(f64, u64)> {
-    let tensor = Tensor::new(case.model.input(), case.shape.clone(), data.to_vec());
+    let tensor = if case.model.takes_bytes() {
+        Tensor::new(case.model.input(), case.shape.clone(), data.iter().copied().map(as_byte).collect::<Vec<u8>>())
+    } else {
+        Tensor::new(case.model.input(), case.shape.clone(), data.to_vec())
+    };
     let outputs: Vec<RequestOutputSpec> = case.model.outputs().iter().map(|&n| RequestOutputSpec::binary(n)).collect();
     let (body, header_len) = oip::encode_request(None, &[tensor], true, &outputs);
     let body = Arc::new(body);

@@ -22,13 +22,15 @@
 //! `VRAMGATE_BENCH_P4_WARMUP_SECONDS` (default 90), so that a broker just started is warm
 //! (see [`p4`]).
 //!
-//! **P2, raw loop → worker → whole pipeline.** For P-Net on a 320×320 image and Silero VAD on
-//! a 5 s clip: the plain libtorch loop (`ai-worker/examples/raw_loop.rs`, batch 1, one torch
+//! **P2, raw loop → worker → whole pipeline.** For P-Net on a 320×320 image, Silero VAD on a
+//! 5 s clip and MobileNetV2 on a photograph (a 224×224 crop as bytes): the plain libtorch loop (`ai-worker/examples/raw_loop.rs`, batch 1, one torch
 //! thread), the worker called directly over OIP with 8 requests in flight (the same tensor the
 //! gateway sends), and the whole pipeline: `VRAMGATE_BENCH_PIPELINE_EVENTS` (default 400)
-//! requests naming a PNG or WAV file, through Kafka, the gateway (defaults) and the same
-//! worker, timed from the first consumed record to the last result (`VRAMGATE_BENCH_P2_INPUTS`
-//! picks other sizes; the gateway is configured to make the model input of the case's size).
+//! requests naming a PNG or WAV file, through Kafka, the gateway (defaults; for MobileNetV2 a
+//! `classify` task as the README's, softmax and top 5 with labels) and the same worker, timed
+//! from the first consumed record to the last result, once with the gateway calling the worker
+//! over HTTP and once over gRPC (`VRAMGATE_BENCH_P2_INPUTS` picks other sizes; the gateway is
+//! configured to make the model input of the case's size).
 //! On this CPU-only machine
 //! the gateway's conversion shares the cores with the model; on a GPU host it would not.
 //!
@@ -45,9 +47,9 @@ use crate::ceiling;
 use crate::images::{crowd, png, write};
 use crate::wav::{noise, write_wav, SampleFormat};
 use crate::{
-    brokers, cpu_seconds, delete_topics, env_or, gateway_base_env, image_task_env, proc_status_kib, producer, request_file,
-    scratch_dir, send_all,
-    start_gateway, unique, CommitProbe, voice_task_env, TaskTopics,
+    brokers, cpu_seconds, delete_topics, env_or, gateway_base_env, image_task_env, photo, proc_status_kib, producer,
+    repo_root, request_file, scratch_dir, send_all, start_gateway, start_gateway_config, unique, CommitProbe, Gateway,
+    voice_task_env, TaskTopics,
 };
 
 /// Partitions of every topic P2 and P4 create.
@@ -354,7 +356,37 @@ pub fn p2_input(case: &ceiling::CeilingCase, root: &Path) -> anyhow::Result<(&'s
             write_wav(&path, &noise(case.shape[1], 0.05, 1), 16_000, 1, SampleFormat::I16)?;
             ("voice", path)
         }
+        ceiling::CeilingModel::MobileNetV2 => {
+            // A real photograph (451×300), resized and cropped by the gateway as torchvision does.
+            let path = root.join("input.png");
+            std::fs::copy(photo("chelsea.png"), &path)?;
+            ("classify", path)
+        }
     })
+}
+
+/// The `classify` task of a MobileNetV2 case: a gateway config with that task alone (its
+/// topics are set by [`p2_gateway_env`]), as the README configures one.
+fn classify_config(root: &Path) -> std::path::PathBuf {
+    let labels = repo_root().join("models/repository/mobilenet_v2/labels.txt");
+    let config = format!(
+        "[tasks.classify]\nconverter = \"image\"\nmodel = \"mobilenet_v2\"\n\
+         requests_topic = \"p2-classify.requests\"\nresults_topic = \"p2-classify.results\"\ndlq_topic = \"p2-classify.dlq\"\n\n\
+         [tasks.classify.image]\nmode = \"tensor\"\nresize = \"shorter_side_crop\"\nshorter_side = 256\nwidth = 224\nheight = 224\n\
+         layout = \"nhwc\"\ndatatype = \"UINT8\"\n\n\
+         [[tasks.classify.outputs]]\nname = \"logits\"\npost = [\"softmax\", \"top_k\"]\ntop_k = 5\nlabels = \"{}\"\n",
+        labels.display()
+    );
+    write(root, "classify.toml", config.as_bytes())
+}
+
+/// Starts the gateway of a P2 case with `env` ([`p2_gateway_env`] and the caller's own): the
+/// defaults, or for MobileNetV2 the `classify` task's config beside its input in `root`.
+pub async fn start_p2_gateway(case: &ceiling::CeilingCase, env: &[(&'static str, String)], root: &Path) -> anyhow::Result<Gateway> {
+    match case.model {
+        ceiling::CeilingModel::MobileNetV2 => start_gateway_config(&classify_config(root), env).await,
+        _ => start_gateway(env).await,
+    }
 }
 
 /// The overrides of a P2 gateway (defaults otherwise): its group, worker and input root, the
@@ -369,13 +401,23 @@ pub fn p2_gateway_env(
 ) -> Vec<(&'static str, String)> {
     let mut env = gateway_base_env(group, worker_url, root);
     let image = case.model == ceiling::CeilingModel::Pnet;
-    let (topic_env, other) = if image {
-        (image_task_env(topics), "TASKS__VOICE__ENABLED")
-    } else {
-        (voice_task_env(topics), "TASKS__IMAGE__ENABLED")
-    };
-    env.extend(topic_env);
-    env.push((other, "false".into()));
+    match case.model {
+        ceiling::CeilingModel::Pnet => {
+            env.extend(image_task_env(topics));
+            env.push(("TASKS__VOICE__ENABLED", "false".into()));
+        }
+        ceiling::CeilingModel::SileroVad => {
+            env.extend(voice_task_env(topics));
+            env.push(("TASKS__IMAGE__ENABLED", "false".into()));
+        }
+        ceiling::CeilingModel::MobileNetV2 => env.extend([
+            ("TASKS__CLASSIFY__REQUESTS_TOPIC", topics.requests.clone()),
+            ("TASKS__CLASSIFY__RESULTS_TOPIC", topics.results.clone()),
+            ("TASKS__CLASSIFY__DLQ_TOPIC", topics.dlq.clone()),
+            ("TASKS__IMAGE__ENABLED", "false".into()),
+            ("TASKS__VOICE__ENABLED", "false".into()),
+        ]),
+    }
     if image {
         // The model input the gateway makes, so the worker runs P-Net on the case's size.
         env.push(("TASKS__IMAGE__IMAGE__HEIGHT", case.shape[2].to_string()));
@@ -423,7 +465,7 @@ async fn pipeline_through(case: &ceiling::CeilingCase, worker_url: &str, protoco
     if let Some(protocol) = protocol {
         env.push(("WORKER__PROTOCOL", protocol.to_string()));
     }
-    let gateway = start_gateway(&env).await?;
+    let gateway = start_p2_gateway(case, &env, &root).await?;
     let pipeline = rate_until_produced(&gateway, events, Duration::from_secs(600)).await?;
     let results = topic_records(&topics.results)?;
     anyhow::ensure!(results == events as i64, "{results} results of {events}; log:\n{}", gateway.log_tail());
@@ -464,14 +506,18 @@ pub struct P2Row {
     pub pipeline_grpc: Option<f64>,
 }
 
-/// P2's inputs: `VRAMGATE_BENCH_P2_INPUTS`, comma-separated, `HxW` for a P-Net image and `Ns`
-/// for a Silero clip of N seconds (default `320x320,5s`). Small ones (`32x32,1s`) make a worker
+/// P2's inputs: `VRAMGATE_BENCH_P2_INPUTS`, comma-separated, `HxW` for a P-Net image, `Ns`
+/// for a Silero clip of N seconds and `mobilenet` for MobileNetV2 on a photograph (default
+/// `320x320,5s,mobilenet`). Small ones (`32x32,1s`) make a worker
 /// that answers almost at once, so the pipeline's own cost per record shows.
 pub fn p2_cases() -> anyhow::Result<Vec<ceiling::CeilingCase>> {
-    let spec = std::env::var("VRAMGATE_BENCH_P2_INPUTS").unwrap_or_else(|_| "320x320,5s".into());
+    let spec = std::env::var("VRAMGATE_BENCH_P2_INPUTS").unwrap_or_else(|_| "320x320,5s,mobilenet".into());
     spec.split(',')
         .map(str::trim)
         .map(|item| {
+            if item == "mobilenet" {
+                return Ok(ceiling::CeilingCase::crop());
+            }
             if let Some(seconds) = item.strip_suffix('s') {
                 return Ok(ceiling::CeilingCase::clip(seconds.parse()?));
             }
@@ -501,14 +547,14 @@ pub fn print_p2(rows: &[P2Row]) {
     println!();
     println!("P2  raw libtorch loop → worker direct (8 in flight) → whole pipeline through Kafka (gateway → worker over HTTP, then gRPC)");
     println!(
-        "    {:<22} {:>10} {:>10} {:>10} {:>10} {:>14} {:>16} {:>12}",
+        "    {:<24} {:>10} {:>10} {:>10} {:>10} {:>14} {:>16} {:>12}",
         "model, input", "raw", "worker", "pipeline", "pipe gRPC", "worker / raw", "pipeline / worker", "gRPC / HTTP"
     );
     for r in rows {
         let grpc = r.pipeline_grpc.map_or("—".to_string(), |g| format!("{g:.1}"));
         let ratio = r.pipeline_grpc.map_or("—".to_string(), |g| format!("{:.2}", g / r.pipeline));
         println!(
-            "    {:<22} {:>10.1} {:>10.1} {:>10.1} {:>10} {:>14.2} {:>16.2} {:>12}   ({})",
+            "    {:<24} {:>10.1} {:>10.1} {:>10.1} {:>10} {:>14.2} {:>16.2} {:>12}   ({})",
             r.label,
             r.raw,
             r.direct,
