@@ -53,14 +53,24 @@ def main():
     args = parser.parse_args()
     schemas = load_schemas(args.schemas)
 
-    def request(task, data=None, uri=None):
+    def request(task, data=None, uri=None, options=None):
         event = {"version": 1, "id": f"py-{task}-{uuid.uuid4()}", "task": task,
                  "input": {"data_b64": base64.b64encode(data).decode()} if data is not None else {"uri": uri}}
+        if options is not None:
+            event["options"] = options
         valid(schemas, "request", event)
         return event
 
+    # request.json types each built-in task's options: a threshold past 1 is refused here,
+    # before it reaches Kafka, as the gateway would refuse it.
+    if schemas["request"].is_valid({"id": "x", "task": "voice", "input": {"uri": "file:///x.wav"},
+                                    "options": {"threshold": 1.5}}):
+        sys.exit("request.json accepted a voice threshold of 1.5")
+
     sent = {
-        "voice": request("voice", data=pathlib.Path(args.wav).read_bytes()),
+        # The voice task's own segment parameters, given per request (the defaults' values).
+        "voice": request("voice", data=pathlib.Path(args.wav).read_bytes(),
+                         options={"threshold": 0.5, "min_silence_ms": 100}),
         "image": request("image", data=pathlib.Path(args.image).read_bytes()),
         "missing": request("voice", uri="file:///no/such/file.wav"),
     }

@@ -26,9 +26,63 @@ pub struct RequestEvent {
     /// The task type, e.g. `voice`; must match the topic the record was read from.
     pub task: String,
     pub input: InputRef,
-    /// Task-specific options; unknown keys are an error for the task that reads them.
+    /// Task-specific options, a JSON object: the voice task's are `VoiceRequestOptions`, the
+    /// image task's (faces and proposals modes) `ImageRequestOptions` (both under `$defs` in
+    /// the published schema); the configured tasks take none. Unknown keys are an error for the
+    /// task that reads them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub options: Option<serde_json::Value>,
+}
+
+/// The voice task's `options`: this request's speech-segment parameters, each in place of the
+/// task's own (`[tasks.voice.segments]`). Unknown keys are refused.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VoiceRequestOptions {
+    /// The speech probability from which a 32 ms window counts as speech.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub threshold: Option<f32>,
+    /// Speech shorter than this, in ms, is not a segment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = u32::MAX))]
+    pub min_speech_ms: Option<u32>,
+    /// Silence at least this long, in ms, ends a segment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = u32::MAX))]
+    pub min_silence_ms: Option<u32>,
+    /// Each segment is widened by this many ms on both sides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = u32::MAX))]
+    pub speech_pad_ms: Option<u32>,
+}
+
+/// The image task's `options` (its `faces` and `proposals` modes): this request's detection
+/// parameters, each in place of the task's own (`[tasks.image.image]`). Unknown keys are
+/// refused.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ImageRequestOptions {
+    /// `proposals`: the face probability a box must reach.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub threshold: Option<f32>,
+    /// Boxes overlapping a better one by more than this intersection over union are dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub nms_iou: Option<f32>,
+    /// At most this many faces are reported, the highest-scored ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = u32::MAX))]
+    pub max_faces: Option<u32>,
+    /// `faces`: the smallest face looked for, in pixels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 12, max = 100_000))]
+    pub min_face_size: Option<u32>,
+    /// `faces`: the face probability P-Net (at least), R-Net and O-Net (more than) must see.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(inner(range(min = 0.0, max = 1.0)))]
+    pub thresholds: Option<[f32; 3]>,
 }
 
 /// Where the input bytes of a request are.

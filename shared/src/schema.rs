@@ -4,18 +4,27 @@
 //! committed files drift apart; `VRAMGATE_WRITE_SCHEMAS=1 cargo test -p vramgate-shared schema`
 //! writes them anew.
 //!
+//! A request's `options` are task-specific: `request.json` holds the built-in tasks' kinds
+//! ([`VoiceRequestOptions`], [`ImageRequestOptions`]) under `$defs`, and applies each to a
+//! request whose `task` is that task's name (`voice`, `image`). A deployment that names those
+//! tasks otherwise finds the same definitions there; a configured task takes no options.
+//!
 //! A result's `output` is task-specific: the schema gives the built-in tasks' outputs
 //! ([`VoiceOutput`], [`ImageOutput`]) as files of their own; a configured task's outputs
 //! (`docs/models.md`) are not described yet, so `output` itself is any JSON object.
 
 use schemars::{schema_for, Schema};
+use serde_json::json;
 
-use crate::events::{DeadLetterEvent, ImageOutput, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION};
+use crate::events::{
+    DeadLetterEvent, ImageOutput, ImageRequestOptions, RequestEvent, ResultEvent, VoiceOutput, VoiceRequestOptions,
+    SCHEMA_VERSION,
+};
 
 /// Every schema of the contract: its file name under `schemas/v<version>/` and the schema.
 pub fn schemas() -> Vec<(&'static str, Schema)> {
     let mut all = vec![
-        ("request.json", schema_for!(RequestEvent)),
+        ("request.json", with_task_options(schema_for!(RequestEvent))),
         ("result.json", schema_for!(ResultEvent)),
         ("dead-letter.json", schema_for!(DeadLetterEvent)),
         ("voice-output.json", schema_for!(VoiceOutput)),
@@ -25,6 +34,26 @@ pub fn schemas() -> Vec<(&'static str, Schema)> {
         schema.insert("$id".into(), format!("https://vramgate.invalid/schemas/v{SCHEMA_VERSION}/{file}").into());
     }
     all
+}
+
+/// The request's schema with each built-in task's options under `$defs`, applied to the
+/// requests of that task by `if`/`then` (null stays allowed: the gateway reads it as none).
+fn with_task_options(mut request: Schema) -> Schema {
+    let mut rules = Vec::new();
+    for (task, name, mut options) in [
+        ("voice", "VoiceRequestOptions", schema_for!(VoiceRequestOptions)),
+        ("image", "ImageRequestOptions", schema_for!(ImageRequestOptions)),
+    ] {
+        options.remove("$schema");
+        let defs = request.ensure_object().entry("$defs").or_insert_with(|| json!({}));
+        defs[name] = options.to_value();
+        rules.push(json!({
+            "if": { "properties": { "task": { "const": task } }, "required": ["task"] },
+            "then": { "properties": { "options": { "anyOf": [{ "$ref": format!("#/$defs/{name}") }, { "type": "null" }] } } }
+        }));
+    }
+    request.insert("allOf".into(), rules.into());
+    request
 }
 
 /// A schema as committed: pretty JSON with a final newline.

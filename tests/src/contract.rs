@@ -97,4 +97,68 @@ mod tests {
         assert!(check_record("x.results", &configured).expect_err("unknown key").contains("task-output.json"));
         assert!(check_record("x.requests", &json!("anything")).is_ok(), "requests are not checked here");
     }
+
+    /// The request schema's typed `options` and the gateway's own reading of them agree, value
+    /// by value: a producer that validates against `request.json` is not refused for its
+    /// options, and the gateway refuses every options object the schema refuses.
+    #[test]
+    fn the_request_schema_and_the_gateway_agree_on_each_tasks_options() {
+        use vramgate_gateway::tasks::image::{image_options, ImageOptions};
+        use vramgate_gateway::tasks::voice::VoiceOptions;
+        let path = repo_root().join("schemas/v1/request.json");
+        let schema: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("request.json")).expect("JSON");
+        let request = jsonschema::validator_for(&schema).expect("a schema");
+        let event = |task: &str, options: &Value| json!({"id": "o", "task": task, "input": {"uri": "file:///x.wav"}, "options": options});
+        let voice = [
+            json!(null),
+            json!({}),
+            json!({"threshold": 0.6}),
+            json!({"threshold": 0}),
+            json!({"threshold": 1}),
+            json!({"threshold": 1.5}),
+            json!({"threshold": -0.1}),
+            json!({"threshold": "high"}),
+            json!({"threshold": null}),
+            json!({"min_speech_ms": 250, "min_silence_ms": 100, "speech_pad_ms": 30}),
+            json!({"min_speech_ms": -1}),
+            json!({"min_silence_ms": 4_294_967_295u64}),
+            json!({"min_silence_ms": 4_294_967_296u64}),
+            json!({"speech_pad_ms": 1.5}),
+            json!({"threshhold": 0.5}),
+            json!([0.5]),
+            json!("fast"),
+        ];
+        let image = [
+            json!(null),
+            json!({"threshold": 0.9, "nms_iou": 0.3}),
+            json!({"nms_iou": 1.01}),
+            json!({"max_faces": 1}),
+            json!({"max_faces": 0}),
+            json!({"min_face_size": 12}),
+            json!({"min_face_size": 11}),
+            json!({"min_face_size": 100_000}),
+            json!({"min_face_size": 100_001}),
+            json!({"thresholds": [0.6, 0.7, 0.7]}),
+            json!({"thresholds": [0.6, 0.7]}),
+            json!({"thresholds": [0.6, 0.7, 1.2]}),
+            json!({"thresholds": [0.6, 0.7, 0.7, 0.7]}),
+            json!({"faces": 3}),
+            json!([0.9]),
+        ];
+        let base = ImageOptions::default();
+        let mut refused = 0;
+        for (task, options, by_gateway) in voice
+            .iter()
+            .map(|o| ("voice", o, VoiceOptions::parse(Some(o)).is_ok()))
+            .chain(image.iter().map(|o| ("image", o, image_options(&base, Some(o)).is_ok())))
+        {
+            let by_schema = request.is_valid(&event(task, options));
+            assert_eq!(by_schema, by_gateway, "{task} options {options}: the schema says valid {by_schema}, the gateway {by_gateway}");
+            refused += usize::from(!by_schema);
+        }
+        assert!(refused >= 15, "the cases include refusals of every kind: {refused}");
+        // A configured task's options are the gateway's to refuse (it takes none); the schema
+        // types only the built-in tasks'.
+        assert!(request.is_valid(&event("classify", &json!({"threshold": 7}))));
+    }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput};
+use vramgate_shared::events::{ErrorKind, SpeechSegment, Stage, VoiceOutput, VoiceRequestOptions};
 use vramgate_shared::oip::{Tensor, TensorData};
 
 use super::fit::{Dim, ModelUse};
@@ -56,22 +56,20 @@ pub const MODEL_WINDOW: u32 = 512;
 pub const MODEL_INPUT: &str = "audio";
 pub const MODEL_OUTPUT: &str = "speech_prob";
 
-/// Per-request overrides of the segment parameters, from the request's `options`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VoiceOptions {
-    pub threshold: Option<f32>,
-    pub min_speech_ms: Option<u32>,
-    pub min_silence_ms: Option<u32>,
-    pub speech_pad_ms: Option<u32>,
-}
+/// Per-request overrides of the segment parameters: a request's `options`, as the published
+/// contract types them ([`VoiceRequestOptions`], `schemas/v1/request.json`).
+pub struct VoiceOptions(pub VoiceRequestOptions);
 
 impl VoiceOptions {
     pub fn parse(options: Option<&serde_json::Value>) -> Result<Self, Failure> {
         let Some(value) = options.filter(|v| !v.is_null()) else {
-            return Ok(VoiceOptions::default());
+            return Ok(VoiceOptions(VoiceRequestOptions::default()));
         };
-        let parsed: VoiceOptions = serde_json::from_value(value.clone()).map_err(|e| {
+        // An object only: serde would also read a struct from an array of its fields in order.
+        if !value.is_object() {
+            return Err(Failure::new(ErrorKind::InvalidRequest, Stage::Parse, "invalid voice options: not a JSON object"));
+        }
+        let parsed: VoiceRequestOptions = serde_json::from_value(value.clone()).map_err(|e| {
             Failure::new(ErrorKind::InvalidRequest, Stage::Parse, format!("invalid voice options: {e}"))
         })?;
         if let Some(t) = parsed.threshold {
@@ -83,15 +81,16 @@ impl VoiceOptions {
                 ));
             }
         }
-        Ok(parsed)
+        Ok(VoiceOptions(parsed))
     }
 
     pub fn params(&self, config: &SegmentConfig) -> SegmentParams {
+        let VoiceOptions(options) = self;
         SegmentParams {
-            threshold: self.threshold.unwrap_or(config.threshold),
-            min_speech_ms: self.min_speech_ms.unwrap_or(config.min_speech_ms),
-            min_silence_ms: self.min_silence_ms.unwrap_or(config.min_silence_ms),
-            speech_pad_ms: self.speech_pad_ms.unwrap_or(config.speech_pad_ms),
+            threshold: options.threshold.unwrap_or(config.threshold),
+            min_speech_ms: options.min_speech_ms.unwrap_or(config.min_speech_ms),
+            min_silence_ms: options.min_silence_ms.unwrap_or(config.min_silence_ms),
+            speech_pad_ms: options.speech_pad_ms.unwrap_or(config.speech_pad_ms),
             window_samples: MODEL_WINDOW,
             sample_rate: MODEL_SAMPLE_RATE,
             ..SegmentParams::default()

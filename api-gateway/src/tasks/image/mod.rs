@@ -39,7 +39,7 @@ pub use self::faces::{faces, output};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vramgate_shared::events::{ErrorKind, Stage};
+use vramgate_shared::events::{ErrorKind, ImageRequestOptions, Stage};
 use vramgate_shared::oip::{DataType, Tensor, TensorData};
 
 use self::mtcnn::{ONET_SIDE, RNET_SIDE};
@@ -258,21 +258,16 @@ impl ImageTask {
     }
 }
 
-/// Per-request overrides of the image task's detection parameters.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ImageRequestOptions {
-    threshold: Option<f32>,
-    nms_iou: Option<f32>,
-    max_faces: Option<usize>,
-    min_face_size: Option<u32>,
-    thresholds: Option<[f32; 3]>,
-}
-
+/// The image task's configuration with a request's `options` over it, as the published
+/// contract types them ([`ImageRequestOptions`], `schemas/v1/request.json`).
 pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>) -> Result<ImageOptions, Failure> {
     let mut merged = config.clone();
     let Some(value) = options.filter(|v| !v.is_null()) else { return Ok(merged) };
     let invalid = |message: String| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, message);
+    // An object only: serde would also read a struct from an array of its fields in order.
+    if !value.is_object() {
+        return Err(invalid("invalid image options: not a JSON object".into()));
+    }
     let parsed: ImageRequestOptions =
         serde_json::from_value(value.clone()).map_err(|e| invalid(format!("invalid image options: {e}")))?;
     let thresholds = parsed.thresholds.unwrap_or_default();
@@ -295,7 +290,7 @@ pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>)
     }
     merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
     merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
-    merged.max_faces = parsed.max_faces.unwrap_or(merged.max_faces);
+    merged.max_faces = parsed.max_faces.map_or(merged.max_faces, |n| n as usize);
     merged.min_face_size = parsed.min_face_size.unwrap_or(merged.min_face_size);
     merged.thresholds = parsed.thresholds.unwrap_or(merged.thresholds);
     Ok(merged)
