@@ -58,6 +58,7 @@ pub const MODEL_OUTPUT: &str = "speech_prob";
 
 /// Per-request overrides of the segment parameters: a request's `options`, as the published
 /// contract types them ([`VoiceRequestOptions`], `schemas/v1/request.json`).
+#[derive(Debug)]
 pub struct VoiceOptions(pub VoiceRequestOptions);
 
 impl VoiceOptions {
@@ -248,7 +249,7 @@ mod tests {
         assert!(VoiceOptions::parse(Some(&serde_json::Value::Null)).is_ok());
         let ok = VoiceOptions::parse(Some(&serde_json::json!({"threshold": 0.7}))).expect("valid");
         assert_eq!(ok.params(&SegmentConfig::default()).threshold, 0.7);
-        for bad in [serde_json::json!({"threshhold": 0.7}), serde_json::json!({"threshold": 2.0})] {
+        for bad in [serde_json::json!({"threshhold": 0.7}), serde_json::json!({"threshold": 2.0}), serde_json::json!([0.7])] {
             let err = VoiceOptions::parse(Some(&bad)).expect_err("invalid");
             assert_eq!(err.kind, ErrorKind::InvalidRequest);
         }
