@@ -468,13 +468,18 @@ fn bounded<T: Send + 'static>(
         tracing::error!(error = %e, call = name, "no thread for a transactional call");
         return Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal));
     }
-    match rx.recv_timeout(timeout + STUCK_GRACE).or_else(|_| rx.try_recv()) {
+    match rx.recv_timeout(timeout + STUCK_GRACE) {
         Ok(result) => result,
-        Err(_) if ABANDONED.load(Ordering::SeqCst) >= MAX_ABANDONED => {
+        // The thread ended without an answer (a panic in librdkafka's binding): nothing runs.
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            tracing::error!(call = name, "a transactional call ended without an answer");
+            Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) if ABANDONED.load(Ordering::SeqCst) >= MAX_ABANDONED => {
             tracing::error!(call = name, "a transactional call is past its timeout, and {MAX_ABANDONED} more are still running; waiting for this one");
             rx.recv().unwrap_or(Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal)))
         }
-        Err(_) => {
+        Err(mpsc::RecvTimeoutError::Timeout) => {
             ABANDONED.fetch_add(1, Ordering::SeqCst);
             let _ = abandoned_tx.send(());
             tracing::error!(
