@@ -229,18 +229,22 @@ fn grpc_output(answer: &serde_json::Value) -> (String, String, Vec<i64>, Vec<u8>
     let outputs = answer["outputs"].as_array().expect("outputs");
     assert_eq!(outputs.len(), 1, "{answer}");
     let output = &outputs[0];
-    // int64 travels as a JSON string in protobuf's JSON.
-    let shape = output["shape"]
-        .as_array()
-        .expect("shape")
-        .iter()
-        .map(|d| d.as_str().and_then(|d| d.parse().ok()).or_else(|| d.as_i64()).expect("a dimension"))
-        .collect();
+    let shape = dims(&output["shape"]);
     let raw = answer["rawOutputContents"].as_array().expect("rawOutputContents");
     assert_eq!(raw.len(), 1, "{answer}");
     let text = raw[0].as_str().expect("base64");
     let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, text).expect("valid base64");
     (output["name"].as_str().unwrap_or_default().into(), output["datatype"].as_str().unwrap_or_default().into(), shape, bytes)
+}
+
+/// A shape in protobuf's JSON, where an int64 dimension travels as a string (or a number).
+fn dims(shape: &serde_json::Value) -> Vec<i64> {
+    shape
+        .as_array()
+        .expect("shape")
+        .iter()
+        .map(|d| d.as_str().and_then(|d| d.parse().ok()).or_else(|| d.as_i64()).expect("a dimension"))
+        .collect()
 }
 
 fn floats(le: &[u8]) -> Vec<f32> {
@@ -293,13 +297,7 @@ async fn grpcurl_runs_the_readme_examples_and_gets_the_http_answers() {
                 .unwrap_or_else(|| panic!("{side} in {meta}"))
                 .iter()
                 .map(|t| {
-                    let shape = t["shape"]
-                        .as_array()
-                        .expect("shape")
-                        .iter()
-                        .map(|d| d.as_str().and_then(|d| d.parse().ok()).or_else(|| d.as_i64()).expect("a dimension"))
-                        .collect();
-                    (t["name"].as_str().unwrap_or_default().into(), t["datatype"].as_str().unwrap_or_default().into(), shape)
+                    (t["name"].as_str().unwrap_or_default().into(), t["datatype"].as_str().unwrap_or_default().into(), dims(&t["shape"]))
                 })
                 .collect()
         };
