@@ -36,53 +36,79 @@ pub struct RequestEvent {
 
 /// The voice task's `options`: this request's speech-segment parameters, each in place of the
 /// task's own (`[tasks.voice.segments]`). Unknown keys are refused.
+///
+/// Numbers are read as JSON Schema reads them, so that whatever validates against the published
+/// schema is accepted: a probability is checked as the double it was written as (1.00000001 is
+/// above 1, though it rounds to 1 as a float), and a whole number written with a fraction of
+/// zero (`250.0`, what Python writes for a float) is an integer.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VoiceRequestOptions {
     /// The speech probability from which a 32 ms window counts as speech.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
-    pub threshold: Option<f32>,
+    pub threshold: Option<f64>,
     /// Speech shorter than this, in ms, is not a segment.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "whole::option_u32")]
     #[schemars(range(max = u32::MAX))]
     pub min_speech_ms: Option<u32>,
     /// Silence at least this long, in ms, ends a segment.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "whole::option_u32")]
     #[schemars(range(max = u32::MAX))]
     pub min_silence_ms: Option<u32>,
     /// Each segment is widened by this many ms on both sides.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "whole::option_u32")]
     #[schemars(range(max = u32::MAX))]
     pub speech_pad_ms: Option<u32>,
 }
 
 /// The image task's `options` (its `faces` and `proposals` modes): this request's detection
 /// parameters, each in place of the task's own (`[tasks.image.image]`). Unknown keys are
-/// refused.
+/// refused; numbers are read as the voice task's options read them.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ImageRequestOptions {
     /// `proposals`: the face probability a box must reach.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
-    pub threshold: Option<f32>,
+    pub threshold: Option<f64>,
     /// Boxes overlapping a better one by more than this intersection over union are dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
-    pub nms_iou: Option<f32>,
+    pub nms_iou: Option<f64>,
     /// At most this many faces are reported, the highest-scored ones.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "whole::option_u32")]
     #[schemars(range(min = 1, max = u32::MAX))]
     pub max_faces: Option<u32>,
     /// `faces`: the smallest face looked for, in pixels.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "whole::option_u32")]
     #[schemars(range(min = 12, max = 100_000))]
     pub min_face_size: Option<u32>,
     /// `faces`: the face probability P-Net (at least), R-Net and O-Net (more than) must see.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(inner(range(min = 0.0, max = 1.0)))]
-    pub thresholds: Option<[f32; 3]>,
+    pub thresholds: Option<[f64; 3]>,
+}
+
+/// Whole numbers as JSON Schema counts them: `250` and `250.0` alike.
+mod whole {
+    use serde::de::{Deserialize, Deserializer, Error, Unexpected};
+
+    pub fn option_u32<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u32>, D::Error> {
+        let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else { return Ok(None) };
+        let expected = "a whole number from 0 to 4294967295";
+        if let Some(n) = number.as_u64() {
+            return u32::try_from(n).map(Some).map_err(|_| D::Error::invalid_value(Unexpected::Unsigned(n), &expected));
+        }
+        if let Some(n) = number.as_i64() {
+            return Err(D::Error::invalid_value(Unexpected::Signed(n), &expected));
+        }
+        match number.as_f64() {
+            Some(f) if f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&f) => Ok(Some(f as u32)),
+            Some(f) => Err(D::Error::invalid_value(Unexpected::Float(f), &expected)),
+            None => Err(D::Error::custom(format!("{number} is not a number this build reads"))),
+        }
+    }
 }
 
 /// Where the input bytes of a request are.

@@ -88,7 +88,7 @@ impl VoiceOptions {
     pub fn params(&self, config: &SegmentConfig) -> SegmentParams {
         let VoiceOptions(options) = self;
         SegmentParams {
-            threshold: options.threshold.unwrap_or(config.threshold),
+            threshold: options.threshold.map_or(config.threshold, |t| t as f32),
             min_speech_ms: options.min_speech_ms.unwrap_or(config.min_speech_ms),
             min_silence_ms: options.min_silence_ms.unwrap_or(config.min_silence_ms),
             speech_pad_ms: options.speech_pad_ms.unwrap_or(config.speech_pad_ms),
@@ -249,7 +249,18 @@ mod tests {
         assert!(VoiceOptions::parse(Some(&serde_json::Value::Null)).is_ok());
         let ok = VoiceOptions::parse(Some(&serde_json::json!({"threshold": 0.7}))).expect("valid");
         assert_eq!(ok.params(&SegmentConfig::default()).threshold, 0.7);
-        for bad in [serde_json::json!({"threshhold": 0.7}), serde_json::json!({"threshold": 2.0}), serde_json::json!([0.7])] {
+        // A whole number may be written with a zero fraction, as JSON Schema allows.
+        let whole = VoiceOptions::parse(Some(&serde_json::json!({"min_speech_ms": 250.0}))).expect("valid");
+        assert_eq!(whole.params(&SegmentConfig::default()).min_speech_ms, 250);
+        for bad in [
+            serde_json::json!({"threshhold": 0.7}),
+            serde_json::json!({"threshold": 2.0}),
+            // Above 1 as written, though it rounds to 1.0 as an f32.
+            serde_json::json!({"threshold": 1.000_000_01}),
+            serde_json::json!({"min_speech_ms": 250.5}),
+            serde_json::json!({"min_speech_ms": -250.0}),
+            serde_json::json!([0.7]),
+        ] {
             let err = VoiceOptions::parse(Some(&bad)).expect_err("invalid");
             assert_eq!(err.kind, ErrorKind::InvalidRequest);
         }

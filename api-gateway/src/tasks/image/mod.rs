@@ -288,11 +288,12 @@ pub fn image_options(config: &ImageOptions, options: Option<&serde_json::Value>)
     if parsed.max_faces == Some(0) {
         return Err(invalid("image option max_faces must be at least 1".into()));
     }
-    merged.threshold = parsed.threshold.unwrap_or(merged.threshold);
-    merged.nms_iou = parsed.nms_iou.unwrap_or(merged.nms_iou);
+    // Checked above as the doubles they were written as; the detector works in f32.
+    merged.threshold = parsed.threshold.map_or(merged.threshold, |t| t as f32);
+    merged.nms_iou = parsed.nms_iou.map_or(merged.nms_iou, |t| t as f32);
     merged.max_faces = parsed.max_faces.map_or(merged.max_faces, |n| n as usize);
     merged.min_face_size = parsed.min_face_size.unwrap_or(merged.min_face_size);
-    merged.thresholds = parsed.thresholds.unwrap_or(merged.thresholds);
+    merged.thresholds = parsed.thresholds.map_or(merged.thresholds, |t| t.map(|t| t as f32));
     Ok(merged)
 }
 
