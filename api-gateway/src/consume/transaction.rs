@@ -583,7 +583,7 @@ mod tests {
     }
 
     #[test]
-    fn a_transactional_call_past_its_timeout_is_abandoned_as_fatal() {
+    fn a_transactional_call_past_its_timeout_is_abandoned_as_fatal_and_at_most_four_are_left_running() {
         use crate::consume::client::KafkaEvents;
         use crate::health::Health;
         use rdkafka::ClientConfig;
@@ -615,6 +615,50 @@ mod tests {
         assert_eq!(Arc::strong_count(&producer), 2, "the abandoned call keeps its producer");
         // When librdkafka returns at last, the thread lets the producer go.
         release.send(()).expect("still waiting");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (ABANDONED.load(Ordering::SeqCst) > 0 || Arc::strong_count(&producer) > 1) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!((ABANDONED.load(Ordering::SeqCst), Arc::strong_count(&producer)), (0, 1));
+
+        // A call whose thread ends without an answer (a panic in the binding) is fatal at
+        // once, and nothing is counted as left running.
+        let started = Instant::now();
+        let ended = bounded(&producer, timeout, "panics", |_, _| -> Result<(), KafkaError> { panic!("a panic in the binding") });
+        assert!(matches!(ended, Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))), "{ended:?}");
+        assert!(started.elapsed() < timeout, "not waited for: {:?}", started.elapsed());
+        assert_eq!(ABANDONED.load(Ordering::SeqCst), 0);
+
+        // With MAX_ABANDONED calls left running, the next stuck one is waited for, however long
+        // it takes, and answers its own result: no more threads are left behind.
+        let releases: Vec<_> = (0..MAX_ABANDONED)
+            .map(|i| {
+                let (release, held) = mpsc::channel::<()>();
+                let stuck = bounded(&producer, timeout, "stuck", move |_, _| held.recv().map_err(|_| KafkaError::Canceled));
+                assert!(matches!(stuck, Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))), "{i}: {stuck:?}");
+                release
+            })
+            .collect();
+        assert_eq!(ABANDONED.load(Ordering::SeqCst), MAX_ABANDONED);
+        let (release, held) = mpsc::channel::<()>();
+        let waiting = {
+            let producer = Arc::clone(&producer);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                (bounded(&producer, timeout, "stuck", move |_, _| held.recv().map(|()| 7).map_err(|_| KafkaError::Canceled)), started.elapsed())
+            })
+        };
+        std::thread::sleep((timeout + STUCK_GRACE) * 3);
+        assert!(!waiting.is_finished(), "the fifth stuck call was abandoned too");
+        assert_eq!(ABANDONED.load(Ordering::SeqCst), MAX_ABANDONED);
+        release.send(()).expect("still waiting");
+        let (answer, waited) = waiting.join().expect("no panic");
+        assert_eq!(answer.expect("its own answer"), 7);
+        assert!(waited >= (timeout + STUCK_GRACE) * 3, "{waited:?}");
+        // The abandoned ones let go of their producer as librdkafka returns.
+        for release in releases {
+            release.send(()).expect("still waiting");
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
         while (ABANDONED.load(Ordering::SeqCst) > 0 || Arc::strong_count(&producer) > 1) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
