@@ -33,6 +33,23 @@ pub const MAX_PIXELS: u64 = 4_000_000;
 /// same reason.
 pub const MAX_AUDIO_SECONDS: f64 = 10.0;
 
+/// Lets a panic raised inside symphonia unwind to the gateway's own guard around it
+/// (`audio::decode` runs every symphonia call in `catch_unwind` and refuses the input as a
+/// codec error), as it does in service, where overflow checks stay on in symphonia's crates
+/// (the workspace's release profile). libfuzzer-sys's hook aborts on every panic, caught or
+/// not, which would stop the fuzzer at the first such input instead of at a real finding. Any
+/// other panic still aborts through that hook, and one from symphonia that escaped the guard
+/// would still abort in libfuzzer-sys's own `catch_unwind` around the target.
+pub fn let_symphonia_panics_reach_the_guard() {
+    let abort = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.location().is_some_and(|at| at.file().contains("/symphonia-")) {
+            return;
+        }
+        abort(info)
+    }));
+}
+
 /// Runs `plan` on `bytes` as `record` does: the header probe, then, when it passes (and
 /// announces at most [`MAX_PEAK_BYTES`]), the conversion, whose calls are checked with
 /// [`check_calls`]. A refusal is the input's fault and ends the record as a dead letter, so it

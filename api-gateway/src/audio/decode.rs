@@ -202,6 +202,41 @@ mod tests {
         assert!(matches!(probe(b"hello"), Err(DecodeError::Unknown(head)) if head == "68 65 6c 6c 6f"));
     }
 
+    /// Found by fuzzing (`compressed_audio`, 2026-11-28): a 5 KiB FLAC whose LPC prediction
+    /// overflows i32 in symphonia's decoder. The workspace keeps overflow checks on in
+    /// symphonia's crates in every profile, so it is refused, never wrapped into noise.
+    #[test]
+    fn a_flac_whose_prediction_overflows_is_refused_not_wrapped_into_noise() {
+        let bytes = include_bytes!("../../../fuzz/corpus/compressed_audio/fuzz-flac-lpc-overflow.flac");
+        let header = probe(bytes).expect("its header is valid");
+        assert_eq!(header.container, Container::Flac);
+        match decode(bytes, 48_000 * 60) {
+            Err(DecodeError::Codec { container: "flac", message }) => assert_eq!(message, "the decoder failed on this input"),
+            other => panic!("decoded: {:?}", other.map(|a| a.samples.len())),
+        }
+    }
+
+    /// The overflow checks kept on in symphonia refuse no real clip: the fuzz seeds made by
+    /// libsndfile and FFmpeg (FLAC 16 and 24 bit, Ogg Vorbis, MP3 mono and stereo) all decode.
+    #[test]
+    fn real_clips_decode_with_symphonias_overflow_checks_on() {
+        let seeds = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/compressed_audio");
+        let mut decoded = 0;
+        for entry in std::fs::read_dir(&seeds).expect("the fuzz seeds") {
+            let path = entry.expect("an entry").path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
+            if !(name.starts_with("espeak-") || name.starts_with("gsutil-")) {
+                continue;
+            }
+            let audio = decode(&std::fs::read(&path).expect("a seed"), 48_000 * 60).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(audio.samples.len() > 1_000, "{name}: {} samples", audio.samples.len());
+            // gsutil's MP3 is 1.2 s of silence; the espeak clips are speech.
+            assert!(name.starts_with("gsutil-") || audio.samples.iter().any(|&s| s.abs() > 0.1), "{name}: silent");
+            decoded += 1;
+        }
+        assert_eq!(decoded, 7, "the FLAC, Ogg and MP3 seeds");
+    }
+
     #[test]
     fn truncated_or_corrupt_compressed_audio_is_an_error_not_a_panic() {
         for bytes in [&b"fLaC"[..], b"fLaC\0\0\0\x22garbage", b"OggS", b"OggS\0\x02\0\0\0\0\0\0\0\0", b"ID3\x04\0\0\0\0\0\x10", &[0xFF, 0xFB, 0x90]] {
