@@ -447,6 +447,14 @@ impl Service {
         lines[lines.len().saturating_sub(40)..].join("\n")
     }
 
+    /// The last `max` lines of the service's log that hold one of `needles` (its warnings and
+    /// errors, say), for assertion messages about what happened well before the tail.
+    pub fn log_matching(&self, needles: &[&str], max: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| needles.iter().any(|n| l.contains(n))).collect();
+        lines[lines.len().saturating_sub(max)..].join("\n")
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
