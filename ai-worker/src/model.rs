@@ -32,6 +32,10 @@ pub enum ModelError {
     NoCuda,
     #[error("{0}")]
     BadInput(String),
+    /// Well formed, but more elements than the model's `max_input_elements`: the input's size
+    /// is what is wrong (413, as an input over the memory budget), not its form.
+    #[error("{0}")]
+    TooLarge(String),
     /// An allocation failed: the device (or the memory cap) had no room for this batch.
     #[error("model '{name}' ran out of memory: {message}")]
     OutOfMemory { name: String, message: String },
@@ -680,7 +684,7 @@ impl Model {
             )));
         }
         if total > self.config.max_input_elements {
-            return Err(ModelError::BadInput(format!(
+            return Err(ModelError::TooLarge(format!(
                 "input has {total} elements, more than this model's limit of {}",
                 self.config.max_input_elements
             )));
@@ -1586,7 +1590,7 @@ mod tests {
             let input = InputTensor::from_f32(shape.to_vec(), &vec![0.5; elements]);
             match (model.validate_one(&input), want) {
                 (Ok(()), Ok(())) => {}
-                (Err(ModelError::BadInput(got)), Err(want)) => assert_eq!(got, want, "{shape:?}"),
+                (Err(ModelError::BadInput(got) | ModelError::TooLarge(got)), Err(want)) => assert_eq!(got, want, "{shape:?}"),
                 (got, want) => panic!("{shape:?}: got {got:?}, want {want:?}"),
             }
         };
@@ -1599,6 +1603,8 @@ mod tests {
         check(&[1, 1, 3, 24, 24], Err(wrong("[1, 1, 3, 24, 24]")));
         check(&[], Err(wrong("[]")));
         check(&[5, 3, 24, 24], Err("input has 8640 elements, more than this model's limit of 6912".into()));
+        let over = model.validate_one(&InputTensor::from_f32(vec![5, 3, 24, 24], &[0.5; 8640]));
+        assert!(matches!(over, Err(ModelError::TooLarge(_))), "a size over the limit is too large, not malformed: {over:?}");
 
         // Fixed dimensions: a probe's size multiplies rows.
         let probe = model.probe_input(2, 8).first().clone();

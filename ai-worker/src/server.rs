@@ -401,6 +401,9 @@ impl From<ModelError> for ApiError {
     fn from(e: ModelError) -> Self {
         match e {
             ModelError::BadInput(_) => ApiError::new(StatusCode::BAD_REQUEST, e.to_string()),
+            // Over `max_input_elements`: refused by size, as admission refuses an input over
+            // the whole budget, so a caller sees one kind (too large) whichever limit it met.
+            ModelError::TooLarge(_) => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
             // The model refused this input (as Triton and KServe answer it): 400, marked so
             // that a caller can tell it from a malformed request and need not retry it.
             ModelError::Raised { .. } => ApiError::new(StatusCode::BAD_REQUEST, e.to_string()).with_header(
@@ -861,6 +864,7 @@ mod tests {
         assert_eq!(answer(ModelError::Runtime { name: name.clone(), message }), (500, None));
         assert_eq!(answer(ModelError::Panic { name, message: "boom".into() }), (500, None));
         assert_eq!(answer(ModelError::BadInput("input 'x' must be FP32".into())), (400, None));
+        assert_eq!(answer(ModelError::TooLarge("input has 8640 elements, more than this model's limit of 6912".into())), (413, None));
     }
 
     #[test]

@@ -250,7 +250,9 @@ async fn a_failing_stage_dead_letters_its_event_by_name_and_the_next_goes_on() {
     let message = dead.value["error"]["message"].as_str().unwrap_or_default();
     assert!(message.starts_with("stage 3 of 3 (mtcnn_onet): "), "{}", dead.value);
     assert_eq!(dead.value["error"]["kind"], "worker_rejected", "{}", dead.value);
-    // The large photograph's first level does not fit the budget: refused at stage 1, by size.
+    // The large photograph's levels are refused at stage 1, by size: its first (1844²) has more
+    // elements than P-Net's `max_input_elements`, the next ones need more than the budget.
+    // Both are 413, so the dead letter says input_too_large whichever answer came first.
     let large = &got[&ids[1]];
     assert_eq!(large.topic, topics.dlq, "{}", large.value);
     assert_eq!(large.value["error"]["kind"], "input_too_large", "{}", large.value);
