@@ -442,16 +442,19 @@ impl Service {
 
     /// The last lines of the service's log, for assertion messages.
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
+        self.last_log_lines(|_| true, 40)
     }
 
     /// The last `max` lines of the service's log that hold one of `needles` (its warnings and
     /// errors, say), for assertion messages about what happened well before the tail.
     pub fn log_matching(&self, needles: &[&str], max: usize) -> String {
+        self.last_log_lines(|line| needles.iter().any(|n| line.contains(n)), max)
+    }
+
+    /// The last `max` lines of the service's log that `keep` keeps.
+    fn last_log_lines(&self, keep: impl Fn(&str) -> bool, max: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().filter(|l| needles.iter().any(|n| l.contains(n))).collect();
+        let lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
         lines[lines.len().saturating_sub(max)..].join("\n")
     }
 

@@ -81,6 +81,9 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
     let metrics = gateway.metrics().await.expect("metrics");
     let outcome = |o: &str| metrics.sum("vramgate_gateway_transactions_total", &[("outcome", o)]);
     let gauge = |name: &str| metrics.sum(&format!("vramgate_gateway_{name}"), &[]);
+    let by_partition = |name: &str| -> Vec<(Option<String>, f64)> {
+        metrics.family(&format!("vramgate_gateway_{name}")).into_iter().map(|(l, v)| (l.get("partition").cloned(), v)).collect()
+    };
     // Where any missing record stands: never fetched (pending 0, lag > 0), unfinished (pending),
     // finished and waiting for its transaction (outbox), or written but not visible to
     // read_committed readers (seen read_uncommitted).
@@ -102,10 +105,10 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
         metrics.sum("vramgate_gateway_offset_commits_total", &[("result", "error")]),
         gauge("records_in_flight"),
         gauge("records_uncommitted"),
-        metrics.family("vramgate_gateway_partition_pending_records").iter().map(|(l, v)| (l.get("partition").cloned(), *v)).collect::<Vec<_>>(),
+        by_partition("partition_pending_records"),
         gauge("outputs_awaiting_transaction"),
         gauge("paused_partitions"),
-        metrics.family("vramgate_gateway_consumer_lag_records").iter().map(|(l, v)| (l.get("partition").cloned(), *v)).collect::<Vec<_>>(),
+        by_partition("consumer_lag_records"),
         started.elapsed()
     );
     assert!(
