@@ -58,13 +58,14 @@ pub async fn run(
     let offsets = Arc::new(SharedOffsets::default());
     let flow = Arc::new(Mutex::new(Flow::default()));
     let connection = config.kafka.connection();
+    let debugging = config.kafka.properties.get("debug").is_some();
     // Exactly-once: the outputs wait in the outbox for the commit thread's transactions, and
     // the producer is transactional and the commit thread's alone.
     let (writer, output) = match config.delivery {
         Delivery::AtLeastOnce => {
             let producer: Producer = connection.create_with_context(
                 client_defaults(&config, Client::Producer),
-                Outputs(KafkaEvents::new(health.clone(), metrics.clone())),
+                Outputs(KafkaEvents::new(health.clone(), metrics.clone(), debugging)),
                 "the kafka producer",
             )?;
             (Writer::Offsets, Output::Direct(producer))
@@ -78,7 +79,7 @@ pub async fn run(
                     connection
                         .create_with_context(
                             defaults.clone(),
-                            Outputs(KafkaEvents::new(health.clone(), metrics.clone())),
+                            Outputs(KafkaEvents::new(health.clone(), metrics.clone(), debugging)),
                             "the transactional kafka producer",
                         )
                         .map_err(|e| {
@@ -99,7 +100,7 @@ pub async fn run(
     let consumer: BaseConsumer<RebalanceContext> = connection.create_with_context(
         client_defaults(&config, Client::Consumer),
         RebalanceContext {
-            events: KafkaEvents::new(health.clone(), metrics.clone()),
+            events: KafkaEvents::new(health.clone(), metrics.clone(), debugging),
             commits: commits.clone(),
             flow: flow.clone(),
             metrics: metrics.clone(),

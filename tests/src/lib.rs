@@ -128,6 +128,33 @@ pub fn restart_broker() -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
+/// Kafka's transactions tool (`scripts/broker transactions`) against the test broker, with
+/// `args` after its `--`: its output and errors, for a failing test's report.
+pub fn broker_transactions(args: &[&str]) -> String {
+    let brokers = brokers();
+    let Some(port) = brokers.rsplit(':').next() else { return format!("no port in {brokers}") };
+    let script = repo_root().join("scripts/broker");
+    match Command::new(&script).args(["transactions", "--port", port, "--"]).args(args).output() {
+        Ok(out) => format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        Err(e) => format!("running scripts/broker transactions: {e}"),
+    }
+}
+
+/// Each partition's low and high watermark as a reader at `isolation` sees them: the high one
+/// is the last stable offset for `ReadCommitted`, the log end for `ReadUncommitted`.
+pub fn watermarks(topic: &str, partitions: i32, isolation: Isolation) -> anyhow::Result<Vec<(i32, i64, i64)>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("isolation.level", isolation.name())
+        .create()?;
+    (0..partitions)
+        .map(|p| {
+            let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+            Ok((p, low, high))
+        })
+        .collect()
+}
+
 /// A name no other test uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
@@ -288,17 +315,23 @@ pub enum Isolation {
     ReadUncommitted,
 }
 
+impl Isolation {
+    /// librdkafka's name for it (`isolation.level`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "read_committed",
+            Isolation::ReadUncommitted => "read_uncommitted",
+        }
+    }
+}
+
 fn collector_consumer_with(topics: &[&str], isolation: Isolation) -> anyhow::Result<StreamConsumer> {
-    let level = match isolation {
-        Isolation::ReadCommitted => "read_committed",
-        Isolation::ReadUncommitted => "read_uncommitted",
-    };
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", unique("collector"))
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")
-        .set("isolation.level", level)
+        .set("isolation.level", isolation.name())
         .create()?;
     consumer.subscribe(topics)?;
     Ok(consumer)
@@ -442,7 +475,12 @@ impl Service {
 
     /// The last lines of the service's log, for assertion messages.
     pub fn log_tail(&self) -> String {
-        self.last_log_lines(|_| true, 40)
+        self.log_last(40)
+    }
+
+    /// The last `max` lines of the service's log.
+    pub fn log_last(&self, max: usize) -> String {
+        self.last_log_lines(|_| true, max)
     }
 
     /// The last `max` lines of the service's log that hold one of `needles` (its warnings and

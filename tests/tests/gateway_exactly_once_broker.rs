@@ -9,21 +9,27 @@ use std::time::{Duration, Instant};
 use vramgate_tests::chaos::tally;
 use vramgate_tests::fleet::voice_event;
 use vramgate_tests::{
-    collect, gateway_base_env, producer, restart_broker, scratch_dir, send_all, start_gateway, start_worker, uncommitted_records,
-    unique, voice_task_env, worker_config, ById, Collector, Isolation, TaskTopics, VAD_MODEL,
+    broker_transactions, collect, gateway_base_env, producer, restart_broker, scratch_dir, send_all, start_gateway_with,
+    start_worker, uncommitted_records, unique, voice_task_env, watermarks, worker_config, ById, Collector, Isolation,
+    TaskTopics, VAD_MODEL,
 };
+
+const PARTITIONS: i32 = 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
     const EVENTS: usize = 400;
-    let voice = TaskTopics::create("eos-restart", 4).await.expect("topics");
+    let voice = TaskTopics::create("eos-restart", PARTITIONS).await.expect("topics");
     let root = scratch_dir("eos-restart");
     let worker = start_worker(&worker_config("", &[VAD_MODEL])).await.expect("worker starts");
     let group = unique("gw");
     let mut env = gateway_base_env(&group, &worker.url, &root);
+    let transactional_id = unique("eos-restart");
     env.extend([
         ("DELIVERY", "exactly-once".to_string()),
-        ("KAFKA__TRANSACTIONAL_ID", unique("eos-restart")),
+        ("KAFKA__TRANSACTIONAL_ID", transactional_id.clone()),
+        // librdkafka's transaction and idempotence lines, for the report of a failure.
+        ("KAFKA__PROPERTIES__DEBUG", "eos".into()),
         ("COMMIT_INTERVAL_MS", "100".into()),
         ("TASKS__VOICE__CPU_THREADS", "1".into()),
         ("TASKS__IMAGE__ENABLED", "false".into()),
@@ -43,7 +49,7 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
     let topics = [voice.results.as_str(), voice.dlq.as_str()];
     let committed = Collector::start_with(&topics, Isolation::ReadCommitted).expect("collector");
     let uncommitted = Collector::start_with(&topics, Isolation::ReadUncommitted).expect("collector");
-    let mut gateway = start_gateway(&env).await.expect("gateway starts");
+    let mut gateway = start_gateway_with(&env, &[("RUST_LOG", "info,librdkafka=debug")]).await.expect("gateway starts");
     let started = Instant::now();
     // Ids of this test read so far (`wait_until` hands the records in: the collector is locked).
     let count = |got: &ById| got.keys().filter(|id| wanted.contains(*id)).count();
@@ -111,13 +117,18 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
         by_partition("consumer_lag_records"),
         started.elapsed()
     );
+    if !t.lost.is_empty() {
+        // Most telling first: CI keeps the head and the tail of a failure's output.
+        eprintln!("{}", broker_report(&t.lost, &uncommitted.snapshot(), &voice.results, &transactional_id));
+        eprintln!("librdkafka's transaction lines from the restart on:\n{}", transaction_lines(&gateway.service.log, 80));
+    }
     assert!(
         t.lost.is_empty(),
         "lost {} (e.g. {:?}); gateway's warnings, errors and rebalances:\n{}\n\ngateway's last lines:\n{}",
         t.lost.len(),
         &t.lost[..t.lost.len().min(5)],
-        gateway.service.log_matching(&[" WARN ", " ERROR ", "partitions revoked", "partitions assigned"], 60),
-        gateway.log_tail()
+        gateway.service.log_matching(&[" WARN ", " ERROR ", "partitions revoked", "partitions assigned"], 30),
+        gateway.service.log_last(10)
     );
     assert!(t.duplicated.is_empty(), "{} ids doubled for read_committed (e.g. {:?})", t.duplicated.len(), &t.duplicated[..t.duplicated.len().min(5)]);
     // Valid inputs: a broker away for seconds is waited out, never a dead letter.
@@ -127,4 +138,57 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
     assert_eq!(uncommitted_records(&group, &voice.requests).expect("offsets"), 0, "records left uncommitted");
     drop(worker);
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Where the outputs that `read_committed` readers miss stand in the results topic: their
+/// partitions and offsets (from the `read_uncommitted` reader, which has them all), each
+/// partition's log end and last stable offset, and what the broker says of the gateway's
+/// transactions and of the producers with a transaction open on each partition. An output
+/// past its partition's last stable offset sits behind a transaction the broker still holds
+/// open; one below it was written in a transaction that was aborted.
+fn broker_report(lost: &[String], uncommitted: &ById, results: &str, transactional_id: &str) -> String {
+    let mut by_partition: std::collections::BTreeMap<i32, Vec<i64>> = Default::default();
+    for id in lost {
+        for r in uncommitted.get(id).into_iter().flatten().filter(|r| r.topic == results) {
+            by_partition.entry(r.partition).or_default().push(r.offset);
+        }
+    }
+    let mut report = String::from("lost outputs by results partition (count, first and last offset):");
+    for (p, offsets) in &by_partition {
+        let (first, last) = (offsets.iter().min().copied().unwrap_or(-1), offsets.iter().max().copied().unwrap_or(-1));
+        report += &format!(" [{p}: {}, {first}..={last}]", offsets.len());
+    }
+    for isolation in [Isolation::ReadUncommitted, Isolation::ReadCommitted] {
+        report += &format!("\n{} watermarks (partition, low, high): {:?}", isolation.name(), watermarks(results, PARTITIONS, isolation));
+    }
+    report += &format!("\n--- describe --transactional-id {transactional_id}\n");
+    report += &broker_transactions(&["describe", "--transactional-id", transactional_id]);
+    for p in 0..PARTITIONS {
+        report += &format!("--- describe-producers --topic {results} --partition {p}\n");
+        report += &broker_transactions(&["describe-producers", "--topic", results, "--partition", &p.to_string()]);
+    }
+    // Open ones of any age (the tool's default looks at those open for over 15 minutes).
+    report += &format!("--- find-hanging --topic {results} --max-transaction-timeout 0\n");
+    report += &broker_transactions(&["find-hanging", "--topic", results, "--max-transaction-timeout", "0"]);
+    report
+}
+
+/// The gateway's librdkafka debug lines about its transactions (`debug = "eos"`) from the
+/// broker's going away on, without the reconnection noise: at most `max`, each cut short.
+fn transaction_lines(log: &std::path::Path, max: usize) -> String {
+    const NOISE: [&str; 6] = ["REBOOTSTRAP", "Connect to ipv4", "PIDBROKER", "Unable to query", "Querying for", "APIRESULT"];
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let from = text.lines().position(|l| l.contains("Disconnected")).unwrap_or(0);
+    let lines: Vec<String> = text
+        .lines()
+        .skip(from)
+        .filter(|l| l.contains("librdkafka") && !NOISE.iter().any(|n| l.contains(n)))
+        .take(max)
+        .map(|l| {
+            // The time of day and the message: the date and the level add nothing here.
+            let l = l.get(11..).unwrap_or(l).replacen(" DEBUG librdkafka: ", " ", 1);
+            l.chars().take(220).collect()
+        })
+        .collect();
+    lines.join("\n")
 }

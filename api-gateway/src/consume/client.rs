@@ -1,6 +1,7 @@
 //! What librdkafka tells the gateway about itself: its log lines and its client errors, for
 //! the consumer and the producer alike. Both are rate-limited (a broker that is down makes
-//! librdkafka repeat itself many times a second) and counted, and an authentication failure
+//! librdkafka repeat itself many times a second; debug lines, asked for with librdkafka's
+//! `debug` property, get a larger share) and counted, and an authentication failure
 //! marks the gateway not ready with the broker's reason ([`crate::health`]).
 
 use std::sync::Arc;
@@ -22,9 +23,17 @@ pub struct KafkaEvents {
     errors: LogLimit,
 }
 
+/// librdkafka's log lines a second, per client.
+const LOG_LINES_PER_SECOND: u32 = 2;
+/// The same with librdkafka's `debug` property set: the operator asked for its debug lines,
+/// and two a second would keep almost none of them.
+const DEBUG_LOG_LINES_PER_SECOND: u32 = 500;
+
 impl KafkaEvents {
-    pub fn new(health: Arc<Health>, metrics: Arc<Metrics>) -> Self {
-        KafkaEvents { health, metrics, logs: LogLimit::new(2), errors: LogLimit::new(1) }
+    /// `debugging`: librdkafka's `debug` property is set ([`DEBUG_LOG_LINES_PER_SECOND`]).
+    pub fn new(health: Arc<Health>, metrics: Arc<Metrics>, debugging: bool) -> Self {
+        let lines = if debugging { DEBUG_LOG_LINES_PER_SECOND } else { LOG_LINES_PER_SECOND };
+        KafkaEvents { health, metrics, logs: LogLimit::new(lines), errors: LogLimit::new(1) }
     }
 }
 

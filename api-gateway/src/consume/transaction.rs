@@ -591,7 +591,7 @@ mod tests {
         let producer: Arc<Producer> = Arc::new(
             ClientConfig::new()
                 .set("bootstrap.servers", "127.0.0.1:9")
-                .create_with_context(produce::Outputs(KafkaEvents::new(Arc::new(Health::default()), Metrics::new())))
+                .create_with_context(produce::Outputs(KafkaEvents::new(Arc::new(Health::default()), Metrics::new(), false)))
                 .expect("producer"),
         );
         let timeout = Duration::from_millis(200);
