@@ -101,4 +101,18 @@ mod tests {
         assert!(is_auth_error(&KafkaError::Global(RDKafkaErrorCode::Authentication)));
         assert!(!is_auth_error(&KafkaError::Global(RDKafkaErrorCode::AllBrokersDown)));
     }
+
+    #[test]
+    fn debug_lines_get_a_larger_share_only_when_asked_for() {
+        let lines_let_through = |debugging: bool| {
+            let events = KafkaEvents::new(Arc::new(Health::default()), Metrics::new(), debugging);
+            // 600 tries within well under a second (the limit is per second of the clock:
+            // straddling a second boundary could let at most one second's share more through).
+            (0..600).filter(|_| events.logs.allow()).count() as u32
+        };
+        let quiet = lines_let_through(false);
+        assert!((LOG_LINES_PER_SECOND..=2 * LOG_LINES_PER_SECOND).contains(&quiet), "{quiet}");
+        let debugging = lines_let_through(true);
+        assert!((DEBUG_LOG_LINES_PER_SECOND..=600).contains(&debugging), "{debugging}");
+    }
 }
