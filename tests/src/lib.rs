@@ -128,6 +128,18 @@ pub fn restart_broker() -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
+/// The last `max` lines of the test broker's log since it last started that hold one of
+/// `needles`, each cut to 250 characters: for a failing test's report.
+pub fn broker_log_matching(needles: &[&str], max: usize) -> String {
+    let brokers = brokers();
+    let port = brokers.rsplit(':').next().unwrap_or_default();
+    let log = repo_root().join(format!(".local/kafka/run-{port}/broker.log"));
+    let text = std::fs::read_to_string(&log).unwrap_or_else(|e| format!("reading {}: {e}", log.display()));
+    let lines: Vec<String> =
+        text.lines().filter(|l| needles.iter().any(|n| l.contains(n))).map(|l| l.chars().take(250).collect()).collect();
+    lines[lines.len().saturating_sub(max)..].join("\n")
+}
+
 /// Kafka's transactions tool (`scripts/broker transactions`) against the test broker, with
 /// `args` after its `--`: its output and errors, for a failing test's report.
 pub fn broker_transactions(args: &[&str]) -> String {

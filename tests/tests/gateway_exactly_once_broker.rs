@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use vramgate_tests::chaos::tally;
 use vramgate_tests::fleet::voice_event;
 use vramgate_tests::{
-    broker_transactions, collect, gateway_base_env, producer, restart_broker, scratch_dir, send_all, start_gateway_with,
+    broker_log_matching, broker_transactions, collect, gateway_base_env, producer, restart_broker, scratch_dir, send_all, start_gateway_with,
     start_worker, uncommitted_records, unique, voice_task_env, watermarks, worker_config, ById, Collector, Isolation,
     TaskTopics, VAD_MODEL,
 };
@@ -170,6 +170,10 @@ fn broker_report(lost: &[String], uncommitted: &ById, results: &str, transaction
     // Open ones of any age (the tool's default looks at those open for over 15 minutes).
     report += &format!("--- find-hanging --topic {results} --max-transaction-timeout 0\n");
     report += &broker_transactions(&["find-hanging", "--topic", results, "--max-transaction-timeout", "0"]);
+    // The broker's own word since the restart: a transaction it rolled back for its timeout, or
+    // markers it gave up writing, name the transactional id or the partition.
+    report += "--- the broker's log since the restart: this transaction, the results topic, warnings and errors\n";
+    report += &broker_log_matching(&[transactional_id, results, " WARN ", " ERROR "], 40);
     report
 }
 
