@@ -112,13 +112,24 @@ pub fn brokers() -> String {
         .clone()
 }
 
+/// The test broker's port (what `scripts/broker` names it by): the last part of [`brokers`].
+fn broker_port() -> String {
+    brokers().rsplit(':').next().unwrap_or_default().to_string()
+}
+
+/// The last `max` lines of the file at `path` that `keep` keeps (none if it cannot be read).
+fn last_lines(path: &Path, keep: impl Fn(&str) -> bool, max: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
+    lines[lines.len().saturating_sub(max)..].join("\n")
+}
+
 /// Restarts the test broker (SIGTERM, then started again on its port with its TLS listeners,
 /// its data kept), waiting until it is usable; returns how long it was away. Every client of
 /// every test running meanwhile loses it, so only a test alone in its test binary (cargo runs
 /// the binaries one at a time) may call it.
 pub fn restart_broker() -> anyhow::Result<Duration> {
-    let brokers = brokers();
-    let port = brokers.rsplit(':').next().context("broker address without a port")?.to_string();
+    let port = broker_port();
     let script = repo_root().join("scripts/broker");
     let started = Instant::now();
     for args in [vec!["stop", "--port", &port], vec!["start", "--port", &port, "--tls"]] {
@@ -131,22 +142,16 @@ pub fn restart_broker() -> anyhow::Result<Duration> {
 /// The last `max` lines of the test broker's log since it last started that hold one of
 /// `needles`, each cut to 250 characters: for a failing test's report.
 pub fn broker_log_matching(needles: &[&str], max: usize) -> String {
-    let brokers = brokers();
-    let port = brokers.rsplit(':').next().unwrap_or_default();
-    let log = repo_root().join(format!(".local/kafka/run-{port}/broker.log"));
-    let text = std::fs::read_to_string(&log).unwrap_or_else(|e| format!("reading {}: {e}", log.display()));
-    let lines: Vec<String> =
-        text.lines().filter(|l| needles.iter().any(|n| l.contains(n))).map(|l| l.chars().take(250).collect()).collect();
-    lines[lines.len().saturating_sub(max)..].join("\n")
+    let log = repo_root().join(format!(".local/kafka/run-{}/broker.log", broker_port()));
+    let lines = last_lines(&log, |l| needles.iter().any(|n| l.contains(n)), max);
+    lines.lines().map(|l| l.chars().take(250).collect::<String>()).collect::<Vec<_>>().join("\n")
 }
 
 /// Kafka's transactions tool (`scripts/broker transactions`) against the test broker, with
 /// `args` after its `--`: its output and errors, for a failing test's report.
 pub fn broker_transactions(args: &[&str]) -> String {
-    let brokers = brokers();
-    let Some(port) = brokers.rsplit(':').next() else { return format!("no port in {brokers}") };
     let script = repo_root().join("scripts/broker");
-    match Command::new(&script).args(["transactions", "--port", port, "--"]).args(args).output() {
+    match Command::new(&script).args(["transactions", "--port", &broker_port(), "--"]).args(args).output() {
         Ok(out) => format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
         Err(e) => format!("running scripts/broker transactions: {e}"),
     }
@@ -503,9 +508,7 @@ impl Service {
 
     /// The last `max` lines of the service's log that `keep` keeps.
     fn last_log_lines(&self, keep: impl Fn(&str) -> bool, max: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
-        lines[lines.len().saturating_sub(max)..].join("\n")
+        last_lines(&self.log, keep, max)
     }
 
     pub fn is_running(&mut self) -> bool {

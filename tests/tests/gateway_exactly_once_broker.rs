@@ -135,6 +135,19 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
     assert!(t.dead_by_kind.is_empty(), "dead letters from valid inputs: {:?}", t.dead_by_kind);
     let status = gateway.service.terminate(Duration::from_secs(40)).await.expect("gateway stops");
     assert!(status.success(), "gateway exited with {status}; log:\n{}", gateway.log_tail());
+    // What the failure report and the runbook (docs/operations.md) rest on. librdkafka's debug
+    // lines reach the log when asked for (`debug`, and their larger share of the log limit).
+    assert!(!gateway.service.log_matching(&["facility=TXNSTATE"], 1).is_empty(), "no librdkafka transaction lines in the log");
+    // Every transaction closed: each results partition's last stable offset is its log end,
+    // and Kafka's tool (`scripts/broker transactions`) finds the gateway's transaction closed.
+    let stable = watermarks(&voice.results, PARTITIONS, Isolation::ReadCommitted).expect("watermarks");
+    let ends = watermarks(&voice.results, PARTITIONS, Isolation::ReadUncommitted).expect("watermarks");
+    assert_eq!(stable, ends, "last stable offsets behind the log ends: a transaction left open");
+    let described = broker_transactions(&["describe", "--transactional-id", &transactional_id]);
+    assert!(
+        described.contains(&transactional_id) && !described.contains("Ongoing") && !described.contains("Prepare"),
+        "the gateway's transaction is not closed:\n{described}"
+    );
     assert_eq!(uncommitted_records(&group, &voice.requests).expect("offsets"), 0, "records left uncommitted");
     drop(worker);
     let _ = std::fs::remove_dir_all(&root);
