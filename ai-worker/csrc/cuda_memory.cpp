@@ -10,7 +10,9 @@
 // exception ever crosses the C boundary.
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <cstddef>
@@ -161,6 +163,45 @@ int vg_cuda_set_memory_fraction(double fraction, int device, char* err, size_t e
     const c10::DeviceIndex index = to_device_index(device);
     caching_allocator()->setMemoryFraction(fraction, index);
   });
+}
+
+// Makes the calling thread's current stream on `device` one of libtorch's pool streams, for the
+// rest of the thread's life: every kernel and copy the thread queues afterwards goes there, so
+// batch threads of several model instances overlap on the card instead of queueing on the
+// default stream. The current stream is thread-local in libtorch.
+int vg_cuda_use_pool_stream(int device, char* err, size_t err_len) {
+  char op[64];
+  std::snprintf(op, sizeof op, "a pool stream on cuda:%d", device);
+  return guarded(err, err_len, op, [&] {
+    const c10::DeviceIndex index = to_device_index(device);
+    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index));
+  });
+}
+
+// Waits until everything the calling thread queued on its current stream of `device` is done.
+int vg_cuda_sync_current_stream(int device, char* err, size_t err_len) {
+  char op[64];
+  std::snprintf(op, sizeof op, "synchronise the stream on cuda:%d", device);
+  return guarded(err, err_len, op, [&] {
+    const c10::DeviceIndex index = to_device_index(device);
+    c10::cuda::getCurrentCUDAStream(index).synchronize();
+  });
+}
+
+// Enters c10::InferenceMode on the calling thread (no autograd bookkeeping at all: no version
+// counters, no views tracked), returning the guard to hand back to vg_inference_mode_exit on the
+// same thread; null on failure. Guards nest; each must be ended in reverse order.
+void* vg_inference_mode_enter() noexcept {
+  try {
+    return new c10::InferenceMode(true);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+// Ends a guard from vg_inference_mode_enter (null: nothing to do), restoring the thread's state.
+void vg_inference_mode_exit(void* guard) noexcept {
+  delete static_cast<c10::InferenceMode*>(guard);
 }
 
 } // extern "C"

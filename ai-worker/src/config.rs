@@ -63,6 +63,19 @@ pub struct WorkerConfig {
     /// intra-op pool only spins (measured on 2 cores, 10 s clip: median 78 ms with 1 thread,
     /// 463 ms with 2).
     pub torch_threads: usize,
+    /// Runs every model call under libtorch's `InferenceMode` (no autograd state at all,
+    /// cheaper than `no_grad`; Triton's PyTorch backend's `INFERENCE_MODE`). Needs the C++ shim
+    /// (built with the CUDA headers); without it, and with `false`, calls run under `no_grad`.
+    pub inference_mode: bool,
+    /// TorchScript's graph-executor optimisation (its passes and fusion before a plan runs),
+    /// set on every thread that calls a model, since libtorch keeps it per thread. On, as
+    /// libtorch's default; the GPU kit measures both.
+    pub jit_optimize: bool,
+    /// cuDNN's autotuner (`torch.backends.cudnn.benchmark`): on the first call at each shape
+    /// cuDNN times its convolution algorithms and keeps the fastest. Off by default: the time
+    /// it takes is paid per new shape, and the worker warms every batch bucket at load anyway,
+    /// so the kit measures whether it pays. CUDA only.
+    pub cudnn_benchmark: bool,
     /// Largest request body accepted, in bytes; larger bodies get 413 before they are read
     /// (from `Content-Length`; chunked bodies as soon as they pass it).
     pub max_request_bytes: usize,
@@ -274,6 +287,9 @@ impl Default for WorkerConfig {
             telemetry: Default::default(),
             device: DeviceChoice::Auto,
             torch_threads: 1,
+            inference_mode: true,
+            jit_optimize: true,
+            cudnn_benchmark: false,
             max_request_bytes: 256 * 1024 * 1024,
             max_body_bytes_in_flight: 256 * 1024 * 1024,
             header_read_timeout_ms: 10_000,
@@ -435,6 +451,15 @@ pub struct ModelConfig {
     /// and the worker adds and strips the batch dimension itself (see [`ModelConfig::batched`]).
     #[serde(default)]
     pub max_batch_size: Option<usize>,
+    /// The batch sizes (rows) a batch is run at: a batch of fewer rows is padded up to the
+    /// next one (TensorRT's optimisation profiles, Triton's preferred batch sizes), so the model
+    /// meets a small set of shapes, each warmed at load before the model is ready. Ascending,
+    /// each 1..=1024, at most 16. Unset: on CUDA 1, 2, 4, …, 64 (up to `max_batch_size`), where
+    /// a new shape costs the device its first-call set-up; on the CPU none (`[]`), where padding
+    /// rows costs their arithmetic and a new shape costs nothing. A batch above the largest
+    /// runs as it is.
+    #[serde(default)]
+    pub batch_buckets: Option<Vec<usize>>,
     /// Overrides the memory estimate measured at start-up (it is still corrected upwards
     /// from what batches are seen to use).
     #[serde(default)]
@@ -551,6 +576,12 @@ pub struct DeclaredTensor {
     /// Unset: no bucketing (1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket: Option<usize>,
+    /// Input only, of datatype FP32 or FP16: requests may send this input as UINT8 instead (a
+    /// picture's bytes: a quarter of FP32's on the wire and over PCIe), converted on the device
+    /// after the copy to the declared datatype as `x × scale + offset`. P-Net's `(x − 127.5) /
+    /// 128` is `{ scale = 0.0078125, offset = -0.99609375 }`. Unset: only the declared datatype.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_uint8: Option<Affine>,
     /// Input only: the smallest size of each dimension a request may have (rank of `shape`;
     /// the first, the rows, 1, unless the model takes no batch dimension); a smaller request
     /// gets 400. Unset: 1 everywhere.
@@ -609,6 +640,7 @@ impl DeclaredTensor {
             batching: None,
             pad_value: None,
             bucket: None,
+            from_uint8: None,
             min_shape: None,
             follows: None,
         }
@@ -689,6 +721,19 @@ pub const MAX_DECLARED_RANK: usize = 8;
 pub const MAX_DECLARED_DIM: i64 = 1 << 31;
 /// Largest probe size a `declared` model may name (16 s of 16 kHz audio is 256 000).
 pub const MAX_PROBE_SIZE: usize = 1 << 20;
+/// An affine map `x × scale + offset` (see [`DeclaredTensor::from_uint8`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Affine {
+    pub scale: f64,
+    pub offset: f64,
+}
+
+/// Most entries of a model's `batch_buckets`.
+pub const MAX_BATCH_BUCKETS: usize = 16;
+/// Largest value in a model's `batch_buckets`.
+pub const MAX_BATCH_BUCKET: usize = 1024;
+
 /// Largest `bucket` step a padded input may name.
 pub const MAX_BUCKET: usize = 1 << 20;
 /// Most constant arguments a `declared` model may take after its inputs.
@@ -794,6 +839,25 @@ impl ModelConfig {
             output.validate_output(&at, inputs, first)?;
             if outputs[..j].iter().any(|o| o.name == output.name) {
                 return Err(format!("{at}name '{}' names an earlier output too", output.name));
+            }
+        }
+        if let Some(buckets) = &self.batch_buckets {
+            if buckets.len() > MAX_BATCH_BUCKETS {
+                return Err(format!("{at}batch_buckets must have at most {MAX_BATCH_BUCKETS} sizes, got {}", buckets.len()));
+            }
+            if let Some((k, b)) = buckets.iter().enumerate().find(|(_, &b)| !(1..=MAX_BATCH_BUCKET).contains(&b)) {
+                return Err(format!("{at}batch_buckets[{k}] must be 1..={MAX_BATCH_BUCKET}, got {b}"));
+            }
+            if buckets.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(format!("{at}batch_buckets must be ascending without repeats, got {buckets:?}"));
+            }
+            if !self.batched() && !buckets.is_empty() {
+                return Err(format!("{at}batch_buckets is only for a model with a batch dimension (this one has max_batch_size = 0)"));
+            }
+            if let (Some(max), Some(&largest)) = (self.max_batch_size, buckets.last()) {
+                if largest > max {
+                    return Err(format!("{at}batch_buckets goes up to {largest}, past max_batch_size = {max}"));
+                }
             }
         }
         for (key, sizes) in [("probe_sizes", &self.probe_sizes), ("batch_probe_sizes", &self.batch_probe_sizes)] {
@@ -908,6 +972,17 @@ impl DeclaredTensor {
                 return Err(format!("{at}bucket needs a variable (-1) dimension {which}to round up, shape is {:?}", self.shape));
             }
         }
+        if let Some(affine) = self.from_uint8 {
+            if !matches!(self.datatype, DataType::Fp32 | DataType::Fp16) {
+                return Err(format!("{at}from_uint8 is only for an input of datatype FP32 or FP16, got {}", self.datatype));
+            }
+            if !(affine.scale.is_finite() && affine.offset.is_finite()) || affine.scale == 0.0 {
+                return Err(format!(
+                    "{at}from_uint8 needs a finite, non-zero scale and a finite offset, got scale {} and offset {}",
+                    affine.scale, affine.offset
+                ));
+            }
+        }
         if let Some(min) = &self.min_shape {
             if min.len() != self.shape.len() {
                 return Err(format!(
@@ -938,6 +1013,7 @@ impl DeclaredTensor {
             ("batching", self.batching.is_some()),
             ("pad_value", self.pad_value.is_some()),
             ("bucket", self.bucket.is_some()),
+            ("from_uint8", self.from_uint8.is_some()),
             ("min_shape", self.min_shape.is_some()),
         ] {
             if set {
@@ -1188,6 +1264,42 @@ mod tests {
 
     const RNET: &str = "input = { name = \"image\", shape = [-1, 3, 24, 24] }\n\
         outputs = [ { name = \"box_offsets\", shape = [-1, 4] }, { name = \"face_prob\", shape = [-1, 2] } ]\n";
+
+    #[test]
+    fn batch_buckets_and_bytes_for_a_float_input_are_checked_with_their_key() {
+        let config = from_toml(&with_declared(&format!("batch_buckets = [1, 2, 4, 8]\n{RNET}"))).expect("buckets");
+        assert_eq!(config.models[1].batch_buckets, Some(vec![1, 2, 4, 8]));
+        assert_eq!(config.models[0].batch_buckets, None, "unset: the device's default");
+        from_toml(&with_declared(&format!("batch_buckets = []\n{RNET}"))).expect("none");
+        let bytes = RNET.replace("24] }", "24], from_uint8 = { scale = 0.0078125, offset = -0.99609375 } }");
+        let config = from_toml(&with_declared(&bytes)).expect("from_uint8");
+        let affine = config.models[1].input.as_ref().and_then(|i| i.from_uint8);
+        assert_eq!(affine, Some(Affine { scale: 0.0078125, offset: -0.99609375 }));
+        let check = |keys: String, want: &str| {
+            let err = from_toml(&with_declared(&keys)).expect_err(want).to_string();
+            assert!(err.contains(want), "{keys}\nwant: {want}\ngot:  {err}");
+        };
+        check(format!("batch_buckets = [1, 4, 2]\n{RNET}"), "models[1].batch_buckets must be ascending without repeats, got [1, 4, 2]");
+        check(format!("batch_buckets = [0, 2]\n{RNET}"), "models[1].batch_buckets[0] must be 1..=1024, got 0");
+        check(format!("batch_buckets = [1, 2048]\n{RNET}"), "models[1].batch_buckets[1] must be 1..=1024, got 2048");
+        let many: Vec<String> = (1..=17).map(|b| b.to_string()).collect();
+        check(format!("batch_buckets = [{}]\n{RNET}", many.join(", ")), "models[1].batch_buckets must have at most 16 sizes, got 17");
+        check(format!("max_batch_size = 4\nbatch_buckets = [1, 8]\n{RNET}"), "models[1].batch_buckets goes up to 8, past max_batch_size = 4");
+        check(
+            "max_batch_size = 0\nbatch_buckets = [1]\ninput = { name = \"x\", shape = [3, 4] }\noutputs = [ { name = \"y\", shape = [4] } ]\n".into(),
+            "models[1].batch_buckets is only for a model with a batch dimension",
+        );
+        check(
+            RNET.replace("24] }", "24], datatype = \"INT32\", from_uint8 = { scale = 1.0, offset = 0.0 } }"),
+            "models[1].input.from_uint8 is only for an input of datatype FP32 or FP16, got INT32",
+        );
+        check(
+            RNET.replace("24] }", "24], from_uint8 = { scale = 0.0, offset = 0.0 } }"),
+            "models[1].input.from_uint8 needs a finite, non-zero scale and a finite offset, got scale 0 and offset 0",
+        );
+        check(RNET.replace("24] }", "24], from_uint8 = { scale = 1.0 } }"), "offset");
+        check(RNET.replace("[-1, 2] }", "[-1, 2], from_uint8 = { scale = 1.0, offset = 0.0 } }"), "models[1].outputs[1].from_uint8 is only for the input");
+    }
 
     #[test]
     fn a_declared_model_reads_its_tensors_method_and_probe_sizes() {

@@ -65,6 +65,42 @@ pub fn set_memory_fraction(fraction: f64, device: i32) -> Result<(), String> {
     imp::set_memory_fraction(fraction, device)
 }
 
+/// Makes the calling thread's current CUDA stream on `device` one of libtorch's pool streams
+/// for the rest of the thread's life (the current stream is thread-local): each batch thread
+/// queues its copies and kernels on its own stream, so instances overlap on the card.
+pub fn use_pool_stream(device: i32) -> Result<(), String> {
+    imp::use_pool_stream(device)
+}
+
+/// Waits until everything the calling thread queued on its current stream of `device` is done.
+pub fn sync_current_stream(device: i32) -> Result<(), String> {
+    imp::sync_current_stream(device)
+}
+
+/// `c10::InferenceMode` on the calling thread while it lives: libtorch keeps no autograd
+/// state at all (cheaper than `no_grad`, which still counts versions and tracks views). Not
+/// `Send`: it must end on the thread that entered it. The shim is in the same C++ file as the
+/// allocator's calls, so a build without it has no guard ([`InferenceMode::enter`] is `None`)
+/// and callers fall back to `no_grad`.
+pub struct InferenceMode {
+    #[cfg_attr(not(vramgate_cuda_shim), allow(dead_code))]
+    guard: *mut std::ffi::c_void,
+}
+
+impl InferenceMode {
+    /// Enters inference mode on this thread, or `None` where the shim is not built (or the
+    /// guard could not be made).
+    pub fn enter() -> Option<InferenceMode> {
+        imp::inference_mode_enter().map(|guard| InferenceMode { guard })
+    }
+}
+
+impl Drop for InferenceMode {
+    fn drop(&mut self) {
+        imp::inference_mode_exit(self.guard);
+    }
+}
+
 #[cfg(vramgate_cuda_shim)]
 mod imp {
     use std::ffi::{c_char, c_int, CStr};
@@ -92,6 +128,10 @@ mod imp {
             err: *mut c_char,
             err_len: usize,
         ) -> c_int;
+        fn vg_cuda_use_pool_stream(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
+        fn vg_cuda_sync_current_stream(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
+        fn vg_inference_mode_enter() -> *mut std::ffi::c_void;
+        fn vg_inference_mode_exit(guard: *mut std::ffi::c_void);
     }
 
     const ERR_LEN: usize = 512;
@@ -148,6 +188,28 @@ mod imp {
         // SAFETY: `err` points to `err_len` writable bytes for the call; the shim never unwinds.
         call(|err, err_len| unsafe { vg_cuda_set_memory_fraction(fraction, device, err, err_len) })
     }
+
+    pub(super) fn use_pool_stream(device: i32) -> Result<(), String> {
+        // SAFETY: `err` points to `err_len` writable bytes for the call; the shim never unwinds.
+        call(|err, err_len| unsafe { vg_cuda_use_pool_stream(device, err, err_len) })
+    }
+
+    pub(super) fn sync_current_stream(device: i32) -> Result<(), String> {
+        // SAFETY: `err` points to `err_len` writable bytes for the call; the shim never unwinds.
+        call(|err, err_len| unsafe { vg_cuda_sync_current_stream(device, err, err_len) })
+    }
+
+    pub(super) fn inference_mode_enter() -> Option<*mut std::ffi::c_void> {
+        // SAFETY: takes nothing; returns a guard owned by the caller, or null. Never unwinds.
+        let guard = unsafe { vg_inference_mode_enter() };
+        (!guard.is_null()).then_some(guard)
+    }
+
+    pub(super) fn inference_mode_exit(guard: *mut std::ffi::c_void) {
+        // SAFETY: `guard` came from `inference_mode_enter` on this thread (`InferenceMode` is
+        // neither Send nor Sync) and is ended once, by its Drop.
+        unsafe { vg_inference_mode_exit(guard) }
+    }
 }
 
 #[cfg(not(vramgate_cuda_shim))]
@@ -172,6 +234,20 @@ mod imp {
     pub(super) fn set_memory_fraction(_fraction: f64, _device: i32) -> Result<(), String> {
         Err(NOT_BUILT.into())
     }
+
+    pub(super) fn use_pool_stream(_device: i32) -> Result<(), String> {
+        Err(NOT_BUILT.into())
+    }
+
+    pub(super) fn sync_current_stream(_device: i32) -> Result<(), String> {
+        Err(NOT_BUILT.into())
+    }
+
+    pub(super) fn inference_mode_enter() -> Option<*mut std::ffi::c_void> {
+        None
+    }
+
+    pub(super) fn inference_mode_exit(_guard: *mut std::ffi::c_void) {}
 }
 
 #[cfg(test)]
@@ -212,5 +288,23 @@ mod tests {
         assert_eq!(reset_peak(0), not_built());
         assert_eq!(empty_cache(), not_built());
         assert_eq!(set_memory_fraction(0.5, 0), not_built());
+        assert_eq!(use_pool_stream(0), not_built());
+        assert!(InferenceMode::enter().is_none());
+    }
+
+    // Inference mode is thread-local autograd state: on while the guard lives, off after, and
+    // a tensor made under it is an inference tensor (libtorch's own marker).
+    #[cfg(vramgate_cuda_shim)]
+    #[test]
+    fn inference_mode_holds_while_its_guard_lives() {
+        let plain = tch::Tensor::from_slice(&[1.0f32, 2.0]);
+        assert!(!plain.is_inference());
+        {
+            let _guard = InferenceMode::enter().expect("the shim makes a guard");
+            let made = tch::Tensor::from_slice(&[1.0f32, 2.0]) * 2.0;
+            assert!(made.is_inference());
+        }
+        let after = tch::Tensor::from_slice(&[1.0f32]) * 2.0;
+        assert!(!after.is_inference());
     }
 }

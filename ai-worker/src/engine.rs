@@ -222,6 +222,8 @@ pub struct Calibrated {
     pub model: Arc<Model>,
     pub estimate: Arc<MemoryEstimate>,
     pub sizer: Arc<BatchSizer>,
+    /// The most bytes (by the estimate) a warm-up batch may take on each batch thread; 0: any.
+    pub warm_up_bytes: u64,
 }
 
 pub struct Engine {
@@ -304,13 +306,14 @@ impl Engine {
     /// version served already is replaced (and retired). `at_run_time`: its weights are new
     /// to the budget (a start-up model's are in its baseline).
     pub fn install(&self, version: u64, calibrated: Calibrated, at_run_time: bool) -> anyhow::Result<()> {
-        let Calibrated { model, estimate, sizer } = calibrated;
+        let Calibrated { model, estimate, sizer, warm_up_bytes } = calibrated;
         let file_bytes = std::fs::metadata(&model.config().path).map(|m| m.len()).unwrap_or(0);
         let weight_bytes = file_bytes.saturating_mul(model.instances() as u64);
         estimate.set_measure_every(self.measure_every);
         let (tx, rx) = std::sync::mpsc::channel();
         let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
         let traffic = Arc::new(Traffic::new());
+        let (warmed_tx, warmed_rx) = std::sync::mpsc::channel();
         for instance in 0..model.instances() {
             let batcher = Batcher {
                 model: model.clone(),
@@ -321,9 +324,23 @@ impl Engine {
                 window: self.window,
             };
             let intake = intake.clone();
-            std::thread::Builder::new()
-                .name(format!("batch-{}-{instance}", model.name()))
-                .spawn(move || batcher.run(&intake))?;
+            let warmed = warmed_tx.clone();
+            std::thread::Builder::new().name(format!("batch-{}-{instance}", model.name())).spawn(move || {
+                // Each batch thread warms every shape it will run on itself (its settings and
+                // stream are its own) before the model is served.
+                let affordable = |elements: u64| warm_up_bytes == 0 || batcher.estimate.bytes(elements) <= warm_up_bytes;
+                let outcome = batcher.model.warm_up(affordable);
+                let _ = warmed.send(outcome);
+                batcher.run(&intake)
+            })?;
+        }
+        drop(warmed_tx);
+        for _ in 0..model.instances() {
+            match warmed_rx.recv() {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(model = %model.name(), error = %e, "a batch thread's warm-up failed; its first requests meet the shapes cold"),
+                Err(_) => anyhow::bail!("a batch thread of '{}' ended during its warm-up", model.name()),
+            }
         }
         let name = model.name().to_string();
         if at_run_time {
@@ -803,7 +820,7 @@ impl Batcher {
         if result.is_ok() {
             metrics.inference_duration.with_label_values(&[name]).observe(seconds);
             let phases = crate::model::last_phases();
-            for (phase, took) in [("inputs", phases.inputs), ("call", phases.call), ("outputs", phases.outputs)] {
+            for (phase, took) in phases.labelled() {
                 metrics.inference_phases.with_label_values(&[name, phase]).observe(took);
             }
             metrics.batch_size.with_label_values(&[name]).observe(group.len() as f64);

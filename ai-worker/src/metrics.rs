@@ -21,6 +21,7 @@ pub struct Metrics {
     pub retry_attempts: IntCounterVec,
     pub inference_duration: HistogramVec,
     pub inference_phases: HistogramVec,
+    pub request_phases: HistogramVec,
     pub concurrent_tasks: IntGauge,
     pub admission_wait: Histogram,
     pub admission_rejections: IntCounterVec,
@@ -129,8 +130,18 @@ impl Metrics {
             inference_phases: histogram(
                 "inference_phase_seconds",
                 "Time one batch took in each phase of its model call: inputs (the batch tensors built on \
-                 the host), call (copied to the device and the model called; on CUDA the host's launch \
-                 work), outputs (brought back and split per request; on CUDA it waits for the device)",
+                 the host; on CUDA in pinned memory), to_device (the copy queued; on CUDA non-blocking), \
+                 model (the call; on CUDA until its stream is done), outputs (brought back and split per \
+                 request)",
+                &["model", "phase"],
+                seconds.clone(),
+            ),
+            request_phases: histogram(
+                "request_phase_seconds",
+                "Time one inference request took in each phase of its handler: body (read from the \
+                 connection), decode (the request parsed and its inputs checked and taken), infer \
+                 (admission, the batch queue and its batch: see inference_phase_seconds), encode (the \
+                 answer built); writing the answer to the socket comes after and is not counted",
                 &["model", "phase"],
                 seconds.clone(),
             ),
@@ -198,7 +209,7 @@ mod tests {
         m.model_errors.with_label_values(&["m"]).inc();
         m.batch_size.with_label_values(&["m"]).observe(3.0);
         m.inference_duration.with_label_values(&["m"]).observe(0.01);
-        m.inference_phases.with_label_values(&["m", "call"]).observe(0.01);
+        m.inference_phases.with_label_values(&["m", "model"]).observe(0.01);
         m.admission_rejections.with_label_values(&["queue_full"]).inc();
         m.retry_attempts.with_label_values(&["m"]).inc();
         m.estimate_ratio.with_label_values(&["m"]).set(0.9);
@@ -214,7 +225,7 @@ mod tests {
             "inference_model_errors_total{model=\"m\"} 1",
             "inference_retry_attempts_total",
             "inference_duration_seconds_bucket",
-            "inference_phase_seconds_bucket{model=\"m\",phase=\"call\"",
+            "inference_phase_seconds_bucket{model=\"m\",phase=\"model\"",
             "concurrent_inference_tasks",
             "admission_wait_seconds",
             "admission_rejections_total{reason=\"queue_full\"} 1",

@@ -78,20 +78,29 @@ impl std::fmt::Display for ComputeDevice {
 }
 
 /// Where the last batch a thread ran spent its time, in seconds: building the batch's input
-/// tensors on the host (`inputs`); copying them to the device and calling the model (`call`:
-/// on CUDA the kernels are only queued, so this is the host's launch work); and bringing the
-/// outputs back and splitting them per request (`outputs`: on CUDA this waits for the device
-/// to finish). Read by the engine right after [`Model::infer_batch`] on the same thread
-/// ([`last_phases`]), exported as `inference_phase_seconds`.
+/// tensors on the host (`inputs`: on CUDA into the instance's pinned buffer); queueing their
+/// copy to the device (`to_device`: on CUDA a non-blocking copy, so little); the model's call
+/// (`model`: on CUDA up to the instance's stream being done, so the copy and the kernels);
+/// and bringing the outputs back and splitting them per request (`outputs`). Read by the
+/// engine right after [`Model::infer_batch`] on the same thread ([`last_phases`]), exported
+/// as `inference_phase_seconds`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Phases {
     pub inputs: f64,
-    pub call: f64,
+    pub to_device: f64,
+    pub model: f64,
     pub outputs: f64,
 }
 
+impl Phases {
+    /// Each phase with its metric label.
+    pub fn labelled(&self) -> [(&'static str, f64); 4] {
+        [("inputs", self.inputs), ("to_device", self.to_device), ("model", self.model), ("outputs", self.outputs)]
+    }
+}
+
 thread_local! {
-    static LAST_PHASES: std::cell::Cell<Phases> = const { std::cell::Cell::new(Phases { inputs: 0.0, call: 0.0, outputs: 0.0 }) };
+    static LAST_PHASES: std::cell::Cell<Phases> = const { std::cell::Cell::new(Phases { inputs: 0.0, to_device: 0.0, model: 0.0, outputs: 0.0 }) };
 }
 
 /// The phases of the last batch that ran to its outputs on this thread (zeros before any).
@@ -99,8 +108,31 @@ pub fn last_phases() -> Phases {
     LAST_PHASES.with(|p| p.get())
 }
 
+/// The process-wide libtorch settings ([`init_torch`]) that each model call applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TorchSettings {
+    /// Calls run under `InferenceMode` (where the shim has it), else under `no_grad`.
+    pub inference_mode: bool,
+    /// The graph executor's optimisation, set on every thread that calls a model.
+    pub jit_optimize: bool,
+    /// cuDNN's autotuner.
+    pub cudnn_benchmark: bool,
+}
+
+impl Default for TorchSettings {
+    fn default() -> Self {
+        TorchSettings { inference_mode: true, jit_optimize: true, cudnn_benchmark: false }
+    }
+}
+
+static SETTINGS: std::sync::OnceLock<TorchSettings> = std::sync::OnceLock::new();
+
+fn settings() -> TorchSettings {
+    SETTINGS.get().copied().unwrap_or_default()
+}
+
 /// Picks the device once per process and applies process-wide libtorch settings.
-pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice, ModelError> {
+pub fn init_torch(choice: DeviceChoice, threads: usize, torch: TorchSettings) -> Result<ComputeDevice, ModelError> {
     // The profiling executor re-specialises graphs over the first calls, which costs seconds
     // per new input shape on CPU; audio lengths vary per request, so it would never settle.
     // At a fixed shape both executors run equally fast (docs/performance-notes.md).
@@ -108,11 +140,35 @@ pub fn init_torch(choice: DeviceChoice, threads: usize) -> Result<ComputeDevice,
     if threads > 0 {
         tch::set_num_threads(threads as i32);
     }
+    // First set wins: one process, one set of settings (tests start several workers' engines
+    // in one process with the defaults).
+    let _ = SETTINGS.set(torch);
+    prepare_thread_settings();
     let cuda = tch::Cuda::is_available();
+    if cuda {
+        tch::Cuda::cudnn_set_benchmark(settings().cudnn_benchmark);
+    }
     match (choice, cuda) {
         (DeviceChoice::Cuda, false) => Err(ModelError::NoCuda),
         (DeviceChoice::Cpu, _) | (DeviceChoice::Auto, false) => Ok(ComputeDevice::Cpu),
         (DeviceChoice::Cuda | DeviceChoice::Auto, true) => Ok(ComputeDevice::Cuda(0)),
+    }
+}
+
+/// Applies the thread-local settings of [`TorchSettings`] to the calling thread (libtorch keeps
+/// the graph executor's optimisation per thread: a setting made on another thread does not
+/// reach the one that runs the model).
+fn prepare_thread_settings() {
+    tch::jit::set_graph_executor_optimize(settings().jit_optimize);
+}
+
+/// Inference mode for one model call where it is on and the shim has it; `None` leaves the
+/// call to `no_grad`.
+fn inference_guard() -> Option<crate::cuda_memory::InferenceMode> {
+    if settings().inference_mode {
+        crate::cuda_memory::InferenceMode::enter()
+    } else {
+        None
     }
 }
 
@@ -254,15 +310,19 @@ pub struct TensorSpec {
     pub shape: Vec<i64>,
     /// One of the datatypes [`tensor_kind`] knows.
     pub datatype: DataType,
+    /// An input that may also be sent as UINT8 (`from_uint8`), converted on the device.
+    pub accepts_uint8: bool,
 }
 
 impl TensorSpec {
-    /// Whether a tensor sent as `name` (the request's own name for it) has this datatype.
+    /// Whether a tensor sent as `name` (the request's own name for it) has this datatype (or
+    /// UINT8, where the input takes it).
     pub fn check_datatype(&self, name: &str, sent: DataType) -> Result<(), ModelError> {
-        if sent == self.datatype {
+        if sent == self.datatype || (self.accepts_uint8 && sent == DataType::Uint8) {
             return Ok(());
         }
-        Err(ModelError::BadInput(format!("input '{name}' must be {}, got {sent}", self.datatype)))
+        let or_bytes = if self.accepts_uint8 { " (or UINT8, normalised on the device)" } else { "" };
+        Err(ModelError::BadInput(format!("input '{name}' must be {}{or_bytes}, got {sent}", self.datatype)))
     }
 
     fn kind(&self) -> Kind {
@@ -317,6 +377,8 @@ struct InputRule {
     bucket: usize,
     /// The smallest request shape taken, as run (1 where unset).
     min_shape: Vec<usize>,
+    /// `(scale, offset)` of an input that may come as UINT8, applied on the device.
+    from_uint8: Option<(f64, f64)>,
 }
 
 /// An output's variable dimension's size for one request, by dimensions as run (see
@@ -347,7 +409,45 @@ pub struct Model {
     /// Per output, the rules of its variable dimensions (for a padded input).
     follows: Vec<Vec<Rule>>,
     /// One loaded copy per configured instance; a batch runs on whichever is free.
-    modules: Vec<Mutex<CModule>>,
+    modules: Vec<Mutex<Instance>>,
+    /// The batch sizes (rows) a batch is padded up to, ascending (empty: none); see
+    /// [`ModelConfig::batch_buckets`].
+    row_buckets: Vec<usize>,
+}
+
+/// One loaded copy of a model, and (on CUDA) the pinned host buffer its batches are built in.
+struct Instance {
+    module: CModule,
+    /// Grown as needed, reused by every batch of this instance: a batch is copied into it
+    /// once and sent to the device with one non-blocking copy. The next batch writes it only
+    /// after this one's outputs came back on the same stream, so the copy is done by then.
+    staging: Option<Tensor>,
+}
+
+/// The batch buckets of a model when its config names none: on CUDA 1, 2, 4, …, 64 up to its
+/// `max_batch_size`; on the CPU none (see [`ModelConfig::batch_buckets`]).
+fn default_row_buckets(config: &ModelConfig, device: Device) -> Vec<usize> {
+    if !config.batched() || device == Device::Cpu {
+        return Vec::new();
+    }
+    let bound = config.max_batch_size.unwrap_or(DEFAULT_BUCKETS_UP_TO).min(DEFAULT_BUCKETS_UP_TO);
+    std::iter::successors(Some(1usize), |b| Some(b * 2)).take_while(|&b| b <= bound).collect()
+}
+
+/// The largest of the default batch buckets on CUDA.
+pub const DEFAULT_BUCKETS_UP_TO: usize = 64;
+
+/// Longest one thread spends warming a model's shapes (each bucket at each probe size, twice);
+/// shapes past it are met first by a request, and the log says which were left.
+pub const WARM_UP_BUDGET: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// What one warm-up did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WarmUp {
+    /// Shapes run (each twice).
+    pub warmed: usize,
+    /// Shapes left out: past the memory allowed, `max_input_elements`, or the time budget.
+    pub skipped: usize,
 }
 
 /// The declared inputs and outputs of a config entry, checked as at config load (a config
@@ -358,7 +458,7 @@ fn declared(config: &ModelConfig) -> Result<(&[DeclaredTensor], &[DeclaredTensor
 }
 
 fn spec(t: &DeclaredTensor) -> TensorSpec {
-    TensorSpec { name: t.name.as_str().into(), shape: t.shape.clone(), datatype: t.datatype }
+    TensorSpec { name: t.name.as_str().into(), shape: t.shape.clone(), datatype: t.datatype, accepts_uint8: t.from_uint8.is_some() }
 }
 
 /// `shown` as the worker runs it: with a batch dimension (`-1`) in front when the model takes
@@ -393,7 +493,8 @@ impl Model {
                     Some(min) => std::iter::repeat_n(1, shift).chain(min.iter().map(|&n| n as usize)).collect(),
                     None => vec![1; spec.shape.len()],
                 };
-                InputRule { spec, batching: declared.batching(), pad_value: declared.pad_value(), bucket: declared.bucket(), min_shape }
+                let from_uint8 = declared.from_uint8.map(|a| (a.scale, a.offset));
+                InputRule { spec, batching: declared.batching(), pad_value: declared.pad_value(), bucket: declared.bucket(), min_shape, from_uint8 }
             })
             .collect();
         let outputs = shown_outputs.iter().map(|o| as_run(o, batched)).collect();
@@ -412,9 +513,10 @@ impl Model {
             let mut module = CModule::load_on_device(&config.path, device)
                 .map_err(|e| load_err(first_line(&e.to_string())))?;
             module.set_eval();
-            modules.push(Mutex::new(module));
+            modules.push(Mutex::new(Instance { module, staging: None }));
         }
-        let model = Model { config, device, batched, inputs, outputs, shown_inputs, shown_outputs, follows, modules };
+        let row_buckets = config.batch_buckets.clone().unwrap_or_else(|| default_row_buckets(&config, device));
+        let model = Model { config, device, batched, inputs, outputs, shown_inputs, shown_outputs, follows, modules, row_buckets };
         let probe = model.probe_input(1, model.smallest_probe());
         model.infer(&probe).map_err(|e| {
             let sent: Vec<String> = model
@@ -539,8 +641,14 @@ impl Model {
             let batches: &[usize] = if sizes.len() == 1 { &[1, 2, 4] } else { &[1, 2] };
             (sizes, batches)
         };
+        self.probes(&sizes, batches)
+    }
+
+    /// The probe inputs of every size at every batch, sizes outer, leaving out those past
+    /// `max_input_elements`.
+    fn probes(&self, sizes: &[usize], batches: &[usize]) -> Vec<Inputs> {
         let mut probes = Vec::new();
-        for size in sizes {
+        for &size in sizes {
             for &batch in batches {
                 if self.probe_input_elements(batch, size) <= self.config.max_input_elements {
                     probes.push(self.probe_input(batch, size));
@@ -621,7 +729,9 @@ impl Model {
         self.inputs
             .iter()
             .zip(a.tensors().iter().zip(b.tensors()))
-            .all(|(input, (x, y))| input.batching == Batching::Pad || x.shape.get(1..) == y.shape.get(1..))
+            .all(|(input, (x, y))| {
+                x.datatype == y.datatype && (input.batching == Batching::Pad || x.shape.get(1..) == y.shape.get(1..))
+            })
     }
 
     /// Checks a request's inputs, as run (batch first): as many as declared, each of its
@@ -698,18 +808,83 @@ impl Model {
         self.inputs.iter().map(|i| i.bucket).max().unwrap_or(1)
     }
 
-    /// The shape each input of a batch of `requests` is run as (see [`padded_shape`]): a batch
-    /// of one request too, which bucketing may pad. What admission prices, the batch former
-    /// weighs and the model is called with.
+    /// The batch buckets (rows), ascending; empty: batches run at the rows they have.
+    pub fn row_buckets(&self) -> &[usize] {
+        &self.row_buckets
+    }
+
+    /// The rows a batch of `rows` rows runs at: the smallest batch bucket that holds them, or
+    /// `rows` itself past the largest (or without buckets).
+    pub fn batch_rows(&self, rows: usize) -> usize {
+        self.row_buckets.iter().copied().find(|&b| b >= rows).unwrap_or(rows)
+    }
+
+    /// The shape each input of a batch of `requests` is run as (see [`padded_shape`]), its rows
+    /// padded up to the batch bucket ([`Model::batch_rows`]): a batch of one request too,
+    /// which bucketing may pad. What admission prices, the batch former weighs and the model
+    /// is called with.
     pub fn padded_shapes(&self, requests: &[&Inputs]) -> Vec<Vec<usize>> {
         self.inputs
             .iter()
             .enumerate()
             .map(|(k, input)| {
                 let tensors: Vec<&InputTensor> = requests.iter().map(|r| &r.0[k]).collect();
-                padded_shape(&tensors, &input.spec.shape, input.bucket)
+                let mut shape = padded_shape(&tensors, &input.spec.shape, input.bucket);
+                if let Some(rows) = shape.first_mut() {
+                    *rows = self.batch_rows(*rows);
+                }
+                shape
             })
             .collect()
+    }
+
+    /// The batches a load warms, as single requests: every batch bucket (one row where there
+    /// are none) at every size the batch sizes are timed at (the smallest probe for a model
+    /// timed at none), small to large. A model that takes no batch dimension gets its smallest
+    /// probe alone.
+    pub fn warm_up_inputs(&self) -> Vec<Inputs> {
+        let sizes = match self.batching_probe_sizes() {
+            sizes if sizes.is_empty() => vec![self.smallest_probe()],
+            sizes => sizes,
+        };
+        let buckets: &[usize] = if self.row_buckets.is_empty() { &[1] } else { &self.row_buckets };
+        self.probes(&sizes, buckets)
+    }
+
+    /// Runs every shape of [`Model::warm_up_inputs`] twice on the calling thread, after
+    /// applying the thread's settings, so that neither libtorch's first call at a shape (plans,
+    /// kernel choices, the allocator's growth on this thread's stream) nor a thread-local
+    /// setting is met by a request. Shapes whose estimated memory `affordable` refuses are
+    /// left out, and so is what [`WARM_UP_BUDGET`] leaves no time for. A failed call ends it
+    /// (the error is the load's, or the first request's, to report).
+    pub fn warm_up(&self, affordable: impl Fn(u64) -> bool) -> Result<WarmUp, ModelError> {
+        self.prepare_thread();
+        let started = Instant::now();
+        let mut done = WarmUp::default();
+        for input in self.warm_up_inputs() {
+            let elements = self.padded_elements(&[&input]);
+            if !affordable(elements) || started.elapsed() >= WARM_UP_BUDGET {
+                done.skipped += 1;
+                continue;
+            }
+            for _ in 0..2 {
+                self.infer(&input)?;
+            }
+            done.warmed += 1;
+        }
+        Ok(done)
+    }
+
+    /// Readies the calling thread to run this model: the thread-local libtorch settings and,
+    /// on CUDA, a stream of its own from libtorch's pool (a batch thread's copies and kernels
+    /// then overlap another instance's). Call it on each thread before its first batch.
+    pub fn prepare_thread(&self) {
+        prepare_thread_settings();
+        if let Device::Cuda(index) = self.device {
+            if let Err(e) = crate::cuda_memory::use_pool_stream(index as i32) {
+                tracing::debug!(model = %self.config.name, error = %e, "no stream of its own; the thread uses the default stream");
+            }
+        }
     }
 
     /// The elements of [`Model::padded_shapes`], all inputs together: what a batch of
@@ -806,45 +981,77 @@ impl Model {
                 None => ModelError::Runtime { name: self.config.name.clone(), message: error_line(&message) },
             }
         };
+        let _inference = inference_guard();
         let started = Instant::now();
         let shapes = self.padded_shapes(requests);
-        let batch_inputs = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
-            self.inputs
-                .iter()
-                .zip(&shapes)
-                .enumerate()
-                .map(|(k, (input, shape))| {
-                    let tensors: Vec<&InputTensor> = requests.iter().map(|r| &r.0[k]).collect();
-                    pad_into_tensor(&tensors, shape, input.pad_value)
-                })
-                .collect()
+        let rows = shapes.first().and_then(|s| s.first()).copied().unwrap_or(0);
+        let mut instance = self.free_instance();
+        let cuda = if let Device::Cuda(index) = self.device { Some(index as i32) } else { None };
+        // The pinned buffer needs the stream synchronised before it is written again, which
+        // only the shim can do; without it a batch goes the plain way (pageable, blocking).
+        let staged = cuda.is_some() && crate::cuda_memory::BUILT;
+        let host_inputs = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
+            let Instance { staging, .. } = &mut *instance;
+            let mut staging = staged.then_some(staging);
+            let mut built = Vec::with_capacity(self.inputs.len());
+            for (k, (input, shape)) in self.inputs.iter().zip(&shapes).enumerate() {
+                let tensors: Vec<&InputTensor> = requests.iter().map(|r| &r.0[k]).collect();
+                // Several inputs share one buffer only one at a time: the first is staged,
+                // the others (rare: Silero's state) go the plain way.
+                let buffer = if k == 0 { staging.take() } else { None };
+                built.push(batch_tensor(&tensors, shape, input.pad_value, buffer, self.device)?);
+            }
+            Ok(built)
         })
         .map_err(failed)?;
-        let rows = shapes.first().and_then(|s| s.first()).copied().unwrap_or(0);
         let inputs_built = Instant::now();
-        let module = self.free_instance();
+        let mut copied = inputs_built;
         let raw = tch::no_grad(|| -> Result<Vec<Tensor>, ModelError> {
-            let mut args = Vec::with_capacity(batch_inputs.len() + self.config.args().len());
-            for t in &batch_inputs {
-                let x = t.f_to_device(self.device).map_err(failed)?;
+            let mut args = Vec::with_capacity(host_inputs.len() + self.config.args().len());
+            for (t, rule) in host_inputs.iter().zip(&self.inputs) {
+                // One copy to the device; non-blocking from pinned memory (queued on this
+                // thread's stream, ahead of the model's kernels).
+                let x = if cuda.is_some() { t.f_to_device_(self.device, t.kind(), staged, false).map_err(failed)? } else { t.shallow_clone() };
+                // Bytes sent for a floating-point input become its values here, on the device.
+                let x = match rule.from_uint8 {
+                    Some((scale, offset)) if x.kind() == Kind::Uint8 => x
+                        .f_to_kind(Kind::Float)
+                        .and_then(|x| x.f_mul_scalar(scale))
+                        .and_then(|x| x.f_add_scalar(offset))
+                        .and_then(|x| x.f_to_kind(rule.spec.kind()))
+                        .map_err(failed)?,
+                    _ => x,
+                };
                 // A model without a batch dimension is called on the batch's one request.
                 let x = if self.batched { x } else { x.f_select(0, 0).map_err(failed)? };
                 args.push(IValue::Tensor(x));
             }
+            copied = Instant::now();
             args.extend(self.config.args().iter().map(ivalue));
             let method = self.method();
-            let returned =
-                module.method_is(method, &args).map_err(|e| method_error(&self.config.name, method, &e.to_string()))?;
+            let returned = instance
+                .module
+                .method_is(method, &args)
+                .map_err(|e| method_error(&self.config.name, method, &e.to_string()));
+            // The stream is done with this batch (its copy from the pinned buffer too) before
+            // anything else happens on this instance, success or not; and the model's phase
+            // then holds the device's time, not only the launches.
+            if let (Some(index), true) = (cuda, staged) {
+                if let Err(e) = crate::cuda_memory::sync_current_stream(index) {
+                    tracing::debug!(model = %self.config.name, error = %e, "stream synchronisation failed");
+                }
+            }
             let names: Vec<&str> = self.outputs.iter().map(|o| &*o.name).collect();
-            let tensors = returned_tensors(returned, &names).map_err(|message| self.declared_error(&message))?;
+            let tensors = returned_tensors(returned?, &names).map_err(|message| self.declared_error(&message))?;
             self.check_declared_outputs(&tensors, rows)?;
             if self.batched {
                 return Ok(tensors);
             }
             tensors.into_iter().map(|t| t.f_unsqueeze(0).map_err(failed)).collect()
-        })?;
-        drop(module);
-        drop(batch_inputs);
+        });
+        // On the CPU an output may share memory with an input (an identity model): the inputs
+        // live until the outputs are copied out, and the instance stays ours until then.
+        let raw = raw?;
         let called = Instant::now();
 
         // Each in its declared kind (the outputs were checked to widen into it exactly).
@@ -874,9 +1081,12 @@ impl Model {
             row += rows;
             per_request.push(outputs);
         }
+        drop(host_inputs);
+        drop(instance);
         let phases = Phases {
             inputs: (inputs_built - started).as_secs_f64(),
-            call: (called - inputs_built).as_secs_f64(),
+            to_device: (copied - inputs_built).as_secs_f64(),
+            model: (called - copied).as_secs_f64(),
             outputs: called.elapsed().as_secs_f64(),
         };
         LAST_PHASES.with(|p| p.set(phases));
@@ -1007,7 +1217,7 @@ fn describe(value: &IValue) -> String {
 
 impl Model {
     /// The first instance nobody is running, else the first one (waiting for it).
-    fn free_instance(&self) -> std::sync::MutexGuard<'_, CModule> {
+    fn free_instance(&self) -> std::sync::MutexGuard<'_, Instance> {
         for m in &self.modules {
             match m.try_lock() {
                 Ok(guard) => return guard,
@@ -1052,19 +1262,61 @@ fn round_up(n: usize, step: usize) -> usize {
     n.div_ceil(step).saturating_mul(step)
 }
 
-/// Copies the inputs into one host tensor of `shape`: a lone unpadded input is one copy of
-/// its bytes; otherwise a tensor filled with `pad_value` and one copy per input into it.
-fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize], pad_value: f64) -> Result<Tensor, tch::TchError> {
+/// The host tensor of one input of a batch, of `shape` (the inputs' rows stacked, then
+/// padded): in `staging` (grown as needed, pinned for `device`) when given, else newly made.
+/// Inputs that fill whole rows of the shape (every batch of a model that batches equal shapes)
+/// are one copy of their bytes each and the padding rows are filled after them; otherwise the
+/// tensor is filled with `pad_value` and each input copied into its corner.
+fn batch_tensor(
+    inputs: &[&InputTensor],
+    shape: &[usize],
+    pad_value: f64,
+    staging: Option<&mut Option<Tensor>>,
+    device: Device,
+) -> Result<Tensor, tch::TchError> {
     let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    if inputs.len() == 1 && inputs[0].shape == shape {
-        return inputs[0].to_tensor(&dims);
-    }
-    let kind = tensor_kind(inputs[0].datatype).unwrap_or(Kind::Float);
-    let batch = if pad_value == 0.0 {
-        Tensor::f_zeros(&dims, (kind, Device::Cpu))?
-    } else {
-        Tensor::f_full(&dims, pad_value, (kind, Device::Cpu))?
+    let kind = tensor_kind(inputs[0].datatype)
+        .ok_or_else(|| tch::TchError::Kind(format!("no libtorch kind for datatype {}", inputs[0].datatype)))?;
+    let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let bytes = numel
+        .and_then(|n| n.checked_mul(kind.elt_size_in_bytes()))
+        .ok_or_else(|| tch::TchError::Shape(format!("shape {shape:?} is too large")))?;
+    let mut batch = match staging {
+        Some(buffer) => {
+            let have = buffer.as_ref().map_or(0, |t| t.numel());
+            if have < bytes {
+                // Doubling, so a growing load re-pins rarely; pinning is slow (page-locking).
+                let capacity = bytes.max(have.saturating_mul(2)).max(1 << 20);
+                let fresh = Tensor::f_empty([capacity as i64], (Kind::Uint8, Device::Cpu))?.f_pin_memory(device)?;
+                *buffer = Some(fresh);
+            }
+            let whole = buffer.as_ref().expect("the staging buffer was just made");
+            whole.f_narrow(0, 0, bytes as i64)?.f_view_dtype(kind)?.f_view(dims.as_slice())?
+        }
+        None if inputs.len() == 1 && inputs[0].shape == shape => return inputs[0].to_tensor(&dims),
+        None => Tensor::f_empty(dims.as_slice(), (kind, Device::Cpu))?,
     };
+    let rows: usize = inputs.iter().map(|i| i.shape.first().copied().unwrap_or(0)).sum();
+    let whole_rows = cfg!(target_endian = "little") && inputs.iter().all(|i| i.shape.get(1..) == shape.get(1..));
+    if whole_rows && rows <= shape.first().copied().unwrap_or(0) {
+        let base = batch.data_ptr().cast::<u8>();
+        let mut at = 0usize;
+        for input in inputs {
+            let data = input.le_bytes();
+            // SAFETY: `batch` is a fresh contiguous tensor (or a view of the start of the
+            // staging buffer) of `bytes` bytes; the inputs' whole rows fill its first
+            // `rows` rows, so `at + data.len() <= bytes` (each input's bytes are exactly its
+            // shape's, checked by `validate` and `from_le_bytes`); source and destination are
+            // distinct allocations.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(at), data.len()) };
+            at += data.len();
+        }
+        if rows < shape[0] {
+            let _ = batch.f_narrow(0, rows as i64, (shape[0] - rows) as i64)?.f_fill_(pad_value)?;
+        }
+        return Ok(batch);
+    }
+    let _ = batch.f_fill_(pad_value)?;
     let mut row = 0i64;
     for input in inputs {
         let own: Vec<i64> = input.shape.iter().map(|&d| d as i64).collect();
@@ -1078,8 +1330,6 @@ fn pad_into_tensor(inputs: &[&InputTensor], shape: &[usize], pad_value: f64) -> 
     Ok(batch)
 }
 
-/// The line of a libtorch message that says an allocation failed, if one does. TorchScript
-/// wraps the original error in a traceback, so the whole message is searched.
 pub fn out_of_memory_line(message: &str) -> Option<String> {
     const MARKERS: [&str; 4] =
         ["CUDA out of memory", "CUDNN_STATUS_ALLOC_FAILED", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED"];
@@ -1271,7 +1521,7 @@ pub(crate) mod testing {
 
     /// Loads `config` on the CPU with the worker's libtorch settings.
     pub fn load(config: ModelConfig) -> Result<Model, ModelError> {
-        let device = init_torch(DeviceChoice::Cpu, 1)?;
+        let device = init_torch(DeviceChoice::Cpu, 1, TorchSettings::default())?;
         Model::load(config, device)
     }
 
@@ -1336,17 +1586,108 @@ mod tests {
         pnet.infer_batch_one(&[&input]).expect("an answer");
         let took = before.elapsed().as_secs_f64();
         let p = last_phases();
-        assert!(p.inputs >= 0.0 && p.outputs >= 0.0 && p.call > 0.0, "{p:?}");
-        assert!(p.inputs + p.call + p.outputs <= took, "{p:?} within the {took} s the call took");
+        assert!(p.inputs >= 0.0 && p.to_device >= 0.0 && p.outputs >= 0.0 && p.model > 0.0, "{p:?}");
+        assert!(p.inputs + p.to_device + p.model + p.outputs <= took, "{p:?} within the {took} s the call took");
         // Another thread has run nothing: its phases are zeros.
         let other = std::thread::spawn(last_phases).join().expect("the thread ends");
         assert_eq!(other, Phases::default());
     }
 
     #[test]
+    fn a_batch_is_padded_up_to_its_bucket_and_answers_stay_each_request_s_own() {
+        let pnet = load(pnet_entry("bucketed", &format!("batch_buckets = [1, 2, 4]\n{DECLARED_PNET}"))).expect("P-Net");
+        assert_eq!(pnet.row_buckets(), [1, 2, 4]);
+        assert_eq!([1, 2, 3, 4, 5, 9].map(|rows| pnet.batch_rows(rows)), [1, 2, 4, 4, 5, 9], "past the largest, as it is");
+        let (a, b, c) = (image(1, 24, 24, 0.1), image(1, 24, 24, 0.2), image(1, 24, 24, 0.3));
+        let batch = [&a, &b, &c];
+        let inputs: Vec<Inputs> = batch.iter().map(|&t| Inputs::from(t.clone())).collect();
+        let refs: Vec<&Inputs> = inputs.iter().collect();
+        assert_eq!(pnet.padded_shapes(&refs), [vec![4, 3, 24, 24]], "three rows run as four");
+        assert_eq!(pnet.padded_elements(&refs), 4 * 3 * 24 * 24, "and are priced as four");
+        assert_eq!(pnet.padded_elements(&refs[..1]), 3 * 24 * 24, "a lone row is its own bucket");
+        // The module called on the padded batch (a fourth row of zeros): each request's rows of
+        // it, bit for bit; the padding row's answers go nowhere.
+        let zeros = InputTensor::from_f32(vec![1, 3, 24, 24], &[0.0; 3 * 24 * 24]);
+        let want = direct(&model_file("mtcnn_pnet.jit"), "forward", &[], &stacked(&[&a, &b, &c, &zeros]));
+        let got = pnet.infer_batch_one(&batch).expect("an answer");
+        assert_eq!(got.len(), 3);
+        for (row, outputs) in got.iter().enumerate() {
+            for (out, (shape, values)) in outputs.iter().zip(&want) {
+                let per_row = values.len() / shape[0];
+                assert_eq!(out.shape, [&[1][..], &shape[1..]].concat());
+                assert_eq!(bits(fp32(&out.data)), bits(&values[row * per_row..(row + 1) * per_row]), "row {row}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_load_warms_every_bucket_at_every_timed_size() {
+        let keys = format!("batch_buckets = [1, 2, 4]\nbatch_probe_sizes = [16, 32]\n{DECLARED_PNET}");
+        let pnet = load(pnet_entry("warmed", &keys)).expect("P-Net");
+        let shapes: Vec<Vec<usize>> = pnet.warm_up_inputs().iter().map(|i| i.tensors()[0].shape.clone()).collect();
+        let want: Vec<Vec<usize>> =
+            [16, 32].iter().flat_map(|&size| [1, 2, 4].map(|rows| vec![rows, 3, size, size])).collect();
+        assert_eq!(shapes, want);
+        let all = pnet.warm_up(|_| true).expect("warmed");
+        assert_eq!(all, WarmUp { warmed: 6, skipped: 0 });
+        // What the memory allowed: the shapes past it are left for later, not run.
+        let small = pnet.warm_up(|elements| elements <= 2 * 3 * 16 * 16).expect("warmed");
+        assert_eq!(small, WarmUp { warmed: 2, skipped: 4 });
+        // Without buckets (the CPU's default), one row at each size; a model whose rows are all
+        // alike has one size.
+        let plain = load(pnet_entry("plain", &format!("batch_probe_sizes = [16, 32]\n{DECLARED_PNET}"))).expect("P-Net");
+        assert!(plain.row_buckets().is_empty(), "no buckets on the CPU unless named");
+        let shapes: Vec<Vec<usize>> = plain.warm_up_inputs().iter().map(|i| i.tensors()[0].shape.clone()).collect();
+        assert_eq!(shapes, [vec![1, 3, 16, 16], vec![1, 3, 32, 32]]);
+        let rnet = load(shipped("mtcnn_rnet")).expect("R-Net");
+        assert_eq!(rnet.warm_up_inputs().len(), 1);
+    }
+
+    #[test]
+    fn the_default_buckets_are_powers_of_two_on_cuda_only() {
+        let pnet = pnet_entry("p", DECLARED_PNET);
+        assert_eq!(default_row_buckets(&pnet, Device::Cuda(0)), [1, 2, 4, 8, 16, 32, 64]);
+        assert!(default_row_buckets(&pnet, Device::Cpu).is_empty());
+        let capped = pnet_entry("p", &format!("max_batch_size = 12\n{DECLARED_PNET}"));
+        assert_eq!(default_row_buckets(&capped, Device::Cuda(0)), [1, 2, 4, 8]);
+    }
+
+    #[test]
+    fn bytes_sent_for_a_float_input_are_normalised_on_the_device_as_the_host_would() {
+        // P-Net's own normalisation, (x - 127.5) / 128, as the model folder declares it.
+        let keys = "input = { name = \"image\", shape = [-1, 3, -1, -1], from_uint8 = { scale = 0.0078125, offset = -0.99609375 } }\n\
+            outputs = [ { name = \"box_offsets\", shape = [-1, 4, -1, -1] }, { name = \"probs\", shape = [-1, 2, -1, -1] } ]\n";
+        let pnet = load(pnet_entry("bytes", keys)).expect("P-Net");
+        let (h, w) = (37, 53);
+        let pixels: Vec<u8> = (0..3 * h * w).map(|i| ((i * 7919) % 256) as u8).collect();
+        let bytes = InputTensor::from_le_bytes(vec![1, 3, h, w], DataType::Uint8, Bytes::from(pixels.clone())).expect("bytes");
+        let floats: Vec<f32> = pixels.iter().map(|&p| (p as f32 - 127.5) / 128.0).collect();
+        let host = InputTensor::from_f32(vec![1, 3, h, w], &floats);
+        pnet.validate_one(&bytes).expect("UINT8 is taken");
+        let from_bytes = pnet.infer_batch_one(&[&bytes]).expect("an answer");
+        let from_floats = pnet.infer_batch_one(&[&host]).expect("an answer");
+        for (a, b) in from_bytes[0].iter().zip(&from_floats[0]) {
+            assert_eq!(a.shape, b.shape);
+            let worst = fp32(&a.data).iter().zip(fp32(&b.data)).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= 1e-6, "{}: {worst}", a.name);
+        }
+        // Requests of the two datatypes never share a batch (one tensor has one kind).
+        let (x, y) = (Inputs::from(bytes.clone()), Inputs::from(host.clone()));
+        assert!(!pnet.can_share(&x, &y));
+        // Other datatypes are refused, naming what is taken; a model that does not declare it
+        // refuses bytes.
+        let int32 = InputTensor::from_le_bytes(vec![1, 3, 1, 1], DataType::Int32, Bytes::from(vec![0u8; 12])).expect("int32");
+        let err = pnet.validate_one(&int32).expect_err("INT32");
+        assert!(err.to_string().contains("must be FP32 (or UINT8, normalised on the device), got INT32"), "{err}");
+        let plain = load(pnet_entry("floats", DECLARED_PNET)).expect("P-Net");
+        let err = plain.validate_one(&bytes).expect_err("UINT8 without from_uint8");
+        assert!(err.to_string().contains("must be FP32, got UINT8"), "{err}");
+    }
+
+    #[test]
     fn the_shipped_pnet_answers_what_its_forward_answers_bit_for_bit() {
         let pnet = load(shipped("mtcnn_pnet")).expect("the shipped P-Net");
-        let tensor = |name: &str, shape: &[i64]| TensorSpec { name: name.into(), shape: shape.to_vec(), datatype: DataType::Fp32 };
+        let tensor = |name: &str, shape: &[i64]| TensorSpec { name: name.into(), shape: shape.to_vec(), datatype: DataType::Fp32, accepts_uint8: false };
         assert_eq!(pnet.input_spec(), &tensor("image", &[-1, 3, -1, -1]));
         assert_eq!(pnet.output_specs(), [tensor("box_offsets", &[-1, 4, -1, -1]), tensor("face_prob", &[-1, 2, -1, -1])]);
         assert!(!pnet.can_pad(), "ceil-mode pooling sees padding: equal shapes only");

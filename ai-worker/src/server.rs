@@ -13,7 +13,7 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -166,7 +166,12 @@ pub async fn run(
 /// batch threads, sets up the budget and applies the memory cap (in that order: the cap is
 /// relative to the footprint after start-up, and on CPU threads must exist before it).
 fn start_engine(config: &WorkerConfig, metrics: Arc<Metrics>) -> anyhow::Result<(Engine, Budget, ComputeDevice)> {
-    let device = model::init_torch(config.device, config.torch_threads)?;
+    let settings = model::TorchSettings {
+        inference_mode: config.inference_mode,
+        jit_optimize: config.jit_optimize,
+        cudnn_benchmark: config.cudnn_benchmark,
+    };
+    let device = model::init_torch(config.device, config.torch_threads, settings)?;
     tracing::info!(%device, "libtorch initialised");
     let monitor = Arc::new(MemoryMonitor::new(device));
     let mut models = Vec::new();
@@ -229,13 +234,33 @@ fn prepare(
         Some(cap) => (free / 4).min(cap).max(1),
         None => free / 4,
     };
-    // A model without a batch dimension (`max_batch_size = 0`) runs one request a batch.
+    let affordable = |elements: u64| timing_bytes == 0 || estimate.bytes(elements) <= timing_bytes;
+    // Every batch bucket at every timed size, before the batch sizes are timed: the timings
+    // (and the first requests) then never include a first call's set-up. The memory estimate
+    // above was measured on peaks, which a first call does not change.
+    let warm_started = Instant::now();
+    let warmed = match serving {
+        Some(engine) => engine.alone(|| m.warm_up(affordable)),
+        None => m.warm_up(affordable),
+    }
+    .map_err(|e| anyhow::anyhow!("warming '{}' up: {e}", m.name()))?;
+    tracing::info!(
+        model = %m.name(), buckets = ?m.row_buckets(), shapes = warmed.warmed, skipped = warmed.skipped,
+        elapsed_ms = warm_started.elapsed().as_millis() as u64, "batch shapes warmed"
+    );
+    // A model without a batch dimension (`max_batch_size = 0`) runs one request a batch; with
+    // batch buckets, no batch is formed past the largest (it would be a shape nobody warmed).
     let bound = if m.batched() { mc.max_batch_size.or(config.batching.max_batch_size) } else { Some(1) };
+    let bound = match (bound, m.row_buckets().last()) {
+        (Some(b), Some(&largest)) => Some(b.min(largest)),
+        (None, Some(&largest)) => Some(largest),
+        (bound, None) => bound,
+    };
     let sizer = Arc::new(BatchSizer::new(bound, config.batching.initial_batch_size));
     if config.batching.calibrate {
-        sizer.calibrate(&m, |elements| timing_bytes == 0 || estimate.bytes(elements) <= timing_bytes);
+        sizer.calibrate(&m, affordable);
     }
-    Ok(Calibrated { model: m, estimate, sizer })
+    Ok(Calibrated { model: m, estimate, sizer, warm_up_bytes: timing_bytes })
 }
 
 /// Fits the model's memory estimate to peaks measured on probe inputs, unless the config
@@ -696,7 +721,9 @@ async fn infer_in_span(
     };
     // Everything that can be checked without the body has been: now read it, charged to
     // `max_body_bytes_in_flight`, within `max_request_bytes` and `body_read_timeout_ms`.
+    let reading = Instant::now();
     let (body, charge) = limits::read_body(&state.body_limits, &headers, body).await?;
+    let read = Instant::now();
     let (request, tensors) = oip::decode_request_in_place(&body, header_len, &oip::DecodeLimits::default())
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
     // A binary input stays in the body's bytes until the batch copies it into its tensor: the
@@ -708,7 +735,9 @@ async fn infer_in_span(
     // As the worker runs them: a model without a batch dimension gets a batch of one.
     let input = model.accept(inputs)?;
     let timeout = request_timeout(&headers, &request, engine.default_timeout)?;
+    let decoded = Instant::now();
     let outputs = engine.infer(&served, input, timeout, &mut arrival).await?;
+    let inferred = Instant::now();
 
     let tensors: Vec<Tensor> =
         outputs.into_iter().map(|o| Tensor { name: o.name.to_string(), shape: o.shape, data: o.data }).collect();
@@ -726,6 +755,10 @@ async fn infer_in_span(
         response
             .headers_mut()
             .insert(oip::INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    let phases = state.metrics.request_phases.clone();
+    for (phase, from, to) in [("body", reading, read), ("decode", read, decoded), ("infer", decoded, inferred), ("encode", inferred, Instant::now())] {
+        phases.with_label_values(&[model.name(), phase]).observe((to - from).as_secs_f64());
     }
     Ok(response)
 }

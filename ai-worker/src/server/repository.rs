@@ -202,7 +202,12 @@ impl Repository {
         // Every new version is ready: switch, then retire what the policy no longer selects.
         let mut installed = Vec::new();
         for (version, calibrated, print) in ready {
-            if let Err(e) = self.engine.install(version, calibrated, true) {
+            // Its batch threads warm their shapes before it is served: seconds, off the runtime.
+            let engine = self.engine.clone();
+            let started = tokio::task::spawn_blocking(move || engine.install(version, calibrated, true))
+                .await
+                .unwrap_or_else(|e| Err(anyhow::anyhow!("the install task failed: {e}")));
+            if let Err(e) = started {
                 self.status().loading = None;
                 return Err(self.failed(name, StatusCode::INTERNAL_SERVER_ERROR, format!("starting version {version}: {e:#}")));
             }

@@ -475,9 +475,9 @@ fn thread_cpu(pid: &str) -> std::collections::BTreeMap<&'static str, f64> {
 }
 
 /// Mean milliseconds a batch of `model` spent in each phase of its model call between two
-/// scrapes (`inference_phase_seconds`: inputs, call, outputs).
-fn phase_ms(before: &str, after: &str, model: KitModel) -> [f64; 3] {
-    ["inputs", "call", "outputs"].map(|phase| {
+/// scrapes (`inference_phase_seconds`: inputs, to_device, model, outputs).
+fn phase_ms(before: &str, after: &str, model: KitModel) -> [f64; 4] {
+    PHASES.map(|phase| {
         let pick = |text: &str, name: &str| {
             metric_samples(text, name)
                 .into_iter()
@@ -490,6 +490,9 @@ fn phase_ms(before: &str, after: &str, model: KitModel) -> [f64; 3] {
         if count > 0.0 { 1000.0 * sum / count } else { f64::NAN }
     })
 }
+
+/// The phases of a batch the worker measures, in order.
+const PHASES: [&str; 4] = ["inputs", "to_device", "model", "outputs"];
 
 /// Where a saturated worker's time went, from two scrapes and the processes' CPU time: the
 /// seconds batches spent in the model per second of wall time (above 1 where several
@@ -591,7 +594,7 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
             .map(|g| (g, (threads_after.get(g).copied().unwrap_or(0.0) - threads_before.get(g).copied().unwrap_or(0.0)) / t.seconds))
             .collect();
         breakdown.push(format!(
-            "| {} | {:.1} {}/s | {:.1} | {} | {:.2} / {:.2} / {:.2} | {} |",
+            "| {} | {:.1} {}/s | {:.1} | {} | {:.2} / {:.2} / {:.2} / {:.2} | {} |",
             model.name(),
             first.per_s(),
             model.unit(),
@@ -600,6 +603,7 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
             phases[0],
             phases[1],
             phases[2],
+            phases[3],
             per_thread.iter().map(|(g, c)| format!("{g} {c:.2}")).collect::<Vec<_>>().join(", ")
         ));
         let (util_w, used_w) = smi::summary(&worker_samples).unwrap_or((f64::NAN, f64::NAN));
@@ -637,17 +641,18 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         rows.push(json!({"model": model.name(), "request": what, "worker": t.json(), "mean_batch_requests": batch,
                           "raw_batch1_per_s": raw1.ok(), "raw_same_batch_per_s": raw_b.ok(), "raw_same_batch_rows": same,
                           "gpu_util_worker": util_w, "gpu_util_raw": util_r, "used_mib_worker": used_w, "spent": spent.json(),
-                          "raw_same_batch_no_profiling_per_s": raw_legacy.as_ref().ok(), "first_window": first.json(), "phase_ms": {"inputs": phases[0], "call": phases[1], "outputs": phases[2]},
+                          "raw_same_batch_no_profiling_per_s": raw_legacy.as_ref().ok(), "first_window": first.json(), "phase_ms": PHASES.iter().zip(phases).map(|(p, ms)| (p.to_string(), json!(ms))).collect::<serde_json::Map<_, _>>(),
                           "worker_cores_by_thread": per_thread.iter().map(|(g, c)| (g.to_string(), json!(c))).collect::<serde_json::Map<_, _>>()}));
         check.figure("p3", json!(rows));
     }
     check.line(
         "\nWhere the worker's time went (means over each run above): the raw loop again at the worker's batch with \
-         TorchScript's profiling executor off, as the worker runs it; a batch's milliseconds building its inputs on the host, \
-         copying them and calling the model (on a card: queuing its kernels), and bringing the outputs back (on a card: \
-         waiting for them); the worker's CPU cores by thread.\n",
+         TorchScript's profiling executor off, as the worker runs it; a batch's milliseconds building its inputs on the host \
+         (on a card: in the instance's pinned buffer), queuing their copy to the device (non-blocking on a card), in the model \
+         (on a card: until the instance's stream is done, copy included), and bringing the outputs back; the worker's CPU \
+         cores by thread.\n",
     );
-    check.line("| model | worker's first window | mean batch | raw loop, worker's batch, profiling off | ms a batch: inputs / call / outputs | worker CPU cores by thread |");
+    check.line("| model | worker's first window | mean batch | raw loop, worker's batch, profiling off | ms a batch: inputs / to device / model / outputs | worker CPU cores by thread |");
     check.line("|---|---|---|---|---|---|");
     for row in breakdown {
         check.line(row);
