@@ -14,7 +14,7 @@
 //! models with one instance each and `torch_threads = 1` (the raw loop's thread count); its
 //! batching is its own default. The client calls it as the gateway does (binary input, every
 //! output asked for as a binary tensor) and pre-encodes each request body once, so its own
-//! work per call is a copy of the body (reqwest takes it by value), not an encode.
+//! work per call is HTTP alone (the body is shared `Bytes`, not copied), not an encode.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -258,6 +258,11 @@ pub struct RawInput {
 }
 
 impl RawInput {
+    /// The file `raw_loop --input` reads.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
     pub fn write(data: &[f32]) -> anyhow::Result<Self> {
         let dir = crate::scratch_dir("ceiling");
         let path = dir.join("input.f32");
@@ -356,13 +361,29 @@ pub async fn worker_rate(
     };
     let outputs: Vec<RequestOutputSpec> = case.model.outputs().iter().map(|&n| RequestOutputSpec::binary(n)).collect();
     let (body, header_len) = oip::encode_request(None, &[tensor], true, &outputs);
-    let body = Arc::new(body);
     let endpoint = format!("{url}/v2/models/{}/infer", case.model.name());
+    let what = format!("{} {}", case.model.name(), case.label);
+    saturate(&endpoint, bytes::Bytes::from(body), header_len, concurrency, seconds, &what).await
+}
+
+/// Keeps `concurrency` calls of `body` (a binary OIP request whose JSON header is `header_len`
+/// bytes) to `endpoint` in flight for `seconds`, each client a task of its own, after a
+/// warm-up; returns (answers per second, calls that did not answer 200). `what` names the
+/// request in a warm-up's failure. Each call sends the same `Bytes` (shared, not copied), so
+/// the client's work per call is HTTP's alone.
+pub async fn saturate(
+    endpoint: &str,
+    body: bytes::Bytes,
+    header_len: Option<usize>,
+    concurrency: usize,
+    seconds: f64,
+    what: &str,
+) -> anyhow::Result<(f64, u64)> {
     let http = reqwest::Client::builder().pool_max_idle_per_host(concurrency.max(1) * 2).build()?;
     let call = {
-        let (http, endpoint, body) = (http.clone(), endpoint.clone(), body.clone());
+        let (http, endpoint, body) = (http.clone(), endpoint.to_string(), body.clone());
         move || {
-            let mut request = http.post(&endpoint).body(body.as_ref().clone()).timeout(Duration::from_secs(300));
+            let mut request = http.post(&endpoint).body(body.clone()).timeout(Duration::from_secs(300));
             if let Some(len) = header_len {
                 request = request.header(oip::INFERENCE_HEADER_CONTENT_LENGTH, len.to_string());
             }
@@ -384,7 +405,7 @@ pub async fn worker_rate(
         async move {
             for _ in 0..2 {
                 if !call().await? {
-                    bail!("the worker refused a warm-up request for {} {}", case.model.name(), case.label);
+                    bail!("the server refused a warm-up request for {what}");
                 }
             }
             anyhow::Ok(())

@@ -4,6 +4,7 @@
 //! them side by side in one run with one table of ratios.
 
 pub mod admission;
+pub mod request_path;
 pub mod throughput;
 
 /// The median of the figures that are numbers (the mean of the middle two for an even count);
