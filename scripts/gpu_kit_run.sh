@@ -28,6 +28,7 @@ driver="$kit/bin/vramgate-gpu-kit"
 # Every process a check starts, by its path or marker: what a check cut at its limit leaves.
 reap() {
   pkill -KILL -f "$kit/bin/ai-worker" 2>/dev/null
+  pkill -KILL -f "$work/ai-worker-baseline" 2>/dev/null
   pkill -KILL -f "$kit/bin/raw_loop" 2>/dev/null
   pkill -KILL -f "vramgate-kit-hog" 2>/dev/null
   pkill -KILL -f "nvidia-smi --query-gpu=utilization.gpu,memory.used" 2>/dev/null
@@ -102,6 +103,18 @@ if [ -n "$missing" ]; then
   report; exit 1
 fi
 note "- device the checks run on: $device"
+# An earlier worker to measure beside this one in P3 (scripts/gpu-kit, VRAMGATE_KIT_BASELINE).
+if [ -f "$kit/bin/ai-worker-baseline.xz" ]; then
+  if xz -dc "$kit/bin/ai-worker-baseline.xz" > "$work/ai-worker-baseline" 2>/dev/null \
+    || "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+      "$kit/bin/ai-worker-baseline.xz" > "$work/ai-worker-baseline"; then
+    chmod 755 "$work/ai-worker-baseline"
+    export VRAMGATE_KIT_BASELINE_WORKER="$work/ai-worker-baseline"
+    note "- baseline worker beside this one in P3: commit $(cat "$kit/BASELINE" 2>/dev/null)"
+  else
+    note "- the baseline worker could not be unpacked (neither xz nor python's lzma): P3 runs without it"
+  fi
+fi
 [ -n "${VRAMGATE_KIT_CHECKS:-}" ] && note "- checks chosen (VRAMGATE_KIT_CHECKS): $VRAMGATE_KIT_CHECKS"
 [ -n "${VRAMGATE_KIT_TORCH_THREADS:-}" ] && note "- the workers' torch_threads (VRAMGATE_KIT_TORCH_THREADS): $VRAMGATE_KIT_TORCH_THREADS"
 [ -n "${VRAMGATE_KIT_WORKER_EXTRA:-}" ] && note "- added to every worker's config (VRAMGATE_KIT_WORKER_EXTRA): $(printf '%s' "$VRAMGATE_KIT_WORKER_EXTRA" | tr '\n' ' ')"
@@ -135,13 +148,17 @@ check() {
   report
 }
 
-check preflight 90
+# The worker warms every batch bucket of every model before it is ready: on a card each new
+# shape's first call costs up to a second or more, so its start-up gets more time than a run.
+check preflight 150
 if ! grep -q '"status": "ok"' "$work/checks/preflight.json" 2>/dev/null; then
   say "preflight failed: the worker cannot start or answer on $device; the report says why ($out/report.md)"
   exit 1
 fi
 # VRAMGATE_KIT_CHECKS picks the checks after the preflight (all by default), e.g. "p3 oom".
 declare -A limit=([budget]=40 [p1]=130 [p3]=110 [oom]=45 [batching]=60 [cards]=80)
+# P3 saturates the baseline worker too when the kit carries one.
+[ -n "${VRAMGATE_KIT_BASELINE_WORKER:-}" ] && limit[p3]=180
 for name in ${VRAMGATE_KIT_CHECKS:-budget p1 p3 oom batching cards}; do
   if [ -z "${limit[$name]:-}" ]; then
     say "no check named $name (the checks: ${!limit[*]})"; failed+=("$name"); continue

@@ -55,7 +55,8 @@ fn main() -> anyhow::Result<()> {
     }
     // On a CPU the card-sized workloads would only measure how slow a CPU is: always small.
     let quick = quick || device == Device::Cpu;
-    let kit = Kit { dir: kit_dir, work, device, quick, deadline: Instant::now() + Duration::from_secs_f64(seconds), python };
+    let baseline = std::env::var_os("VRAMGATE_KIT_BASELINE_WORKER").map(PathBuf::from).filter(|p| p.is_file());
+    let kit = Kit { dir: kit_dir, work, device, quick, deadline: Instant::now() + Duration::from_secs_f64(seconds), python, baseline };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     let mut failed = Vec::new();
     for name in &commands {

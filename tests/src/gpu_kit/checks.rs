@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use super::client::{self, budget, burst, metric_samples, metric_sum, metrics, price, saturate, state, Encoded, Tally};
+use super::client::{self, budget, burst, metric_samples, metric_sum, metrics, price, saturate, saturate_named, state, Encoded, Tally};
 use super::report::Check;
 use super::smi;
 use super::{Device, Kit, KitModel};
@@ -548,7 +548,8 @@ fn p3_size(model: KitModel) -> (usize, &'static str) {
 async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
     let seconds = kit.pick(3.0, 1.0);
     let in_flight = kit.pick(64, 2);
-    let worker = kit.worker("p3", "", &KitModel::ALL).await?;
+    // P-Net a second time, taking the picture as bytes (normalised on the device).
+    let worker = kit.worker("p3", &pnet_bytes_entry(kit)?, &KitModel::ALL).await?;
     check.line(format!("{in_flight} requests in flight, {seconds} s a figure; utilisation from nvidia-smi every 100 ms\n"));
     check.line("| model | request | worker | mean batch | raw loop, batch 1 | raw loop, worker's batch | worker / raw (batch 1) | worker / raw (same batch) | GPU util worker | GPU util raw | batch-seconds in the model a second | ms a batch | CPU cores worker / client | failed |");
     check.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
@@ -657,6 +658,7 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
     for row in breakdown {
         check.line(row);
     }
+    p3_bytes_and_baseline(kit, check, &worker, in_flight, seconds, &rows).await;
     let st = state(&worker.url).await;
     if let Some(s) = smi::once() {
         let free = s.free_mib * MIB;
@@ -671,6 +673,97 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         check.figure("reserve", json!({"free_bytes": free, "budget": budget(&st), "total_mib": s.total_mib}));
     }
     Ok(if good { "ok" } else { "failed" })
+}
+
+/// The kit's P-Net under another name, taking its picture as UINT8 bytes too (`from_uint8`,
+/// MTCNN's `(x − 127.5) / 128` applied on the device): a `[[models]]` entry for P3's config.
+fn pnet_bytes_entry(kit: &Kit) -> anyhow::Result<String> {
+    let path = kit.dir.join(KitModel::Pnet.file());
+    Ok(format!(
+        "\n[[models]]\nname = \"{PNET_BYTES}\"\npath = \"{}\"\nmax_input_elements = 20000000\n\
+         input = {{ name = \"image\", shape = [-1, 3, -1, -1], min_shape = [1, 3, 12, 12], from_uint8 = {{ scale = 0.0078125, offset = -0.99609375 }} }}\n\
+         outputs = [{{ name = \"box_offsets\", shape = [-1, 4, -1, -1] }}, {{ name = \"face_prob\", shape = [-1, 2, -1, -1] }}]\n\
+         probe_sizes = [128, 256, 512]\nbatch_probe_sizes = [480]\n",
+        path.display()
+    ))
+}
+
+const PNET_BYTES: &str = "mtcnn_pnet_bytes";
+
+/// P3's last rows: P-Net's picture sent as bytes to the same worker, and, when the kit
+/// carries an earlier worker (`Kit::baseline`), that worker saturated the same way, model by
+/// model, beside this one's figures from `rows`: the gain as a ratio from one run.
+async fn p3_bytes_and_baseline(kit: &Kit, check: &mut Check, worker: &super::Worker, in_flight: usize, seconds: f64, rows: &[Value]) {
+    let (size, _) = p3_size(KitModel::Pnet);
+    let (tensor, items) = KitModel::Pnet.request(size, 1);
+    let values = match &tensor.data {
+        vramgate_shared::oip::TensorData::Fp32(v) => v.clone(),
+        _ => Vec::new(),
+    };
+    // The FP32 request's values are (x − 127.5) / 128 of the bytes that make it.
+    let bytes: Vec<u8> = values.iter().map(|v| (v * 128.0 + 127.5).round().clamp(0.0, 255.0) as u8).collect();
+    let bytes = vramgate_shared::oip::Tensor::new("image", vec![1, 3, size, size], bytes);
+    let (body, header_len) = crate::oip_client::encode(&[bytes]);
+    let request = Encoded { body: std::sync::Arc::new(body), header_len, items, elements: KitModel::Pnet.elements(size) };
+    let per_s = |name: &str| rows.iter().find(|r| r["model"] == name).and_then(|r| r["worker"]["items_per_s"].as_f64());
+    if kit.fits(Duration::from_secs_f64(3.0 * seconds + 5.0)) {
+        let _first = saturate_named(&worker.url, PNET_BYTES, &request, in_flight, seconds).await;
+        let t = saturate_named(&worker.url, PNET_BYTES, &request, in_flight, seconds).await;
+        let fp32 = per_s(KitModel::Pnet.name()).unwrap_or(f64::NAN);
+        check.line(format!(
+            "\nP-Net {size}² sent as UINT8 bytes ({:.1} MB a request instead of {:.1}), normalised on the device: **{:.1} images/s** ({:.2}× the FP32 row), {}",
+            request.body.len() as f64 / 1e6,
+            4.0 * request.body.len() as f64 / 1e6,
+            t.per_s(),
+            t.per_s() / fp32,
+            failures(&t)
+        ));
+        check.figure("p3_bytes", json!({"items_per_s": t.per_s(), "fp32_items_per_s": fp32, "worker": t.json()}));
+    }
+    let needs = Duration::from_secs_f64(KitModel::ALL.len() as f64 * (2.0 * seconds + 3.0) + 30.0);
+    if kit.baseline.is_none() || !kit.fits(needs) {
+        if kit.baseline.is_some() {
+            check.line("- the baseline worker skipped: the check's time limit is near");
+        }
+        return;
+    }
+    let Some(started) = kit.baseline_worker("p3-baseline", "", &KitModel::ALL).await else { return };
+    let baseline = match started {
+        Ok(w) => w,
+        Err(e) => {
+            check.line(format!("- the baseline worker did not start: {}", e.to_string().chars().take(200).collect::<String>()));
+            return;
+        }
+    };
+    let version = std::fs::read_to_string(kit.dir.join("BASELINE")).unwrap_or_default();
+    check.line(format!(
+        "\nThe baseline worker (commit {}) saturated the same way, right after: this worker ÷ baseline is the gain.\n",
+        version.trim()
+    ));
+    check.line("| model | this worker | baseline's first window | baseline | this ÷ baseline | GPU util baseline | failed |");
+    check.line("|---|---|---|---|---|---|---|");
+    let mut figures = Vec::new();
+    for model in KitModel::ALL {
+        let (size, _) = p3_size(model);
+        let request = Encoded::new(model, size, 1);
+        let first = saturate(&baseline.url, model, &request, in_flight, seconds).await;
+        let sampler = smi::Sampler::start();
+        let t = saturate(&baseline.url, model, &request, in_flight, seconds).await;
+        let samples = sampler.map(smi::Sampler::stop).unwrap_or_default();
+        let util = smi::summary(&samples).map(|(u, _)| u).unwrap_or(f64::NAN);
+        let ours = per_s(model.name()).unwrap_or(f64::NAN);
+        check.line(format!(
+            "| {} | {ours:.1} | {:.1} | {:.1} | **{:.2}** | {} | {} |",
+            model.name(),
+            first.per_s(),
+            t.per_s(),
+            ours / t.per_s(),
+            if util.is_nan() { "—".into() } else { format!("{util:.0}%") },
+            failures(&t)
+        ));
+        figures.push(json!({"model": model.name(), "ours_per_s": ours, "baseline_per_s": t.per_s(), "baseline_first_window_per_s": first.per_s(), "gpu_util_baseline": util}));
+    }
+    check.figure("p3_baseline", json!({"commit": version.trim(), "rows": figures}));
 }
 
 /// OOM recovery: a budget far above the card (`memory_budget_override_bytes`) under a cap, so

@@ -149,6 +149,11 @@ pub async fn burst(url: &str, model: KitModel, requests: &[Encoded], in_flight: 
 /// Keeps `in_flight` requests (the same one) in flight to `model` for `seconds`, after a
 /// warm-up of a second's calls; counts what finished within the timed window.
 pub async fn saturate(url: &str, model: KitModel, request: &Encoded, in_flight: usize, seconds: f64) -> Tally {
+    saturate_named(url, model.name(), request, in_flight, seconds).await
+}
+
+/// [`saturate`] of the model served under `name` (another entry of the same file).
+pub async fn saturate_named(url: &str, name: &str, request: &Encoded, in_flight: usize, seconds: f64) -> Tally {
     let http = http();
     let warm = Instant::now() + Duration::from_secs_f64((seconds / 4.0).clamp(0.5, 2.0));
     let end = warm + Duration::from_secs_f64(seconds);
@@ -159,7 +164,7 @@ pub async fn saturate(url: &str, model: KitModel, request: &Encoded, in_flight: 
         async move {
             let mut tally = Tally::default();
             while !stop.load(Ordering::Relaxed) {
-                let t = call(&http, url, model.name(), request, Duration::from_millis(200)).await;
+                let t = call(&http, url, name, request, Duration::from_millis(200)).await;
                 let finished = Instant::now();
                 if finished > warm && finished <= end {
                     done.fetch_add(1, Ordering::Relaxed);

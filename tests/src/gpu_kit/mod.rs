@@ -53,6 +53,9 @@ pub struct Kit {
     pub deadline: Instant,
     /// The Python that imports torch on a GPU machine (another process's allocation).
     pub python: String,
+    /// An earlier worker to measure beside this one in P3 (`run.sh` unpacks the kit's
+    /// `bin/ai-worker-baseline.xz` and names it in `VRAMGATE_KIT_BASELINE_WORKER`).
+    pub baseline: Option<PathBuf>,
 }
 
 impl Kit {
@@ -93,6 +96,17 @@ impl Kit {
     /// default, on a card and 1 on the CPU unless set) and `VRAMGATE_KIT_WORKER_EXTRA` (more
     /// top-level keys, no tables, put before the check's own).
     pub async fn worker_with(&self, label: &str, extra: &str, models: &[KitModel], model_keys: &str) -> anyhow::Result<Worker> {
+        self.start(self.bin("ai-worker"), label, extra, models, model_keys).await
+    }
+
+    /// The baseline worker ([`Kit::baseline`]) with the config [`Kit::worker`] would write;
+    /// `None` when the kit carries none.
+    pub async fn baseline_worker(&self, label: &str, extra: &str, models: &[KitModel]) -> Option<anyhow::Result<Worker>> {
+        let binary = self.baseline.clone()?;
+        Some(self.start(binary, label, extra, models, "").await)
+    }
+
+    async fn start(&self, binary: PathBuf, label: &str, extra: &str, models: &[KitModel], model_keys: &str) -> anyhow::Result<Worker> {
         let threads = match std::env::var("VRAMGATE_KIT_TORCH_THREADS") {
             Ok(n) => n.trim().parse::<usize>().with_context(|| format!("VRAMGATE_KIT_TORCH_THREADS={n:?} is not a count"))?,
             Err(_) => usize::from(self.device == Device::Cpu),
@@ -111,7 +125,7 @@ impl Kit {
         std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
         let path = logs.join(format!("{label}.toml"));
         std::fs::write(&path, &config).with_context(|| format!("writing {}", path.display()))?;
-        let launch = WorkerLaunch { binary: self.bin("ai-worker"), dir: self.work.clone(), log: logs.join(format!("{label}.log")) };
+        let launch = WorkerLaunch { binary, dir: self.work.clone(), log: logs.join(format!("{label}.log")) };
         let timeout = self.left().clamp(Duration::from_secs(5), Duration::from_secs(180));
         launch.start(&path, "127.0.0.1:0", timeout).await.with_context(|| format!("starting the worker for {label}"))
     }
