@@ -1688,7 +1688,8 @@ mod tests {
     fn the_shipped_pnet_answers_what_its_forward_answers_bit_for_bit() {
         let pnet = load(shipped("mtcnn_pnet")).expect("the shipped P-Net");
         let tensor = |name: &str, shape: &[i64]| TensorSpec { name: name.into(), shape: shape.to_vec(), datatype: DataType::Fp32, accepts_uint8: false };
-        assert_eq!(pnet.input_spec(), &tensor("image", &[-1, 3, -1, -1]));
+        // Its picture may come as bytes too (from_uint8, MTCNN's own normalisation).
+        assert_eq!(pnet.input_spec(), &TensorSpec { accepts_uint8: true, ..tensor("image", &[-1, 3, -1, -1]) });
         assert_eq!(pnet.output_specs(), [tensor("box_offsets", &[-1, 4, -1, -1]), tensor("face_prob", &[-1, 2, -1, -1])]);
         assert!(!pnet.can_pad(), "ceil-mode pooling sees padding: equal shapes only");
         let calibration: Vec<Vec<usize>> = pnet.calibration_inputs().into_iter().map(|p| p.first().shape.clone()).collect();
