@@ -747,8 +747,10 @@ async fn infer_in_span(
     };
     let binary = |name: &str| oip::wants_binary_output(&request, name);
     let version = served.version.to_string();
-    let (body, header_len) = oip::encode_response(model.name(), Some(&version), request.id.as_deref(), &tensors, binary);
-    let mut response = body.into_response();
+    // The outputs' own memory goes out as parts of the body, written one after the other:
+    // not copied into one buffer first.
+    let (parts, header_len) = oip::encode_response_parts(model.name(), Some(&version), request.id.as_deref(), tensors, binary);
+    let mut response = axum::body::Body::new(Parts::new(parts)).into_response();
     let content_type = if header_len.is_some() { "application/octet-stream" } else { "application/json" };
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     if let Some(len) = header_len {
@@ -761,6 +763,44 @@ async fn infer_in_span(
         phases.with_label_values(&[model.name(), phase]).observe((to - from).as_secs_f64());
     }
     Ok(response)
+}
+
+/// A response body of several parts sent in order, of a known length (so it goes out with a
+/// `Content-Length`, not chunked), each part written as it is: hyper writes them vectored.
+struct Parts {
+    parts: std::collections::VecDeque<Bytes>,
+    remaining: u64,
+}
+
+impl Parts {
+    fn new(parts: Vec<Bytes>) -> Parts {
+        let remaining = parts.iter().map(|p| p.len() as u64).sum();
+        Parts { parts: parts.into_iter().filter(|p| !p.is_empty()).collect(), remaining }
+    }
+}
+
+impl hyper::body::Body for Parts {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        let next = self.parts.pop_front();
+        if let Some(part) = &next {
+            self.remaining -= part.len() as u64;
+        }
+        std::task::Poll::Ready(next.map(|part| Ok(hyper::body::Frame::data(part))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.remaining)
+    }
 }
 
 /// Header naming a request's deadline in milliseconds from its arrival.

@@ -82,6 +82,30 @@ pub fn encode_response(
     frame(&header, outputs, &binary)
 }
 
+/// [`encode_response`] as the parts of its body, in order, taking the outputs: the JSON header
+/// (with any output not asked for as binary), then each binary output's bytes, its values' own
+/// memory where the host's byte order allows ([`TensorData::into_le_bytes`]). A server writes
+/// the parts one after the other (vectored) instead of copying every output into one buffer.
+pub fn encode_response_parts(
+    model_name: &str,
+    model_version: Option<&str>,
+    id: Option<&str>,
+    outputs: Vec<Tensor>,
+    binary: impl Fn(&str) -> bool,
+) -> (Vec<bytes::Bytes>, Option<usize>) {
+    let binary: Vec<bool> = outputs.iter().map(|t| binary(&t.name)).collect();
+    let header = ResponseOut { model_name, model_version, id, outputs: tensors_out(&outputs, &binary) };
+    let header = to_json_vec(&header);
+    if !binary.contains(&true) {
+        return (vec![bytes::Bytes::from(header)], None);
+    }
+    let header_len = header.len();
+    let mut parts = Vec::with_capacity(1 + outputs.len());
+    parts.push(bytes::Bytes::from(header));
+    parts.extend(outputs.into_iter().zip(&binary).filter(|(_, &b)| b).map(|(t, _)| t.data.into_le_bytes()));
+    (parts, Some(header_len))
+}
+
 /// The body of an error response: `{"error": "..."}`.
 pub fn encode_error(message: &str) -> Vec<u8> {
     to_json_vec(&ErrorBody::new(message))
@@ -189,6 +213,22 @@ mod tests {
         assert!(!wants_binary_output(&req, "o"));
         // The same body is also valid with an explicit header length covering all of it.
         assert_eq!(decode_request(&body, Some(body.len())).unwrap().1, inputs);
+    }
+
+    #[test]
+    fn a_response_in_parts_is_the_same_bytes_as_in_one_body() {
+        let outputs = samples();
+        let names: Vec<String> = outputs.iter().map(|t| t.name.clone()).collect();
+        // Every output binary, none, and every other one (JSON outputs stay in the header).
+        let choices: [&dyn Fn(&str) -> bool; 3] = [&|_| true, &|_| false, &|n| names.iter().position(|m| m == n).is_some_and(|i| i % 2 == 0)];
+        for binary in choices {
+            let (whole, header_len) = encode_response("m", Some("3"), Some("x"), &outputs, binary);
+            let (parts, parts_header_len) = encode_response_parts("m", Some("3"), Some("x"), outputs.clone(), binary);
+            assert_eq!(parts_header_len, header_len);
+            assert_eq!(parts.concat(), whole);
+            let binary_parts = outputs.iter().filter(|t| binary(&t.name)).count();
+            assert_eq!(parts.len(), 1 + binary_parts);
+        }
     }
 
     #[test]

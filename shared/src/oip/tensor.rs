@@ -132,12 +132,64 @@ impl TensorData {
         each_variant!(self, v => v.len() * elem_size_of(v))
     }
 
+    /// The little-endian binary encoding, taking the values: on a little-endian host the
+    /// vector's own memory for every plain numeric type (no copy), else a copy.
+    pub fn into_le_bytes(self) -> bytes::Bytes {
+        if cfg!(target_endian = "little") {
+            match self {
+                TensorData::Uint8(v) => return bytes::Bytes::from(v),
+                TensorData::Uint16(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Uint32(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Uint64(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Int8(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Int16(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Int32(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Int64(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Fp32(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                TensorData::Fp64(v) => return bytes::Bytes::from_owner(LeValues(v)),
+                other => {
+                    let mut out = Vec::with_capacity(other.byte_len());
+                    other.write_le_bytes(&mut out);
+                    return bytes::Bytes::from(out);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(self.byte_len());
+        self.write_le_bytes(&mut out);
+        bytes::Bytes::from(out)
+    }
+
     /// Appends the little-endian binary encoding to `out`.
     pub fn write_le_bytes(&self, out: &mut Vec<u8>) {
         match self {
             TensorData::Uint8(v) => out.extend_from_slice(v),
             other => each_variant!(other, v => put_all(v, out)),
         }
+    }
+}
+
+/// Plain numeric values (no padding, every bit pattern valid) whose memory, on a
+/// little-endian host, is their little-endian binary encoding.
+trait PlainNumber: Copy + Send + 'static {}
+impl PlainNumber for u16 {}
+impl PlainNumber for u32 {}
+impl PlainNumber for u64 {}
+impl PlainNumber for i8 {}
+impl PlainNumber for i16 {}
+impl PlainNumber for i32 {}
+impl PlainNumber for i64 {}
+impl PlainNumber for f32 {}
+impl PlainNumber for f64 {}
+
+/// A vector of plain numbers seen as its bytes, owned by a `Bytes` ([`TensorData::into_le_bytes`]).
+struct LeValues<T: PlainNumber>(Vec<T>);
+
+impl<T: PlainNumber> AsRef<[u8]> for LeValues<T> {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `T` is a plain number (`PlainNumber`: no padding, no invalid bit patterns
+        // are read as bytes), the pointer and length come from a live `Vec<T>` owned by `self`,
+        // and `u8` has alignment 1; the slice borrows `self`.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), std::mem::size_of_val(self.0.as_slice())) }
     }
 }
 
