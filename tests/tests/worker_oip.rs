@@ -1,6 +1,8 @@
 //! The ai-worker speaks the Open Inference Protocol v2: the standard Python client works
 //! against it, and bad requests get a status and a message while the worker keeps serving.
 
+use vramgate_shared::oip::Tensor;
+use vramgate_tests::oip_client::{encode, infer_body};
 use vramgate_tests::{python_check, silero_worker_config, start_worker, worker_config, ONET_MODEL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,5 +155,64 @@ async fn every_answer_carries_the_admission_state_and_the_state_endpoint_has_it_
         // Online corrections only ever raise the line.
         let raised_or_same = line.is_some_and(|l| l.bytes(1024) >= estimate.bytes(1024));
         assert!(raised_or_same, "estimate header {:?}, state {estimate:?}", get(worker_state::HEADER_ESTIMATE));
+    }
+}
+
+/// P-Net's folder takes its picture as UINT8 too (`from_uint8`: MTCNN's `(x − 127.5) / 128`
+/// applied in the worker after the copy): over HTTP, the bytes of a picture get bit for bit
+/// the answer its normalised FP32 values get, alone and in a batch padded up to its bucket.
+/// The worker warmed every bucket at every timed size before it said ready, and times each
+/// phase of a request and of a batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_picture_sent_as_bytes_answers_as_its_normalised_values_and_every_bucket_was_warmed() {
+    let keys = "input = { name = \"image\", shape = [-1, 3, -1, -1], min_shape = [1, 3, 12, 12], \
+                from_uint8 = { scale = 0.0078125, offset = -0.99609375 } }\n\
+                outputs = [{ name = \"box_offsets\", shape = [-1, 4, -1, -1] }, { name = \"face_prob\", shape = [-1, 2, -1, -1] }]\n\
+                probe_sizes = [64, 128, 256]\nbatch_probe_sizes = [48, 96]\nbatch_buckets = [1, 2, 4]";
+    let worker = start_worker(&worker_config("", &[("mtcnn_pnet", "mtcnn_pnet.jit", keys, "")])).await.expect("worker starts");
+    let log = worker.service.log_tail();
+    let warmed = log.lines().find(|l| l.contains("batch shapes warmed")).unwrap_or_else(|| panic!("no warm-up line in:\n{log}"));
+    assert!(warmed.contains("shapes=6") && warmed.contains("skipped=0"), "two sizes × three buckets: {warmed}");
+
+    let http = reqwest::Client::new();
+    let (h, w) = (48, 64);
+    let pixels: Vec<u8> = (0..3 * h * w).map(|i| ((i * 37 + i / 7) % 256) as u8).collect();
+    let floats: Vec<f32> = pixels.iter().map(|&p| (f32::from(p) - 127.5) / 128.0).collect();
+    let send = |tensor: Tensor| {
+        let (body, header_len) = encode(&[tensor]);
+        let http = http.clone();
+        let url = worker.url.clone();
+        async move { infer_body(&http, &url, "mtcnn_pnet", body, header_len, None).await.expect("an answer") }
+    };
+    let from_floats = send(Tensor::new("image", vec![1, 3, h, w], floats)).await;
+    assert_eq!(from_floats.status, 200, "{:?}", from_floats.error);
+    let bytes = || Tensor::new("image", vec![1, 3, h, w], pixels.clone());
+    let compare = |answer: &vramgate_tests::oip_client::Answer, tolerance: f32| {
+        assert_eq!(answer.status, 200, "{:?}", answer.error);
+        for name in ["box_offsets", "face_prob"] {
+            assert_eq!(answer.output(name).shape, from_floats.output(name).shape, "{name}");
+            let worst = answer.fp32(name).iter().zip(from_floats.fp32(name)).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= tolerance, "{name}: the bytes' answer differs from the values' by {worst}");
+        }
+    };
+    // Alone: the same shape, the same kernels, bit for bit.
+    compare(&send(bytes()).await, 0.0);
+    // Three at once may share a batch of three rows, run as four: a batch may take other CPU
+    // kernels than one row, so within 1e-6.
+    for answer in futures::future::join_all((0..3).map(|_| send(bytes()))).await {
+        compare(&answer, 1e-6);
+    }
+    let int64 = send(Tensor::new("image", vec![1, 3, 12, 12], vec![0i64; 3 * 144])).await;
+    assert_eq!(int64.status, 400);
+    assert!(int64.error.as_deref().is_some_and(|e| e.contains("must be FP32 (or UINT8, normalised on the device), got INT64")), "{:?}", int64.error);
+
+    let metrics = vramgate_tests::oip_client::metrics_text(&http, &worker.url).await.expect("metrics");
+    for phase in ["body", "decode", "infer", "encode"] {
+        let sample = format!("request_phase_seconds_count{{model=\"mtcnn_pnet\",phase=\"{phase}\"}}");
+        assert!(vramgate_tests::oip_client::metric(&metrics, &sample) >= 5.0, "{sample} in:\n{metrics}");
+    }
+    for phase in ["inputs", "to_device", "model", "outputs"] {
+        let sample = format!("inference_phase_seconds_count{{model=\"mtcnn_pnet\",phase=\"{phase}\"}}");
+        assert!(vramgate_tests::oip_client::metric(&metrics, &sample) >= 1.0, "{sample} in:\n{metrics}");
     }
 }
