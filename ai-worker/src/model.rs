@@ -1287,7 +1287,10 @@ fn batch_tensor(
             if have < bytes {
                 // Doubling, so a growing load re-pins rarely; pinning is slow (page-locking).
                 let capacity = bytes.max(have.saturating_mul(2)).max(1 << 20);
-                let fresh = Tensor::f_empty([capacity as i64], (Kind::Uint8, Device::Cpu))?.f_pin_memory(device)?;
+                let fresh = Tensor::f_empty([capacity as i64], (Kind::Uint8, Device::Cpu))?;
+                // Pinned for a device to copy from without a bounce; for the CPU (the tests) a
+                // plain buffer, used the same way.
+                let fresh = if device == Device::Cpu { fresh } else { fresh.f_pin_memory(device)? };
                 *buffer = Some(fresh);
             }
             let whole = buffer.as_ref().expect("the staging buffer was just made");
@@ -1618,6 +1621,41 @@ mod tests {
                 assert_eq!(bits(fp32(&out.data)), bits(&values[row * per_row..(row + 1) * per_row]), "row {row}");
             }
         }
+    }
+
+    #[test]
+    fn a_staged_batch_is_the_inputs_then_its_padding_in_one_reused_buffer() {
+        let values = |t: &Tensor| Vec::<f32>::try_from(&t.reshape([-1])).expect("f32 values");
+        let own = |i: &InputTensor| values(&i.to_tensor(&i.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()).expect("a tensor"));
+        let (a, b) = (image(1, 4, 5, 0.1), image(2, 4, 5, 0.2));
+        let mut staging = None;
+        // Whole rows: the inputs' bytes one after the other, then a padding row.
+        let batch = batch_tensor(&[&a, &b], &[4, 3, 4, 5], -1.0, Some(&mut staging), Device::Cpu).expect("a batch");
+        assert_eq!(batch.size(), [4, 3, 4, 5]);
+        let want: Vec<f32> = [own(&a), own(&b), vec![-1.0; 3 * 4 * 5]].concat();
+        assert_eq!(bits(&values(&batch)), bits(&want));
+        let buffer = staging.as_ref().expect("a buffer").data_ptr();
+        assert_eq!(batch.data_ptr(), buffer, "built in the buffer");
+        assert!(staging.as_ref().expect("a buffer").numel() >= 1 << 20, "at least 1 MiB, so small batches never re-grow it");
+        // A smaller batch reuses it; one of another size in a padded dimension is filled and
+        // copied corner by corner.
+        let small = image(1, 2, 3, 0.3);
+        let padded = batch_tensor(&[&small, &a], &[2, 3, 4, 5], 0.5, Some(&mut staging), Device::Cpu).expect("a batch");
+        assert_eq!(padded.data_ptr(), buffer, "the same buffer");
+        let got = values(&padded);
+        let corner: Vec<f32> = (0..3).flat_map(|c| (0..4).flat_map(move |y| (0..5).map(move |x| (c, y, x)))).map(|(c, y, x)| got[(c * 4 + y) * 5 + x]).collect();
+        let small_own = own(&small);
+        for (i, v) in corner.iter().enumerate() {
+            let (c, y, x) = (i / 20, (i / 5) % 4, i % 5);
+            let want = if y < 2 && x < 3 { small_own[(c * 2 + y) * 3 + x] } else { 0.5 };
+            assert_eq!(v.to_bits(), want.to_bits(), "row 0 at {c},{y},{x}");
+        }
+        assert_eq!(bits(&got[60..]), bits(&own(&a)));
+        // Past its size it grows (doubling) into a new buffer.
+        let big = image(64, 48, 48, 0.4);
+        let grown = batch_tensor(&[&big], &[64, 3, 48, 48], 0.0, Some(&mut staging), Device::Cpu).expect("a batch");
+        assert_ne!(grown.data_ptr(), buffer);
+        assert_eq!(bits(&values(&grown)), bits(&own(&big)));
     }
 
     #[test]
