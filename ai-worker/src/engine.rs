@@ -328,8 +328,8 @@ impl Engine {
             std::thread::Builder::new().name(format!("batch-{}-{instance}", model.name())).spawn(move || {
                 // Each batch thread warms every shape it will run on itself (its settings and
                 // stream are its own) before the model is served.
-                let affordable = |elements: u64| warm_up_bytes == 0 || batcher.estimate.bytes(elements) <= warm_up_bytes;
-                let outcome = batcher.model.warm_up(affordable);
+                batcher.model.use_own_stream();
+                let outcome = batcher.model.warm_up(|elements| batcher.estimate.fits(elements, warm_up_bytes));
                 let _ = warmed.send(outcome);
                 batcher.run(&intake)
             })?;

@@ -143,6 +143,12 @@ impl MemoryEstimate {
         (estimate.ceil() as u64).max(1)
     }
 
+    /// Whether `elements` are estimated to fit in `bytes` (0: any size fits): what the start-up
+    /// timing and each warm-up may run.
+    pub fn fits(&self, elements: u64, bytes: u64) -> bool {
+        bytes == 0 || self.bytes(elements) <= bytes
+    }
+
     /// Measure one batch in `every` besides those that say something new (0: only those).
     pub fn set_measure_every(&self, every: u64) {
         self.line().sampling.every = every;

@@ -838,6 +838,20 @@ impl Model {
             .collect()
     }
 
+    /// The most rows the batch sizer may choose, from the configured bound (`max_batch_size`,
+    /// else `batching.max_batch_size`): 1 for a model without a batch dimension, and never past
+    /// the largest batch bucket (a batch there would be a shape nobody warmed).
+    pub fn batch_bound(&self, configured: Option<usize>) -> Option<usize> {
+        if !self.batched {
+            return Some(1);
+        }
+        match (configured, self.row_buckets.last()) {
+            (Some(b), Some(&largest)) => Some(b.min(largest)),
+            (None, Some(&largest)) => Some(largest),
+            (bound, None) => bound,
+        }
+    }
+
     /// The batches a load warms, as single requests: every batch bucket (one row where there
     /// are none) at every size the batch sizes are timed at (the smallest probe for a model
     /// timed at none), small to large. A model that takes no batch dimension gets its smallest
@@ -858,7 +872,7 @@ impl Model {
     /// left out, and so is what [`WARM_UP_BUDGET`] leaves no time for. A failed call ends it
     /// (the error is the load's, or the first request's, to report).
     pub fn warm_up(&self, affordable: impl Fn(u64) -> bool) -> Result<WarmUp, ModelError> {
-        self.prepare_thread();
+        prepare_thread_settings();
         let started = Instant::now();
         let mut done = WarmUp::default();
         for input in self.warm_up_inputs() {
@@ -875,11 +889,11 @@ impl Model {
         Ok(done)
     }
 
-    /// Readies the calling thread to run this model: the thread-local libtorch settings and,
-    /// on CUDA, a stream of its own from libtorch's pool (a batch thread's copies and kernels
-    /// then overlap another instance's). Call it on each thread before its first batch.
-    pub fn prepare_thread(&self) {
-        prepare_thread_settings();
+    /// On CUDA, gives the calling thread a stream of its own from libtorch's pool for the rest
+    /// of its life (a batch thread's copies and kernels then overlap another instance's). For
+    /// the model's batch threads only, before their warm-up: a loading thread (the runtime's
+    /// blocking pool) keeps the default stream.
+    pub fn use_own_stream(&self) {
         if let Device::Cuda(index) = self.device {
             if let Err(e) = crate::cuda_memory::use_pool_stream(index as i32) {
                 tracing::debug!(model = %self.config.name, error = %e, "no stream of its own; the thread uses the default stream");
@@ -1679,6 +1693,14 @@ mod tests {
         assert_eq!(shapes, [vec![1, 3, 16, 16], vec![1, 3, 32, 32]]);
         let rnet = load(shipped("mtcnn_rnet")).expect("R-Net");
         assert_eq!(rnet.warm_up_inputs().len(), 1);
+    }
+
+    #[test]
+    fn no_batch_is_formed_past_the_largest_bucket() {
+        let bucketed = load(pnet_entry("b", &format!("batch_buckets = [1, 2, 4]\n{DECLARED_PNET}"))).expect("P-Net");
+        assert_eq!([None, Some(2), Some(16)].map(|c| bucketed.batch_bound(c)), [Some(4), Some(2), Some(4)]);
+        let plain = load(pnet_entry("p", DECLARED_PNET)).expect("P-Net");
+        assert_eq!([None, Some(16)].map(|c| plain.batch_bound(c)), [None, Some(16)]);
     }
 
     #[test]

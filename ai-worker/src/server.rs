@@ -234,7 +234,7 @@ fn prepare(
         Some(cap) => (free / 4).min(cap).max(1),
         None => free / 4,
     };
-    let affordable = |elements: u64| timing_bytes == 0 || estimate.bytes(elements) <= timing_bytes;
+    let affordable = |elements: u64| estimate.fits(elements, timing_bytes);
     // Every batch bucket at every timed size, before the batch sizes are timed: the timings
     // (and the first requests) then never include a first call's set-up. The memory estimate
     // above was measured on peaks, which a first call does not change.
@@ -248,14 +248,7 @@ fn prepare(
         model = %m.name(), buckets = ?m.row_buckets(), shapes = warmed.warmed, skipped = warmed.skipped,
         elapsed_ms = warm_started.elapsed().as_millis() as u64, "batch shapes warmed"
     );
-    // A model without a batch dimension (`max_batch_size = 0`) runs one request a batch; with
-    // batch buckets, no batch is formed past the largest (it would be a shape nobody warmed).
-    let bound = if m.batched() { mc.max_batch_size.or(config.batching.max_batch_size) } else { Some(1) };
-    let bound = match (bound, m.row_buckets().last()) {
-        (Some(b), Some(&largest)) => Some(b.min(largest)),
-        (None, Some(&largest)) => Some(largest),
-        (bound, None) => bound,
-    };
+    let bound = m.batch_bound(mc.max_batch_size.or(config.batching.max_batch_size));
     let sizer = Arc::new(BatchSizer::new(bound, config.batching.initial_batch_size));
     if config.batching.calibrate {
         sizer.calibrate(&m, affordable);

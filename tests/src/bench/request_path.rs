@@ -114,7 +114,7 @@ fn null_model(dir: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// The worker's config: the null model twice, as FP32 and as a folder that takes bytes.
-fn worker_config(model: &Path) -> String {
+fn null_worker_config(model: &Path) -> String {
     let outputs = format!(
         "outputs = [ {{ name = \"box_offsets\", shape = [-1, 4, {MAP}, {MAP}] }}, {{ name = \"probs\", shape = [-1, 2, {MAP}, {MAP}] }} ]"
     );
@@ -224,7 +224,7 @@ async fn scrape(url: &str) -> String {
 pub async fn run(options: &Options) -> anyhow::Result<(f64, Vec<Row>)> {
     let dir = scratch_dir("request-path");
     let model = null_model(&dir)?;
-    let worker = start_worker(&worker_config(&model)).await?;
+    let worker = start_worker(&null_worker_config(&model)).await?;
     let values = test_image(SIDE, SIDE, 1);
     let (body, header_len) = request(&values, false);
     let (bytes_body, bytes_header_len) = request(&values, true);
