@@ -279,6 +279,11 @@ pub struct KafkaConfig {
     /// it (`transaction.timeout.ms`): how long a crashed gateway's open transaction can hold
     /// back `read_committed` readers of its output partitions when it does not come back.
     pub transaction_timeout_ms: u64,
+    /// In exactly-once delivery, read every committed output back as a `read_committed`
+    /// reader, write again any found aborted, and report results partitions held by a hanging
+    /// transaction (`consume::verify`). Committed outputs stay charged to `max_held_bytes`
+    /// until read back.
+    pub verify_outputs: bool,
     /// Extra librdkafka properties, by their librdkafka names, applied to the consumer and the
     /// producer (e.g. `"security.protocol" = "SASL_SSL"`). They override vramgate's defaults.
     /// Numbers and booleans are taken as their text (a numeric `sasl.password` is a password).
@@ -315,6 +320,7 @@ impl Default for KafkaConfig {
             session_timeout_ms: 45_000,
             transactional_id: None,
             transaction_timeout_ms: 10_000,
+            verify_outputs: true,
             properties: Properties::default(),
         }
     }

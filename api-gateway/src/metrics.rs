@@ -38,6 +38,14 @@ pub struct Metrics {
     pub transaction_seconds: Histogram,
     pub transaction_outputs: prometheus::IntCounter,
     pub outbox: IntGauge,
+    /// Exactly-once delivery, outputs read back after their commit ([`crate::consume::verify`]):
+    /// found by a `read_committed` reader, written again after one was found aborted, waiting
+    /// to be read back, and results partitions whose last stable offset has stayed behind them
+    /// past the transaction timeout and a margin (a hanging transaction).
+    pub outputs_verified: prometheus::IntCounter,
+    pub outputs_redone: prometheus::IntCounter,
+    pub outputs_unverified: IntGauge,
+    pub hanging_transactions: IntGauge,
     pub log_suppressed: IntCounterVec,
     pub kafka_errors: IntCounterVec,
     pub produce_retries: prometheus::IntCounter,
@@ -122,18 +130,35 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(transaction_seconds.clone())).expect("unique metric");
-        let transaction_outputs = prometheus::IntCounter::new(
-            "transaction_outputs_total",
-            "Exactly-once delivery: outputs written by committed transactions",
-        )
-        .expect("valid metric");
-        registry.register(Box::new(transaction_outputs.clone())).expect("unique metric");
-        let outbox = IntGauge::new(
+        // Label-less counters and gauges, registered as made.
+        let single = |name: &str, help: &str| {
+            let c = prometheus::IntCounter::new(name, help).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let level = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let transaction_outputs =
+            single("transaction_outputs_total", "Exactly-once delivery: outputs written by committed transactions");
+        let outbox = level(
             "outputs_awaiting_transaction",
             "Exactly-once delivery: finished records' outputs waiting for the transaction that commits their offsets",
-        )
-        .expect("valid metric");
-        registry.register(Box::new(outbox.clone())).expect("unique metric");
+        );
+        let outputs_verified =
+            single("outputs_verified_total", "Exactly-once delivery: committed outputs read back by a read_committed reader");
+        let outputs_redone = single(
+            "outputs_redone_total",
+            "Exactly-once delivery: committed outputs a read_committed reader could not see (aborted after a reported commit), written again in a new transaction",
+        );
+        let outputs_unverified =
+            level("outputs_unverified", "Exactly-once delivery: committed outputs not yet read back by a read_committed reader");
+        let hanging_transactions = level(
+            "hanging_transactions",
+            "Exactly-once delivery: output partitions whose last stable offset has stayed behind committed outputs for longer than the transaction timeout and a margin",
+        );
         let per_worker = ["task", "worker"];
         Arc::new(Metrics {
             record_seconds,
@@ -146,6 +171,10 @@ impl Metrics {
             transaction_seconds,
             transaction_outputs,
             outbox,
+            outputs_verified,
+            outputs_redone,
+            outputs_unverified,
+            hanging_transactions,
             workers: gauge("workers", "Workers the task knows (listed, or found in DNS)", &["task"]),
             worker_requests: counter("worker_requests_total", "Calls made to each worker", &per_worker),
             worker_throttled: counter("worker_throttled_total", "503/429 answers of each worker", &per_worker),

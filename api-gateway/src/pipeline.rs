@@ -24,6 +24,7 @@ use crate::budget::ByteBudget;
 use crate::config::{Delivery, GatewayConfig};
 use crate::consume::commit::{self, Commits, Writer};
 use crate::consume::transaction::{MakeProducer, Outbox, Transactional};
+use crate::consume::verify::{self, Ledger};
 use crate::consume::fetch::Fetch;
 use crate::consume::offsets::SharedOffsets;
 use crate::consume::flow::Flow;
@@ -61,6 +62,8 @@ pub async fn run(
     let debugging = config.kafka.properties.get("debug").is_some();
     // Exactly-once: the outputs wait in the outbox for the commit thread's transactions, and
     // the producer is transactional and the commit thread's alone.
+    let verifier_stop = Arc::new(AtomicBool::new(false));
+    let mut verifier: Option<std::thread::JoinHandle<()>> = None;
     let (writer, output) = match config.delivery {
         Delivery::AtLeastOnce => {
             let producer: Producer = connection.create_with_context(
@@ -89,7 +92,25 @@ pub async fn run(
                 })
             };
             let timeout = Duration::from_millis(config.kafka.transaction_timeout_ms);
-            let transactional = Transactional::start(make, outbox.clone(), metrics.clone(), timeout).with_context(|| {
+            let ledger = if config.kafka.verify_outputs {
+                let reader: BaseConsumer<KafkaEvents> = connection.create_with_context(
+                    verifier_defaults(&config),
+                    KafkaEvents::new(health.clone(), metrics.clone(), debugging),
+                    "the kafka reader of committed outputs",
+                )?;
+                let ledger = Arc::new(Ledger::new(metrics.clone(), timeout));
+                let (l, stop) = (ledger.clone(), verifier_stop.clone());
+                verifier = Some(
+                    std::thread::Builder::new()
+                        .name("kafka-verify".into())
+                        .spawn(move || verify::run(l, reader, stop, Duration::ZERO))
+                        .context("starting the thread that reads back committed outputs")?,
+                );
+                Some(ledger)
+            } else {
+                None
+            };
+            let transactional = Transactional::start(make, outbox.clone(), metrics.clone(), timeout, ledger).with_context(|| {
                 format!("initialising transactions as {:?}", config.kafka.transactional_id())
             })?;
             tracing::info!(transactional_id = %config.kafka.transactional_id(), "exactly-once delivery");
@@ -227,6 +248,14 @@ pub async fn run(
         .await
         .context("joining the commit thread")?
         .map_err(|_| anyhow::anyhow!("the commit thread panicked"))?;
+    // The fetch thread waited for its last transaction's outputs to be read back.
+    verifier_stop.store(true, Ordering::SeqCst);
+    if let Some(verifier) = verifier {
+        tokio::task::spawn_blocking(move || verifier.join())
+            .await
+            .context("joining the thread that reads back committed outputs")?
+            .map_err(|_| anyhow::anyhow!("the thread that reads back committed outputs panicked"))?;
+    }
     match misfits {
         Some(misfits) => anyhow::bail!("tasks do not fit their models:\n{misfits}"),
         None => Ok(()),
@@ -246,6 +275,24 @@ fn refresh_gauges(shared: &Shared, tasks: &[Arc<Task>]) {
     for (tp, n) in shared.offsets.lock().pending() {
         m.pending.with_label_values(&[&tp.0, &tp.1.to_string()]).set(n as i64);
     }
+}
+
+/// The reader of committed outputs (exactly-once delivery, `kafka.verify_outputs`): only what a
+/// `read_committed` reader is handed, the end of a partition reported, and a small prefetch (it
+/// reads one partition at a time, from a known offset). It assigns partitions itself and never
+/// joins or commits to its group, but librdkafka takes no assignment without a `group.id`.
+fn verifier_defaults(config: &GatewayConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("group.id", format!("{}.verify", config.kafka.group_id))
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "true")
+        .set("fetch.wait.max.ms", "50")
+        .set("queued.max.messages.kbytes", config.kafka.queue_max_kbytes.clamp(1, 16 * 1024).to_string())
+        .set("fetch.max.bytes", config.kafka.fetch_max_bytes.max(1024).to_string())
+        .set("max.partition.fetch.bytes", config.kafka.partition_fetch_max_bytes.max(1024).to_string());
+    c
 }
 
 /// Which of the gateway's Kafka clients.

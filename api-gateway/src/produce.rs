@@ -99,7 +99,14 @@ impl ClientContext for Outputs {
 
 /// An output's outcome: acknowledged, or refused with why (and its headers, for the next
 /// attempt).
-pub type Acked = Result<(), Refusal>;
+pub type Acked = Result<Written, Refusal>;
+
+/// Where the broker wrote an acknowledged output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    pub partition: i32,
+    pub offset: i64,
+}
 
 /// A refused output.
 pub struct Refusal {
@@ -120,7 +127,7 @@ impl ProducerContext for Outputs {
 
     fn delivery(&self, result: &DeliveryResult<'_>, delivery: Box<Delivery>) {
         let acked = match result {
-            Ok(_) => Ok(()),
+            Ok(m) => Ok(Written { partition: m.partition(), offset: m.offset() }),
             Err((error, message)) => Err(refusal(error.clone(), message)),
         };
         match *delivery {
@@ -299,7 +306,7 @@ async fn send_until_acknowledged(
     }
     loop {
         let refused = match send_once(producer, topic, source.key(), payload, headers).await {
-            Ok(()) => return Ok(()),
+            Ok(_) => return Ok(()),
             Err(refused) => refused,
         };
         if !retrying(metrics, &refused.error, topic, delay) {

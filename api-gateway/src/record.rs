@@ -384,7 +384,7 @@ fn write_now(record: Record, carried: Carried, span: tracing::Span, written: Wri
     let key = record.message.key().map(<[u8]>::to_vec);
     let Output::Direct(producer) = &shared.output else { unreachable!("write_now is at-least-once delivery's") };
     produce::send_then(producer, topic, key.as_deref(), &payload, headers, send, move |acked| match acked {
-        Ok(()) => {
+        Ok(_) => {
             written.acknowledged(&record.task);
             record.finish(&span);
         }

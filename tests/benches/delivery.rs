@@ -39,8 +39,10 @@
 //! - `VRAMGATE_BENCH_DELIVERY_LATENCY_EVENTS` (default 100): events sent at the steady rate.
 //! - `VRAMGATE_BENCH_DELIVERY_LOAD` (default 0.5): that rate, as a fraction of the warm-up
 //!   run's throughput; `VRAMGATE_BENCH_DELIVERY_RATE` (events/s) sets it outright.
-//! - `VRAMGATE_BENCH_DELIVERY_INTERVALS` (default `50,200,1000`): the exactly-once commit
-//!   intervals, in ms.
+//! - `VRAMGATE_BENCH_DELIVERY_INTERVALS` (default `50,200,200-unverified,1000`): the
+//!   exactly-once commit intervals, in ms; `-unverified` runs that interval with
+//!   `kafka.verify_outputs = false`, so its ratio to the same interval verified is what reading
+//!   every committed output back costs (`api-gateway/src/consume/verify.rs`).
 //! - `VRAMGATE_BENCH_ROUNDS` (default 2).
 //!
 //! The defaults take about 5 minutes on 2 CPU cores. Run with `scripts/bench delivery`.
@@ -70,14 +72,16 @@ use vramgate_tests::{
 enum Mode {
     AtLeastOnce,
     /// With this `commit_interval_ms`.
-    ExactlyOnce(u64),
+    /// With this `commit_interval_ms`, and whether committed outputs are read back.
+    ExactlyOnce(u64, bool),
 }
 
 impl Mode {
     fn label(self) -> String {
         match self {
             Mode::AtLeastOnce => "at-least-once".into(),
-            Mode::ExactlyOnce(ms) => format!("exactly-once, {ms} ms"),
+            Mode::ExactlyOnce(ms, true) => format!("exactly-once, {ms} ms"),
+            Mode::ExactlyOnce(ms, false) => format!("exactly-once, {ms} ms, unverified"),
         }
     }
 
@@ -85,11 +89,12 @@ impl Mode {
     fn env(self) -> Vec<(&'static str, String)> {
         match self {
             Mode::AtLeastOnce => Vec::new(),
-            Mode::ExactlyOnce(ms) => vec![
+            Mode::ExactlyOnce(ms, verify) => vec![
                 ("DELIVERY", "exactly-once".into()),
                 // One per gateway process: two live gateways with one id would fence each other.
                 ("KAFKA__TRANSACTIONAL_ID", unique("bench-tx")),
                 ("COMMIT_INTERVAL_MS", ms.to_string()),
+                ("KAFKA__VERIFY_OUTPUTS", verify.to_string()),
             ],
         }
     }
@@ -236,7 +241,7 @@ fn requests(input: &Input, prefix: &str, count: usize) -> Vec<(String, Vec<u8>)>
 fn committed(scrape: &Scrape, mode: Mode) -> f64 {
     match mode {
         Mode::AtLeastOnce => scrape.sum("vramgate_gateway_offset_commits_total", &[("result", "ok")]),
-        Mode::ExactlyOnce(_) => scrape.sum("vramgate_gateway_transactions_total", &[("outcome", "committed")]),
+        Mode::ExactlyOnce(..) => scrape.sum("vramgate_gateway_transactions_total", &[("outcome", "committed")]),
     }
 }
 
@@ -306,7 +311,7 @@ async fn run(
         * 1000.0;
     let tx_outputs = delta("vramgate_gateway_transaction_outputs_total");
     let outputs_per_tx = match mode {
-        Mode::ExactlyOnce(_) if commits > 0.0 => tx_outputs / commits,
+        Mode::ExactlyOnce(..) if commits > 0.0 => tx_outputs / commits,
         _ => f64::NAN,
     };
 
@@ -392,10 +397,14 @@ async fn main() -> anyhow::Result<()> {
     let load: f64 = env_or("VRAMGATE_BENCH_DELIVERY_LOAD", 0.5);
     let fixed_rate: Option<f64> = std::env::var("VRAMGATE_BENCH_DELIVERY_RATE").ok().and_then(|v| v.parse().ok());
     let rounds: usize = env_or("VRAMGATE_BENCH_ROUNDS", 2).max(1);
-    let intervals = std::env::var("VRAMGATE_BENCH_DELIVERY_INTERVALS").unwrap_or_else(|_| "50,200,1000".into());
+    let intervals = std::env::var("VRAMGATE_BENCH_DELIVERY_INTERVALS").unwrap_or_else(|_| "50,200,200-unverified,1000".into());
     let mut modes = vec![Mode::AtLeastOnce];
     for ms in intervals.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        modes.push(Mode::ExactlyOnce(ms.parse().with_context(|| format!("commit interval '{ms}'"))?));
+        let (ms, verify) = match ms.strip_suffix("-unverified") {
+            Some(ms) => (ms, false),
+            None => (ms, true),
+        };
+        modes.push(Mode::ExactlyOnce(ms.parse().with_context(|| format!("commit interval '{ms}'"))?, verify));
     }
 
     let cases = p2_cases()?;

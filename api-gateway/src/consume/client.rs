@@ -53,6 +53,9 @@ pub fn is_auth_error(error: &KafkaError) -> bool {
     )
 }
 
+/// The gateway's reader of its own outputs ([`super::verify`]) has no group to rebalance.
+impl rdkafka::consumer::ConsumerContext for KafkaEvents {}
+
 impl ClientContext for KafkaEvents {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
         if !self.logs.allow() {

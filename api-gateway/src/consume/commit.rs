@@ -71,12 +71,27 @@ impl Commits {
         self.gate.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Exactly-once delivery: committed outputs not yet read back, or waiting to be written
+    /// again.
+    pub fn unverified(&self) -> usize {
+        match &*self.gate() {
+            Writer::Transactions(t) => t.unverified(),
+            Writer::Offsets => 0,
+        }
+    }
+
+    /// Whether outputs found aborted after their commit wait to be written again.
+    pub fn has_redo(&self) -> bool {
+        matches!(&*self.gate(), Writer::Transactions(t) if t.has_redo())
+    }
+
     /// Commits, synchronously, every partition whose watermark advanced; confirms the positions
     /// the broker acknowledged, offers the others again.
     pub fn commit<C: ConsumerContext>(&self, consumer: &BaseConsumer<C>) -> Outcome {
         let mut gate = self.gate();
         let advanced = self.offsets.lock().take_advanced();
-        if advanced.is_empty() {
+        let redo = matches!(&*gate, Writer::Transactions(t) if t.has_redo());
+        if advanced.is_empty() && !redo {
             return Outcome::Nothing;
         }
         match self.send(&mut gate, consumer, &advanced) {
@@ -116,7 +131,8 @@ impl Commits {
                     let tracker = self.offsets.lock();
                     positions.iter().filter_map(|(tp, p)| Some((tp.clone(), *p, tracker.epoch(tp)?))).collect()
                 };
-                let result = transactional.commit(consumer, &with_epochs);
+                let epoch_of = |tp: &TopicPartition| self.offsets.lock().epoch(tp);
+                let result = transactional.commit(consumer, &with_epochs, &epoch_of);
                 self.metrics.outbox.set(transactional.outbox.waiting() as i64);
                 result
             }
@@ -171,7 +187,7 @@ pub fn run<C: ConsumerContext>(consumer: &BaseConsumer<C>, commits: &Commits, po
             (offsets.committable(), offsets.uncommitted())
         };
         tick = next_tick(in_window);
-        if !policy.due(committable, last.elapsed()) {
+        if !policy.due(committable, last.elapsed()) && !commits.has_redo() {
             continue;
         }
         match commits.commit(consumer) {

@@ -35,6 +35,9 @@ pub const HOLD_BEFORE_PAUSE: Duration = Duration::from_millis(500);
 
 /// Records taken from the consumer in one round before the bounds are looked at again.
 const ROUND: usize = 256;
+/// At shutdown, how long the last transactions' outputs may take to be read back (and any found
+/// aborted to be written again) before the gateway leaves its group regardless.
+const VERIFY_AT_EXIT: Duration = Duration::from_secs(15);
 
 /// A record taken and admitted, not yet handed to the runtime.
 struct Admitted {
@@ -106,6 +109,18 @@ impl Fetch {
         }
         let commits = self.consumer.context().commits.clone();
         commits.commit(&*self.consumer);
+        // Exactly-once: what was committed is read back before the group is left, so an output
+        // found aborted is still written again, with its offsets (`consume::verify`).
+        let deadline = Instant::now() + VERIFY_AT_EXIT;
+        while commits.unverified() > 0 && Instant::now() < deadline {
+            if commits.has_redo() {
+                commits.commit(&*self.consumer);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if commits.unverified() > 0 {
+            tracing::warn!(outputs = commits.unverified(), "leaving with committed outputs not read back by a read_committed reader");
+        }
         self.consumer.context().closing.store(true, Ordering::SeqCst);
         self.consumer.unsubscribe();
         // Serve the revoke that unsubscribing triggers, so the group rebalances now rather

@@ -27,6 +27,7 @@ pub mod flow;
 pub mod offsets;
 pub mod rebalance;
 pub mod transaction;
+pub mod verify;
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

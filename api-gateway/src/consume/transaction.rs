@@ -56,7 +56,8 @@ use super::lock;
 use super::offsets::{SharedOffsets, Ticket, TopicPartition};
 use crate::budget::Held;
 use crate::metrics::Metrics;
-use crate::produce::{self, Acked, Delivery, Producer, Standin};
+use super::verify::Ledger;
+use crate::produce::{self, Acked, Delivery, Producer, Standin, Written};
 use crate::task::Task;
 
 /// How long an output waits for room in librdkafka's queue before the transaction gives up
@@ -98,7 +99,9 @@ pub struct Pending {
     payload: Vec<u8>,
     headers: OwnedHeaders,
     standin: Standin,
-    /// Its bytes, charged to `max_held_bytes` while it waits.
+    /// Written again after a `read_committed` reader found it aborted ([`super::verify`]).
+    redone: bool,
+    /// Its bytes, charged to `max_held_bytes` while it waits, and until it is read back.
     _held: Held,
 }
 
@@ -114,10 +117,20 @@ impl Pending {
         standin: Standin,
         held: Held,
     ) -> Self {
-        Pending { ticket, task, result, form: Form::Original, key, payload, headers, standin, _held: held }
+        Pending { ticket, task, result, form: Form::Original, key, payload, headers, standin, redone: false, _held: held }
     }
 
-    fn topic(&self) -> &str {
+    /// To be written again: its first copy was found aborted.
+    pub(super) fn redone(mut self) -> Self {
+        self.redone = true;
+        self
+    }
+
+    pub fn is_redone(&self) -> bool {
+        self.redone
+    }
+
+    pub(super) fn topic(&self) -> &str {
         match self.form {
             Form::Original if self.result => &self.task.results_topic,
             _ => &self.task.dlq_topic,
@@ -164,6 +177,11 @@ impl Pending {
 
     /// Its transaction committed.
     fn committed(&self, metrics: &Metrics) {
+        if self.redone {
+            // Counted as produced when its first copy committed.
+            metrics.outputs_redone.inc();
+            return;
+        }
         let hot = &self.task.hot;
         match self.form {
             Form::Original if self.result => hot.produced_result.inc(),
@@ -252,42 +270,134 @@ pub struct Transactional {
     metrics: Arc<Metrics>,
     /// For every transactional call: `kafka.transaction_timeout_ms`.
     timeout: Duration,
+    /// Committed outputs until they are read back (`kafka.verify_outputs`).
+    ledger: Option<Arc<Ledger>>,
+    /// The last position committed for each partition, with its assignment: a redone output's
+    /// transaction commits it again, in case the transaction that was taken down carried it.
+    sent: HashMap<TopicPartition, (i64, u64)>,
 }
 
 impl Transactional {
     /// Makes the producer and initialises its transactions, which fences any earlier producer
     /// under the same id and aborts what it left open.
-    pub fn start(make: MakeProducer, outbox: Arc<Outbox>, metrics: Arc<Metrics>, timeout: Duration) -> Result<Self, KafkaError> {
+    pub fn start(
+        make: MakeProducer,
+        outbox: Arc<Outbox>,
+        metrics: Arc<Metrics>,
+        timeout: Duration,
+        ledger: Option<Arc<Ledger>>,
+    ) -> Result<Self, KafkaError> {
         let producer = Some(ready(&make, timeout)?);
-        Ok(Transactional { producer, make, outbox, metrics, timeout })
+        Ok(Transactional { producer, make, outbox, metrics, timeout, ledger, sent: HashMap::new() })
+    }
+
+    /// Committed outputs not yet read back, and those waiting to be written again.
+    pub fn unverified(&self) -> usize {
+        self.ledger.as_ref().map_or(0, |l| l.unverified() + l.aborted())
+    }
+
+    /// Whether outputs found aborted wait to be written again: a commit is due even with no
+    /// partition advanced.
+    pub fn has_redo(&self) -> bool {
+        self.ledger.as_ref().is_some_and(|l| l.has_aborted())
+    }
+
+    /// The outputs found aborted that this gateway may write again, and the positions their
+    /// transaction commits with them. One whose record is still in the same assignment goes,
+    /// with its partition's last committed position. One whose partition was revoked since goes
+    /// only if the group's committed offset is past its record: else the partition's new
+    /// owner reads that record again and writes its output itself.
+    fn redo<C: ConsumerContext>(
+        &self,
+        consumer: &BaseConsumer<C>,
+        epoch_of: &dyn Fn(&TopicPartition) -> Option<u64>,
+        positions: &mut Vec<(TopicPartition, i64, u64)>,
+    ) -> Vec<Pending> {
+        let Some(ledger) = &self.ledger else { return Vec::new() };
+        let aborted = ledger.take_aborted();
+        let mut redo = Vec::with_capacity(aborted.len());
+        let mut group_offsets: HashMap<TopicPartition, Option<i64>> = HashMap::new();
+        for p in aborted {
+            let tp = &p.ticket.partition;
+            let epoch = p.ticket.epoch();
+            if epoch_of(tp) == Some(epoch) {
+                if !positions.iter().any(|(t, _, _)| t == tp) {
+                    if let Some(&(position, e)) = self.sent.get(tp).filter(|(_, e)| *e == epoch) {
+                        positions.push((tp.clone(), position, e));
+                    }
+                }
+                redo.push(p);
+                continue;
+            }
+            let committed = *group_offsets.entry(tp.clone()).or_insert_with(|| group_offset(consumer, tp, self.timeout));
+            match committed {
+                Some(offset) if offset > p.ticket.offset => redo.push(p),
+                _ => tracing::warn!(
+                    topic = %tp.0,
+                    partition = tp.1,
+                    offset = p.ticket.offset,
+                    group_offset = committed,
+                    "an aborted output's record is in a partition this gateway no longer owns, below the group's \
+                     committed offset: its new owner reads it again and writes the output"
+                ),
+            }
+        }
+        redo
     }
 
     /// Writes the outputs below `positions` (partition, position, epoch) and commits the
     /// positions, in one transaction. On failure it is aborted and what it took is back in the
     /// outbox.
+    /// `epoch_of`: a partition's current assignment, if it is assigned.
     pub fn commit<C: ConsumerContext>(
         &mut self,
         consumer: &BaseConsumer<C>,
         positions: &[(TopicPartition, i64, u64)],
+        epoch_of: &dyn Fn(&TopicPartition) -> Option<u64>,
     ) -> Result<(), KafkaError> {
         let producer = match self.producer.take() {
             Some(p) => p,
             None => ready(&self.make, self.timeout).inspect_err(|e| self.counted("failed", e))?,
         };
-        let mut outputs = self.outbox.take(positions);
+        let mut positions = positions.to_vec();
+        let mut outputs = self.redo(consumer, epoch_of, &mut positions);
+        let redone = outputs.len();
+        outputs.extend(self.outbox.take(&positions));
         let started = Instant::now();
-        let result = self.transaction(&producer, consumer, positions, &mut outputs);
+        let result = self.transaction(&producer, consumer, &positions, &mut outputs);
         self.metrics.transaction_seconds.observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(()) => {
+            Ok(written) => {
                 self.producer = Some(producer);
                 self.metrics.transactions.with_label_values(&["committed"]).inc();
                 self.metrics.transaction_outputs.inc_by(outputs.len() as u64);
                 outputs.iter().for_each(|p| p.committed(&self.metrics));
+                for (tp, position, epoch) in positions {
+                    self.sent.insert(tp, (position, epoch));
+                }
+                if let Some(ledger) = &self.ledger {
+                    let mut unplaced = 0;
+                    ledger.keep(outputs.into_iter().zip(written).filter_map(|(p, w)| match w {
+                        Some(w) => Some((p, w)),
+                        None => {
+                            unplaced += usize::from(p.form != Form::Dropped);
+                            None
+                        }
+                    }));
+                    if unplaced > 0 && TRANSACTION_LOG.allow() {
+                        tracing::warn!(outputs = unplaced, "committed outputs whose acknowledgement never came back cannot be read back");
+                    }
+                }
                 Ok(())
             }
             Err(error) => {
-                self.outbox.put_back(outputs);
+                // What was redone goes back to be redone again, the rest to the outbox.
+                let mut outputs = outputs;
+                let fresh = outputs.split_off(redone);
+                if let Some(ledger) = &self.ledger {
+                    ledger.put_aborted(outputs);
+                }
+                self.outbox.put_back(fresh);
                 if is_fatal(&error) {
                     // Fenced (another producer took this id) or broken: a new producer under
                     // the same id fences whatever is left of this one. Made at the next commit.
@@ -309,14 +419,15 @@ impl Transactional {
     }
 
     /// Begins, produces, sends the offsets, commits; aborts on failure. Outputs the broker
-    /// refused for good are marked for their stand-ins.
+    /// refused for good are marked for their stand-ins. Committed, it answers where each output
+    /// was written (`None` for one with no output, or whose acknowledgement never came).
     fn transaction<C: ConsumerContext>(
         &self,
         producer: &Arc<Producer>,
         consumer: &BaseConsumer<C>,
         positions: &[(TopicPartition, i64, u64)],
         outputs: &mut [Pending],
-    ) -> Result<(), KafkaError> {
+    ) -> Result<Vec<Option<Written>>, KafkaError> {
         producer.begin_transaction()?;
         let mut acks: Vec<Option<oneshot::Receiver<Acked>>> = Vec::with_capacity(outputs.len());
         let mut acked: Vec<Option<Acked>> = Vec::with_capacity(outputs.len());
@@ -354,7 +465,11 @@ impl Transactional {
                 }
             }
         })();
-        let Err(error) = sent else { return Ok(()) };
+        let Err(error) = sent else {
+            // Committed: the acknowledgements all came before the commit, or come now.
+            settle(&mut acks, &mut acked, Instant::now() + PURGE_WAIT);
+            return Ok(acked.into_iter().map(|a| a.and_then(Result::ok)).collect());
+        };
         if !is_fatal(&error) {
             if let Err(abort) = bounded(producer, self.timeout, "abort_transaction", |p, t| p.abort_transaction(t)) {
                 tracing::warn!(error = %abort, "aborting the transaction failed");
@@ -430,6 +545,17 @@ fn ready(make: &MakeProducer, timeout: Duration) -> Result<Arc<Producer>, KafkaE
     let producer = Arc::new(make()?);
     bounded(&producer, timeout, "init_transactions", |p, t| p.init_transactions(t))?;
     Ok(producer)
+}
+
+/// The group's committed offset of `tp` (what a new owner starts from), if it can be read.
+fn group_offset<C: ConsumerContext>(consumer: &BaseConsumer<C>, tp: &TopicPartition, timeout: Duration) -> Option<i64> {
+    let mut tpl = TopicPartitionList::with_capacity(1);
+    tpl.add_partition(&tp.0, tp.1);
+    let committed = consumer.committed_offsets(tpl, timeout).ok()?;
+    match committed.find_partition(&tp.0, tp.1)?.offset() {
+        Offset::Offset(o) => Some(o),
+        _ => None,
+    }
 }
 
 fn send_offsets(
@@ -510,7 +636,7 @@ fn abort_as_fatal(error: KafkaError) -> KafkaError {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::budget::ByteBudget;
     use crate::produce::Refused;
@@ -528,6 +654,13 @@ mod tests {
         let standin = Standin::new(&source, Some("id"), Some("voice"), Refused::Result);
         let held = ByteBudget::new(1 << 20).hold(3);
         Pending::new(ticket, task.clone(), true, None, b"out".to_vec(), OwnedHeaders::new(), standin, held)
+    }
+
+    /// `n` finished outputs of partition t/0, offsets 0 to n-1.
+    pub(crate) fn pendings(n: i64) -> Vec<Pending> {
+        let offsets = SharedOffsets::default();
+        let task = task();
+        (0..n).map(|o| pending(&offsets, &task, o)).collect()
     }
 
     #[test]

@@ -1,0 +1,367 @@
+//! Exactly-once outputs read back after their commit (`kafka.verify_outputs`, on by default).
+//!
+//! librdkafka reporting a transaction committed is not the same as a `read_committed` reader
+//! seeing its outputs. Twice in CI a broker restart left outputs of transactions reported
+//! committed invisible to such readers while a `read_uncommitted` one saw them all
+//! (`docs/status.md`); Kafka's first transaction protocol, the only one librdkafka 2.12 speaks,
+//! has known ways to get there (KAFKA-17754: a late produce landing outside its transaction),
+//! and an operator's `kafka-transactions.sh abort` does it on purpose. So every committed
+//! output stays in the [`Ledger`], with its bytes still charged to `max_held_bytes`, keyed by
+//! the partition and offset the broker acknowledged, until a reader of its own ([`run`], with
+//! `isolation.level = read_committed`) has read past it:
+//!
+//! - it waits for the partition's last stable offset (a `read_committed` watermark query) to
+//!   pass the outputs, then reads the partition from the oldest one up to that offset;
+//! - an output it read is verified and let go;
+//! - one it read past without seeing was aborted (librdkafka drops aborted records for such a
+//!   reader) and goes back to the transactional producer, which writes it again in its next
+//!   transaction ([`Ledger::take_aborted`]): the record is still known, so nothing is lost, and
+//!   the aborted copy is invisible, so nothing is doubled;
+//! - a partition whose last stable offset stays behind outputs for longer than the
+//!   transaction timeout and [`HANGING_MARGIN`] is held by a hanging transaction (one the
+//!   broker keeps open with no coordinator to end it, KIP-664): the `hanging_transactions`
+//!   gauge counts it and a log line names the partition and the offset to give
+//!   `kafka-transactions.sh abort` (`docs/operations.md`). Its outputs wait, still charged to
+//!   `max_held_bytes`; once it is aborted they are read back, and any it took down is redone.
+//!
+//! The read back is whole, not sampled: the markers that commit or abort are per partition and
+//! transaction, but a late produce (the case above) can split one transaction's outputs, so
+//! only reading every offset tells. Its cost, measured by `scripts/bench exactly-once`, is in
+//! `docs/performance.md`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+use vramgate_shared::telemetry::LogLimit;
+
+use super::lock;
+use super::offsets::TopicPartition;
+use super::transaction::Pending;
+use crate::metrics::Metrics;
+use crate::produce::Written;
+
+/// Past the transaction timeout, how long a partition's last stable offset may stay behind
+/// committed outputs before it counts as hanging. The broker looks for timed-out transactions
+/// every 10 s (`transaction.abort.timed.out.transaction.cleanup.interval.ms`).
+pub const HANGING_MARGIN: Duration = Duration::from_secs(10);
+/// How often the reader looks at the partitions with outputs to read back.
+const TICK: Duration = Duration::from_millis(50);
+/// How long one watermark query or one partition's read back may take before it is tried
+/// again at the next tick.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+static VERIFY_LOG: LogLimit = LogLimit::new(5);
+
+struct Kept {
+    pending: Pending,
+    since: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Committed outputs not yet read back, by the partition and offset they were written at.
+    unverified: HashMap<TopicPartition, BTreeMap<i64, Kept>>,
+    /// Found aborted, for the next transaction to write again.
+    aborted: Vec<Pending>,
+    /// Partitions counted as hanging, with the offset they hang at.
+    hanging: HashMap<TopicPartition, i64>,
+}
+
+/// Committed outputs until a `read_committed` reader has seen them.
+pub struct Ledger {
+    inner: Mutex<Inner>,
+    metrics: Arc<Metrics>,
+    /// Past this, a partition's last stable offset behind outputs is a hanging transaction.
+    hanging_after: Duration,
+}
+
+/// A partition with outputs to read back: the oldest and newest offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Due {
+    pub partition: TopicPartition,
+    pub first: i64,
+    pub last: i64,
+}
+
+impl Ledger {
+    /// `transaction_timeout`: the gateway's own (`kafka.transaction_timeout_ms`).
+    pub fn new(metrics: Arc<Metrics>, transaction_timeout: Duration) -> Self {
+        Ledger { inner: Mutex::default(), metrics, hanging_after: transaction_timeout + HANGING_MARGIN }
+    }
+
+    /// Keeps the outputs of a transaction that committed, each where the broker wrote it.
+    pub fn keep(&self, outputs: impl IntoIterator<Item = (Pending, Written)>) {
+        let now = Instant::now();
+        let mut inner = lock(&self.inner);
+        for (pending, written) in outputs {
+            let tp = (pending.topic().to_string(), written.partition);
+            inner.unverified.entry(tp).or_default().insert(written.offset, Kept { pending, since: now });
+        }
+        self.publish(&inner);
+    }
+
+    /// The outputs found aborted since the last call, for the next transaction.
+    pub fn take_aborted(&self) -> Vec<Pending> {
+        std::mem::take(&mut lock(&self.inner).aborted)
+    }
+
+    /// A transaction that was to write these again did not commit: the next one does.
+    pub fn put_aborted(&self, outputs: Vec<Pending>) {
+        lock(&self.inner).aborted.extend(outputs);
+    }
+
+    /// Outputs waiting to be written again.
+    pub fn aborted(&self) -> usize {
+        lock(&self.inner).aborted.len()
+    }
+
+    /// Whether any output waits to be written again.
+    pub fn has_aborted(&self) -> bool {
+        !lock(&self.inner).aborted.is_empty()
+    }
+
+    /// Outputs not yet read back.
+    pub fn unverified(&self) -> usize {
+        lock(&self.inner).unverified.values().map(BTreeMap::len).sum()
+    }
+
+    /// Partitions with outputs to read back.
+    pub fn due(&self) -> Vec<Due> {
+        let inner = lock(&self.inner);
+        inner
+            .unverified
+            .iter()
+            .filter_map(|(tp, kept)| {
+                Some(Due { partition: tp.clone(), first: *kept.keys().next()?, last: *kept.keys().next_back()? })
+            })
+            .collect()
+    }
+
+    /// A read of `tp` from `from` up to `reached` (exclusive) saw the offsets in `seen`: those
+    /// outputs are verified, the others in the range were aborted. Returns (verified, aborted).
+    pub fn settle(&self, tp: &TopicPartition, from: i64, reached: i64, seen: &HashSet<i64>) -> (usize, usize) {
+        let mut inner = lock(&self.inner);
+        let Some(kept) = inner.unverified.get_mut(tp) else { return (0, 0) };
+        let mut above = kept.split_off(&reached);
+        let read = std::mem::take(kept);
+        let mut aborted = Vec::new();
+        let mut verified = 0;
+        for (offset, k) in read {
+            if offset < from {
+                above.insert(offset, k);
+            } else if seen.contains(&offset) {
+                verified += 1;
+            } else {
+                aborted.push((offset, k.pending));
+            }
+        }
+        *kept = above;
+        if kept.is_empty() {
+            inner.unverified.remove(tp);
+        }
+        let found = aborted.len();
+        if found > 0 {
+            tracing::error!(
+                topic = %tp.0,
+                partition = tp.1,
+                outputs = found,
+                first_offset = aborted[0].0,
+                "committed outputs are not visible to read_committed readers (aborted after the commit was reported); \
+                 writing them again in a new transaction"
+            );
+        }
+        inner.aborted.extend(aborted.into_iter().map(|(_, p)| p.redone()));
+        self.metrics.outputs_verified.inc_by(verified as u64);
+        self.publish(&inner);
+        (verified, found)
+    }
+
+    /// The partition's last stable offset is `stable`: it hangs when outputs at or past it have
+    /// waited longer than the transaction timeout and the margin. Logs when that changes.
+    pub fn check_hanging(&self, tp: &TopicPartition, stable: i64) -> bool {
+        let mut inner = lock(&self.inner);
+        let oldest_behind = inner
+            .unverified
+            .get(tp)
+            .and_then(|kept| kept.range(stable..).map(|(_, k)| k.since).min());
+        let hanging = oldest_behind.is_some_and(|since| since.elapsed() > self.hanging_after);
+        let was = inner.hanging.get(tp).copied();
+        match (was, hanging) {
+            (None, true) => {
+                inner.hanging.insert(tp.clone(), stable);
+                tracing::error!(
+                    topic = %tp.0,
+                    partition = tp.1,
+                    last_stable_offset = stable,
+                    waited_s = self.hanging_after.as_secs(),
+                    "a hanging transaction holds this partition's committed outputs from read_committed readers: its \
+                     last stable offset has not passed them for longer than the transaction timeout. Find its \
+                     producer with `kafka-transactions.sh describe-producers` and end it with \
+                     `kafka-transactions.sh abort --topic <topic> --partition <partition> --start-offset \
+                     <last_stable_offset>` (docs/operations.md); outputs of this gateway it takes down are written again"
+                );
+            }
+            (Some(_), false) => {
+                inner.hanging.remove(tp);
+                tracing::info!(topic = %tp.0, partition = tp.1, last_stable_offset = stable, "the hanging transaction is over");
+            }
+            _ => {}
+        }
+        self.publish(&inner);
+        hanging
+    }
+
+    fn publish(&self, inner: &Inner) {
+        self.metrics.outputs_unverified.set(inner.unverified.values().map(BTreeMap::len).sum::<usize>() as i64);
+        self.metrics.hanging_transactions.set(inner.hanging.len() as i64);
+    }
+}
+
+/// Reads back what the ledger holds until `stop` is set and it is empty, or `stop` is set and
+/// `give_up` has passed since. `consumer`: `isolation.level = read_committed`,
+/// `enable.partition.eof = true`, no group.
+pub fn run<C: ConsumerContext>(ledger: Arc<Ledger>, consumer: BaseConsumer<C>, stop: Arc<AtomicBool>, give_up: Duration) {
+    let mut stopping_since: Option<Instant> = None;
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            let since = *stopping_since.get_or_insert_with(Instant::now);
+            let left = ledger.unverified();
+            if left == 0 && !ledger.has_aborted() {
+                return;
+            }
+            if since.elapsed() > give_up {
+                tracing::warn!(outputs = left, "stopping with committed outputs not yet read back by a read_committed reader");
+                return;
+            }
+        }
+        for due in ledger.due() {
+            if let Err(e) = verify(&ledger, &consumer, &due) {
+                if VERIFY_LOG.allow() {
+                    tracing::warn!(error = %e, topic = %due.partition.0, partition = due.partition.1, "reading back committed outputs failed; trying again");
+                }
+            }
+        }
+        std::thread::sleep(TICK);
+    }
+}
+
+/// One partition: its last stable offset, the read back of what is below it, and whether it
+/// hangs.
+fn verify<C: ConsumerContext>(ledger: &Ledger, consumer: &BaseConsumer<C>, due: &Due) -> Result<(), KafkaError> {
+    let (topic, partition) = (&due.partition.0, due.partition.1);
+    // For a read_committed client the high watermark is the last stable offset.
+    let (_, stable) = consumer.fetch_watermarks(topic, partition, QUERY_TIMEOUT)?;
+    if stable > due.first {
+        let upper = stable.min(due.last + 1);
+        let (reached, seen) = read_back(consumer, &due.partition, due.first, upper)?;
+        ledger.settle(&due.partition, due.first, reached, &seen);
+    }
+    ledger.check_hanging(&due.partition, stable);
+    Ok(())
+}
+
+/// Reads `tp` from `from` towards `upper` (at most its last stable offset) as a
+/// `read_committed` reader: the offsets it was handed, and how far it got (every offset below
+/// that and not handed was aborted, or a control record).
+fn read_back<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    tp: &TopicPartition,
+    from: i64,
+    upper: i64,
+) -> Result<(i64, HashSet<i64>), KafkaError> {
+    let mut assignment = TopicPartitionList::with_capacity(1);
+    assignment.add_partition_offset(&tp.0, tp.1, Offset::Offset(from))?;
+    consumer.assign(&assignment)?;
+    let mut seen = HashSet::new();
+    let mut reached = from;
+    let deadline = Instant::now() + READ_TIMEOUT;
+    while reached < upper && Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            None => {}
+            Some(Ok(m)) if m.topic() == tp.0 && m.partition() == tp.1 && m.offset() >= from => {
+                seen.insert(m.offset());
+                reached = reached.max(m.offset() + 1);
+            }
+            Some(Ok(_)) => {}
+            // The end for a read_committed reader is the last stable offset, which `upper` is
+            // not past: everything below it was handed over or skipped.
+            Some(Err(KafkaError::PartitionEOF(p))) if p == tp.1 => reached = upper,
+            Some(Err(e)) => {
+                let _ = consumer.unassign();
+                return Err(e);
+            }
+        }
+    }
+    let _ = consumer.unassign();
+    Ok((reached.min(upper), seen))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The ledger's bookkeeping alone; the read back against a broker is
+    // tests/tests/gateway_verified_outputs.rs.
+    #[test]
+    fn outputs_read_are_verified_those_read_past_are_aborted_and_the_rest_wait() {
+        let metrics = Metrics::new();
+        let ledger = Ledger::new(metrics.clone(), Duration::from_secs(10));
+        let outputs = super::super::transaction::tests::pendings(5);
+        let topic = outputs[0].topic().to_string();
+        ledger.keep(outputs.into_iter().zip([10, 11, 12, 13, 14]).map(|(p, o)| (p, Written { partition: 2, offset: o })));
+        let tp = (topic, 2);
+        assert_eq!(ledger.due(), vec![Due { partition: tp.clone(), first: 10, last: 14 }]);
+        // Read from 10 up to 13: 10 and 12 seen, 11 skipped (aborted); 13 and 14 not reached.
+        let (verified, aborted) = ledger.settle(&tp, 10, 13, &HashSet::from([10, 12]));
+        assert_eq!((verified, aborted), (2, 1));
+        assert_eq!(ledger.unverified(), 2);
+        assert_eq!(metrics.outputs_verified.get(), 2);
+        assert_eq!(metrics.outputs_unverified.get(), 2);
+        let redo = ledger.take_aborted();
+        assert_eq!(redo.len(), 1);
+        assert!(redo[0].is_redone());
+        assert!(!ledger.has_aborted());
+        // The rest read: the partition leaves the ledger.
+        assert_eq!(ledger.settle(&tp, 13, 15, &HashSet::from([13, 14])), (2, 0));
+        assert!(ledger.due().is_empty());
+        assert_eq!(metrics.outputs_unverified.get(), 0);
+    }
+
+    #[test]
+    fn a_read_that_started_past_an_output_does_not_call_it_aborted() {
+        let ledger = Ledger::new(Metrics::new(), Duration::from_secs(10));
+        let outputs = super::super::transaction::tests::pendings(2);
+        let topic = outputs[0].topic().to_string();
+        ledger.keep(outputs.into_iter().zip([5, 9]).map(|(p, o)| (p, Written { partition: 0, offset: o })));
+        let tp = (topic, 0);
+        // A read from 8 to 10 saw 9: 5 was never read, so it is neither verified nor aborted.
+        assert_eq!(ledger.settle(&tp, 8, 10, &HashSet::from([9])), (1, 0));
+        assert_eq!(ledger.unverified(), 1);
+    }
+
+    #[test]
+    fn a_partition_hangs_only_after_the_timeout_and_margin_and_recovers() {
+        let metrics = Metrics::new();
+        let mut ledger = Ledger::new(metrics.clone(), Duration::from_secs(10));
+        ledger.hanging_after = Duration::from_millis(50);
+        let outputs = super::super::transaction::tests::pendings(2);
+        let topic = outputs[0].topic().to_string();
+        ledger.keep(outputs.into_iter().zip([3, 4]).map(|(p, o)| (p, Written { partition: 1, offset: o })));
+        let tp = (topic, 1);
+        // Last stable offset 3: both outputs behind it, but not for long yet.
+        assert!(!ledger.check_hanging(&tp, 3));
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(ledger.check_hanging(&tp, 3));
+        assert_eq!(metrics.hanging_transactions.get(), 1);
+        // The transaction ended: the offset passed them.
+        assert!(!ledger.check_hanging(&tp, 5));
+        assert_eq!(metrics.hanging_transactions.get(), 0);
+    }
+}
