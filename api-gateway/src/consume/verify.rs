@@ -26,7 +26,7 @@
 //!
 //! The read back is whole, not sampled: the markers that commit or abort are per partition and
 //! transaction, but a late produce (the case above) can split one transaction's outputs, so
-//! only reading every offset tells. Its cost, measured by `scripts/bench exactly-once`, is in
+//! only reading every offset tells. Its cost, measured by `scripts/bench delivery`, is in
 //! `docs/performance.md`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -50,10 +50,11 @@ use crate::produce::Written;
 /// committed outputs before it counts as hanging. The broker looks for timed-out transactions
 /// every 10 s (`transaction.abort.timed.out.transaction.cleanup.interval.ms`).
 pub const HANGING_MARGIN: Duration = Duration::from_secs(10);
-/// How often the reader looks at the partitions with outputs to read back.
-const TICK: Duration = Duration::from_millis(50);
-/// How long one watermark query or one partition's read back may take before it is tried
-/// again at the next tick.
+/// How often the reader looks at the partitions with outputs to read back: each look is a
+/// watermark query per partition and one read per topic, so not more often than this.
+const TICK: Duration = Duration::from_millis(100);
+/// How long one watermark query or one topic's read back may take before it is tried again at
+/// the next tick.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -225,8 +226,7 @@ impl Ledger {
 }
 
 /// Reads back what the ledger holds until `stop` is set and it is empty, or `stop` is set and
-/// `give_up` has passed since. `consumer`: `isolation.level = read_committed`,
-/// `enable.partition.eof = true`, no group.
+/// `give_up` has passed since. `consumer`: `isolation.level = read_committed`, no group joined.
 pub fn run<C: ConsumerContext>(ledger: Arc<Ledger>, consumer: BaseConsumer<C>, stop: Arc<AtomicBool>, give_up: Duration) {
     let mut stopping_since: Option<Instant> = None;
     loop {
@@ -241,10 +241,14 @@ pub fn run<C: ConsumerContext>(ledger: Arc<Ledger>, consumer: BaseConsumer<C>, s
                 return;
             }
         }
+        let mut by_topic: BTreeMap<String, Vec<Due>> = BTreeMap::new();
         for due in ledger.due() {
-            if let Err(e) = verify(&ledger, &consumer, &due) {
+            by_topic.entry(due.partition.0.clone()).or_default().push(due);
+        }
+        for (topic, dues) in by_topic {
+            if let Err(e) = verify(&ledger, &consumer, &topic, &dues) {
                 if VERIFY_LOG.allow() {
-                    tracing::warn!(error = %e, topic = %due.partition.0, partition = due.partition.1, "reading back committed outputs failed; trying again");
+                    tracing::warn!(error = %e, topic = %topic, "reading back committed outputs failed; trying again");
                 }
             }
         }
@@ -252,55 +256,79 @@ pub fn run<C: ConsumerContext>(ledger: Arc<Ledger>, consumer: BaseConsumer<C>, s
     }
 }
 
-/// One partition: its last stable offset, the read back of what is below it, and whether it
-/// hangs.
-fn verify<C: ConsumerContext>(ledger: &Ledger, consumer: &BaseConsumer<C>, due: &Due) -> Result<(), KafkaError> {
-    let (topic, partition) = (&due.partition.0, due.partition.1);
-    // For a read_committed client the high watermark is the last stable offset.
-    let (_, stable) = consumer.fetch_watermarks(topic, partition, QUERY_TIMEOUT)?;
-    if stable > due.first {
-        let upper = stable.min(due.last + 1);
-        let (reached, seen) = read_back(consumer, &due.partition, due.first, upper)?;
-        ledger.settle(&due.partition, due.first, reached, &seen);
+/// One topic's partitions with outputs to read back: each one's last stable offset, then one
+/// read of all of them from their oldest output up to it, then whether any hangs.
+fn verify<C: ConsumerContext>(ledger: &Ledger, consumer: &BaseConsumer<C>, topic: &str, dues: &[Due]) -> Result<(), KafkaError> {
+    // (partition, from, up to): for a read_committed client the high watermark is the last
+    // stable offset; what is below it is committed or aborted for good.
+    let mut reads = Vec::with_capacity(dues.len());
+    for due in dues {
+        let (_, stable) = consumer.fetch_watermarks(topic, due.partition.1, QUERY_TIMEOUT)?;
+        if stable > due.first {
+            reads.push((due.partition.1, due.first, stable.min(due.last + 1)));
+        }
+        ledger.check_hanging(&due.partition, stable);
     }
-    ledger.check_hanging(&due.partition, stable);
+    if reads.is_empty() {
+        return Ok(());
+    }
+    for (partition, (from, reached, seen)) in read_back(consumer, topic, &reads)? {
+        ledger.settle(&(topic.to_string(), partition), from, reached, &seen);
+    }
     Ok(())
 }
 
-/// Reads `tp` from `from` towards `upper` (at most its last stable offset) as a
-/// `read_committed` reader: the offsets it was handed, and how far it got (every offset below
-/// that and not handed was aborted, or a control record).
+/// Reads each (partition, from, upper) of `topic` at once as a `read_committed` reader, from
+/// `from` towards `upper` (at most the partition's last stable offset): per partition, where
+/// it started, how far it got and the offsets it was handed. Every offset below how far it got
+/// and not handed was aborted (or is a control record).
 fn read_back<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
-    tp: &TopicPartition,
-    from: i64,
-    upper: i64,
-) -> Result<(i64, HashSet<i64>), KafkaError> {
-    let mut assignment = TopicPartitionList::with_capacity(1);
-    assignment.add_partition_offset(&tp.0, tp.1, Offset::Offset(from))?;
+    topic: &str,
+    reads: &[(i32, i64, i64)],
+) -> Result<HashMap<i32, (i64, i64, HashSet<i64>)>, KafkaError> {
+    let mut assignment = TopicPartitionList::with_capacity(reads.len());
+    let mut progress: HashMap<i32, (i64, i64, HashSet<i64>)> = HashMap::with_capacity(reads.len());
+    let mut upper: HashMap<i32, i64> = HashMap::with_capacity(reads.len());
+    for &(partition, from, up_to) in reads {
+        assignment.add_partition_offset(topic, partition, Offset::Offset(from))?;
+        progress.insert(partition, (from, from, HashSet::new()));
+        upper.insert(partition, up_to);
+    }
     consumer.assign(&assignment)?;
-    let mut seen = HashSet::new();
-    let mut reached = from;
     let deadline = Instant::now() + READ_TIMEOUT;
-    while reached < upper && Instant::now() < deadline {
-        match consumer.poll(Duration::from_millis(100)) {
-            None => {}
-            Some(Ok(m)) if m.topic() == tp.0 && m.partition() == tp.1 && m.offset() >= from => {
-                seen.insert(m.offset());
-                reached = reached.max(m.offset() + 1);
-            }
-            Some(Ok(_)) => {}
-            // The end for a read_committed reader is the last stable offset, which `upper` is
-            // not past: everything below it was handed over or skipped.
-            Some(Err(KafkaError::PartitionEOF(p))) if p == tp.1 => reached = upper,
+    let mut open = reads.len();
+    while open > 0 && Instant::now() < deadline {
+        let (partition, offset) = match consumer.poll(Duration::from_millis(100)) {
+            None => continue,
+            Some(Ok(m)) if m.topic() == topic => (m.partition(), Some(m.offset())),
+            Some(Ok(_)) => continue,
+            // The end for a read_committed reader is the last stable offset, which no upper
+            // bound is past: everything below it was handed over or skipped.
+            Some(Err(KafkaError::PartitionEOF(p))) => (p, None),
             Some(Err(e)) => {
                 let _ = consumer.unassign();
                 return Err(e);
             }
+        };
+        let (Some((from, reached, seen)), Some(&up_to)) = (progress.get_mut(&partition), upper.get(&partition)) else { continue };
+        if *reached >= up_to {
+            continue;
+        }
+        match offset {
+            Some(o) if o >= *from => {
+                seen.insert(o);
+                *reached = (*reached).max(o + 1).min(up_to);
+            }
+            Some(_) => {}
+            None => *reached = up_to,
+        }
+        if *reached >= up_to {
+            open -= 1;
         }
     }
     let _ = consumer.unassign();
-    Ok((reached.min(upper), seen))
+    Ok(progress)
 }
 
 #[cfg(test)]
