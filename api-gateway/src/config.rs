@@ -232,6 +232,19 @@ pub enum Delivery {
     ExactlyOnce,
 }
 
+/// How the gateways of one group share the request partitions (`kafka.group_protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GroupProtocol {
+    /// Kafka's original protocol, with librdkafka's cooperative-sticky assignor: the members
+    /// agree on the assignment among themselves, in rounds the coordinator leads.
+    Classic,
+    /// KIP-848's protocol (Kafka 4.0 on): the broker computes the assignment and hands
+    /// partitions over one member at a time, with no group-wide round. The session timeout is
+    /// then the broker's (`group.consumer.session.timeout.ms`), not `kafka.session_timeout_ms`.
+    Consumer,
+}
+
 /// Longest transactional id taken (the broker's own limit is far larger; an id is a name).
 pub const MAX_TRANSACTIONAL_ID_BYTES: usize = 249;
 
@@ -264,8 +277,13 @@ pub struct KafkaConfig {
     /// Largest fetch response (`fetch.max.bytes`) and per partition (`max.partition.fetch.bytes`).
     pub fetch_max_bytes: u64,
     pub partition_fetch_max_bytes: u64,
-    /// Group session timeout; the drain timeout must stay below it.
+    /// Group session timeout; the drain timeout must stay below it. With `group_protocol =
+    /// "consumer"` the broker sets it (`group.consumer.session.timeout.ms`, 45 s by default)
+    /// and this is only what the drain timeout is checked against: keep the two equal.
     pub session_timeout_ms: u64,
+    /// `classic` (the default) or `consumer` (KIP-848): how the group's gateways share the
+    /// request partitions ([`GroupProtocol`]).
+    pub group_protocol: GroupProtocol,
     /// The transactional id of this gateway's producer in exactly-once delivery: one per
     /// gateway instance, the same across its restarts (a restarted instance then aborts what
     /// its predecessor left open at once, instead of readers waiting out the transaction
@@ -318,6 +336,7 @@ impl Default for KafkaConfig {
             fetch_max_bytes: 16 * 1024 * 1024,
             partition_fetch_max_bytes: 1024 * 1024,
             session_timeout_ms: 45_000,
+            group_protocol: GroupProtocol::Classic,
             transactional_id: None,
             transaction_timeout_ms: 10_000,
             verify_outputs: true,

@@ -21,7 +21,7 @@ use crate::health::{self, Health};
 use rdkafka::ClientConfig;
 
 use crate::budget::ByteBudget;
-use crate::config::{Delivery, GatewayConfig};
+use crate::config::{Delivery, GatewayConfig, GroupProtocol};
 use crate::consume::commit::{self, Commits, Writer};
 use crate::consume::transaction::{MakeProducer, Outbox, Transactional};
 use crate::consume::verify::{self, Ledger};
@@ -327,19 +327,30 @@ fn client_defaults(config: &GatewayConfig, client: Client) -> ClientConfig {
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
-            .set("partition.assignment.strategy", "cooperative-sticky")
             // With a small prefetch bound, librdkafka's default 1 s backoff once the queue is
             // full leaves the gateway idle between refills.
             .set("fetch.queue.backoff.ms", "20")
             .set("fetch.wait.max.ms", "100")
             .set("fetch.error.backoff.ms", "50")
-            .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
             // librdkafka's prefetch, bounded in bytes, not only in messages.
             .set("queued.max.messages.kbytes", kafka.queue_max_kbytes.max(1).to_string())
             .set("fetch.max.bytes", kafka.fetch_max_bytes.max(1024).to_string())
             .set("max.partition.fetch.bytes", kafka.partition_fetch_max_bytes.max(1024).to_string())
             // Statistics feed the consumer-lag gauge (`consume::rebalance`, `stats`).
             .set("statistics.interval.ms", crate::consume::rebalance::LAG_INTERVAL_MS.to_string());
+        match kafka.group_protocol {
+            GroupProtocol::Classic => {
+                c.set("group.protocol", "classic")
+                    .set("partition.assignment.strategy", "cooperative-sticky")
+                    .set("session.timeout.ms", kafka.session_timeout_ms.to_string());
+            }
+            // The assignor and the session are the broker's; librdkafka refuses a client that
+            // sets either with this protocol. Partitions come and go one by one, as with
+            // cooperative-sticky (`consume::rebalance` serves both alike).
+            GroupProtocol::Consumer => {
+                c.set("group.protocol", "consumer");
+            }
+        }
     } else {
         // acks=all: an output counts as written (and its record may be committed) only once
         // every in-sync replica has it. Not librdkafka's idempotent mode: up to 2.12 it lets a

@@ -16,6 +16,7 @@ pub mod jaeger;
 pub mod metrics;
 pub mod object_store;
 pub mod oip_client;
+pub mod scale;
 pub mod tls;
 pub mod contract;
 pub mod wav;

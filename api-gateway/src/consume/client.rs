@@ -74,6 +74,11 @@ impl ClientContext for KafkaEvents {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        // The end of a partition, for the reader of committed outputs (`enable.partition.eof`):
+        // news, not an error.
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::PartitionEOF) {
+            return;
+        }
         let auth = is_auth_error(&error);
         let kind = if auth { "authentication" } else { "other" };
         self.metrics.kafka_errors.with_label_values(&[kind]).inc();

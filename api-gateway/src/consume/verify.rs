@@ -298,33 +298,42 @@ fn read_back<C: ConsumerContext>(
     consumer.assign(&assignment)?;
     let deadline = Instant::now() + READ_TIMEOUT;
     let mut open = reads.len();
+    // How far the reader got in one partition, by a message handed over or by its position.
+    let advance = |progress: &mut HashMap<i32, (i64, i64, HashSet<i64>)>, partition: i32, to: i64| -> bool {
+        let (Some((_, reached, _)), Some(&up_to)) = (progress.get_mut(&partition), upper.get(&partition)) else { return false };
+        let was_open = *reached < up_to;
+        *reached = (*reached).max(to.min(up_to));
+        was_open && *reached >= up_to
+    };
     while open > 0 && Instant::now() < deadline {
-        let (partition, offset) = match consumer.poll(Duration::from_millis(100)) {
-            None => continue,
-            Some(Ok(m)) if m.topic() == topic => (m.partition(), Some(m.offset())),
-            Some(Ok(_)) => continue,
+        match consumer.poll(Duration::from_millis(50)) {
+            Some(Ok(m)) if m.topic() == topic => {
+                let (partition, offset) = (m.partition(), m.offset());
+                if let Some((from, _, seen)) = progress.get_mut(&partition) {
+                    if offset >= *from {
+                        seen.insert(offset);
+                    }
+                }
+                open -= usize::from(advance(&mut progress, partition, offset + 1));
+            }
+            Some(Ok(_)) => {}
             // The end for a read_committed reader is the last stable offset, which no upper
             // bound is past: everything below it was handed over or skipped.
-            Some(Err(KafkaError::PartitionEOF(p))) => (p, None),
+            Some(Err(KafkaError::PartitionEOF(p))) => open -= usize::from(advance(&mut progress, p, i64::MAX)),
             Some(Err(e)) => {
                 let _ = consumer.unassign();
                 return Err(e);
             }
-        };
-        let (Some((from, reached, seen)), Some(&up_to)) = (progress.get_mut(&partition), upper.get(&partition)) else { continue };
-        if *reached >= up_to {
-            continue;
-        }
-        match offset {
-            Some(o) if o >= *from => {
-                seen.insert(o);
-                *reached = (*reached).max(o + 1).min(up_to);
+            // Nothing more handed over for now: the reader's position also moves past what it
+            // skips (aborted records and the markers that end transactions), so a tail of
+            // aborted outputs is read past too.
+            None => {
+                for e in consumer.position()?.elements_for_topic(topic) {
+                    if let Offset::Offset(position) = e.offset() {
+                        open -= usize::from(advance(&mut progress, e.partition(), position));
+                    }
+                }
             }
-            Some(_) => {}
-            None => *reached = up_to,
-        }
-        if *reached >= up_to {
-            open -= 1;
         }
     }
     let _ = consumer.unassign();
