@@ -14,6 +14,7 @@
 //! than about a commit interval.
 
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::producer::FutureRecord;
@@ -87,7 +88,26 @@ pub async fn scale_out(protocol: &str, delivery: &str, events: usize) -> anyhow:
     let ids: Vec<String> = records.iter().map(|(id, _)| id.clone()).collect();
     let wanted: HashSet<String> = ids.iter().cloned().collect();
     let isolation = if delivery == "exactly-once" { Isolation::ReadCommitted } else { Isolation::ReadUncommitted };
-    let collector = Collector::start_with(&[&voice.results, &voice.dlq], isolation)?;
+    let collector = Arc::new(Collector::start_with(&[&voice.results, &voice.dlq], isolation)?);
+    // The ids read, sampled every 20 ms by a task of its own (the steps below wait on gateways
+    // starting and stopping; sampling between them would count those waits as gaps). The
+    // topics are this run's alone: every id read is one of its events.
+    let samples: Arc<Mutex<Vec<(Instant, usize)>>> = Arc::default();
+    let sampler = {
+        let (collector, samples) = (collector.clone(), samples.clone());
+        tokio::spawn(async move {
+            loop {
+                let count = collector.counts().1;
+                {
+                    let mut s = samples.lock().unwrap_or_else(|p| p.into_inner());
+                    if s.last().is_none_or(|(_, last)| *last != count) {
+                        s.push((Instant::now(), count));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
     let seen = |c: &Collector| c.with(|got| got.keys().filter(|id| wanted.contains(*id)).count());
 
     let gateway_env = |i: usize| {
@@ -123,36 +143,22 @@ pub async fn scale_out(protocol: &str, delivery: &str, events: usize) -> anyhow:
         })
     };
     let steps = ["join", "join", "leave", "leave"];
-    let mut pauses = Vec::new();
+    // Each step: what it did and when it began.
+    let mut done_steps: Vec<(String, Instant)> = Vec::new();
     let mut removed = 0;
     let deadline = started + Duration::from_secs(900);
-    let mut step = 0;
-    let mut first_output: Option<Instant> = None;
-    // The step in progress: its name and the longest gap since it began; the last time the
-    // count moved.
-    let mut current: Option<(String, Duration)> = None;
-    let (mut last_count, mut last_move) = (0usize, Instant::now());
     loop {
         let count = seen(&collector);
         let now = Instant::now();
-        if count > last_count {
-            if let Some((_, longest)) = current.as_mut() {
-                *longest = (*longest).max(now - last_move);
-            }
-            last_count = count;
-            last_move = now;
-            first_output.get_or_insert(now);
-        }
-        if count >= events && step >= steps.len() {
+        if count >= events && done_steps.len() >= steps.len() {
             break;
         }
         anyhow::ensure!(now < deadline, "{count} of {events} outputs after {:?}", started.elapsed());
+        let first_output = samples.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(_, c)| *c > 0).map(|(t, _)| *t);
+        let step = done_steps.len();
         let step_due = first_output.map(|f| f + STEP_EVERY * (step as u32 + 1));
         if step < steps.len() && step_due.is_some_and(|due| now >= due) {
-            if let Some(done) = current.take() {
-                pauses.push(done);
-            }
-            current = Some((String::new(), Duration::ZERO));
+            let begun = Instant::now();
             let label = match steps[step] {
                 "join" => {
                     let mut joining = start_gateway(&gateway_env(gateways.len() + removed)).await?;
@@ -169,18 +175,14 @@ pub async fn scale_out(protocol: &str, delivery: &str, events: usize) -> anyhow:
                     format!("{} → {} gateways", gateways.len() + 1, gateways.len())
                 }
             };
-            eprintln!("{protocol}, {delivery}: {label} done at {count} of {events} outputs ({:?})", started.elapsed());
-            if let Some((name, _)) = current.as_mut() {
-                *name = label;
-            }
-            step += 1;
+            eprintln!("{protocol}, {delivery}: {label} in {:?}, at {count} of {events} outputs ({:?})", begun.elapsed(), started.elapsed());
+            done_steps.push((label, begun));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     sender.await??;
-    if let Some(done) = current.take() {
-        pauses.push(done);
-    }
+    sampler.abort();
+    let pauses = gaps(&samples.lock().unwrap_or_else(|p| p.into_inner()), &done_steps);
     let wall = started.elapsed();
     // Late duplicates, if any, have a moment to show.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -217,4 +219,27 @@ async fn wait_assigned(gateway: &mut Gateway, topic: &str) -> bool {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     false
+}
+
+/// For each step, the longest time from its start to the next step's start (the last step: to
+/// the last sample) in which the count of ids read did not move; `samples` are the moments it
+/// moved.
+fn gaps(samples: &[(Instant, usize)], steps: &[(String, Instant)]) -> Vec<(String, Duration)> {
+    let end = samples.last().map(|(t, _)| *t);
+    steps
+        .iter()
+        .enumerate()
+        .map(|(i, (label, begun))| {
+            let until = steps.get(i + 1).map(|(_, t)| *t).or(end).unwrap_or(*begun);
+            // The moves in the window, with the last move before it as the start.
+            let before = samples.iter().rev().find(|(t, _)| t <= begun).map_or(*begun, |(t, _)| *t);
+            let mut last = before;
+            let mut longest = Duration::ZERO;
+            for (t, _) in samples.iter().filter(|(t, _)| t > begun && *t <= until) {
+                longest = longest.max(*t - last);
+                last = *t;
+            }
+            (label.clone(), longest)
+        })
+        .collect()
 }
