@@ -56,7 +56,7 @@ use super::lock;
 use super::offsets::{SharedOffsets, Ticket, TopicPartition};
 use crate::budget::Held;
 use crate::metrics::Metrics;
-use super::verify::Ledger;
+use super::verify::{self, Ledger};
 use crate::produce::{self, Acked, Delivery, Producer, Standin, Written};
 use crate::task::Task;
 
@@ -120,17 +120,7 @@ impl Pending {
         Pending { ticket, task, result, form: Form::Original, key, payload, headers, standin, redone: false, _held: held }
     }
 
-    /// To be written again: its first copy was found aborted.
-    pub(super) fn redone(mut self) -> Self {
-        self.redone = true;
-        self
-    }
-
-    pub fn is_redone(&self) -> bool {
-        self.redone
-    }
-
-    pub(super) fn topic(&self) -> &str {
+    fn topic(&self) -> &str {
         match self.form {
             Form::Original if self.result => &self.task.results_topic,
             _ => &self.task.dlq_topic,
@@ -195,6 +185,18 @@ impl Pending {
             }
             Form::Dropped => {}
         }
+    }
+}
+
+impl verify::Output for Pending {
+    fn topic(&self) -> &str {
+        Pending::topic(self)
+    }
+
+    /// To be written again: its first copy was found aborted.
+    fn redone(mut self) -> Self {
+        self.redone = true;
+        self
     }
 }
 
@@ -271,7 +273,7 @@ pub struct Transactional {
     /// For every transactional call: `kafka.transaction_timeout_ms`.
     timeout: Duration,
     /// Committed outputs until they are read back (`kafka.verify_outputs`).
-    ledger: Option<Arc<Ledger>>,
+    ledger: Option<Arc<Ledger<Pending>>>,
     /// The last position committed for each partition, with its assignment: a redone output's
     /// transaction commits it again, in case the transaction that was taken down carried it.
     sent: HashMap<TopicPartition, (i64, u64)>,
@@ -285,7 +287,7 @@ impl Transactional {
         outbox: Arc<Outbox>,
         metrics: Arc<Metrics>,
         timeout: Duration,
-        ledger: Option<Arc<Ledger>>,
+        ledger: Option<Arc<Ledger<Pending>>>,
     ) -> Result<Self, KafkaError> {
         let producer = Some(ready(&make, timeout)?);
         Ok(Transactional { producer, make, outbox, metrics, timeout, ledger, sent: HashMap::new() })
@@ -636,7 +638,7 @@ fn abort_as_fatal(error: KafkaError) -> KafkaError {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use crate::budget::ByteBudget;
     use crate::produce::Refused;
@@ -654,13 +656,6 @@ pub(crate) mod tests {
         let standin = Standin::new(&source, Some("id"), Some("voice"), Refused::Result);
         let held = ByteBudget::new(1 << 20).hold(3);
         Pending::new(ticket, task.clone(), true, None, b"out".to_vec(), OwnedHeaders::new(), standin, held)
-    }
-
-    /// `n` finished outputs of partition t/0, offsets 0 to n-1.
-    pub(crate) fn pendings(n: i64) -> Vec<Pending> {
-        let offsets = SharedOffsets::default();
-        let task = task();
-        (0..n).map(|o| pending(&offsets, &task, o)).collect()
     }
 
     #[test]

@@ -42,7 +42,6 @@ use vramgate_shared::telemetry::LogLimit;
 
 use super::lock;
 use super::offsets::TopicPartition;
-use super::transaction::Pending;
 use crate::metrics::Metrics;
 use crate::produce::Written;
 
@@ -60,24 +59,38 @@ const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 static VERIFY_LOG: LogLimit = LogLimit::new(5);
 
-struct Kept {
-    pending: Pending,
+/// What the ledger keeps of a committed output: enough to write it again
+/// ([`super::transaction::Pending`]).
+pub trait Output: Send {
+    /// The topic it was written to.
+    fn topic(&self) -> &str;
+    /// Marked as written again after its first copy was found aborted.
+    fn redone(self) -> Self;
+}
+
+struct Kept<T> {
+    pending: T,
     since: Instant,
 }
 
-#[derive(Default)]
-struct Inner {
+struct Inner<T> {
     /// Committed outputs not yet read back, by the partition and offset they were written at.
-    unverified: HashMap<TopicPartition, BTreeMap<i64, Kept>>,
+    unverified: HashMap<TopicPartition, BTreeMap<i64, Kept<T>>>,
     /// Found aborted, for the next transaction to write again.
-    aborted: Vec<Pending>,
+    aborted: Vec<T>,
     /// Partitions counted as hanging, with the offset they hang at.
     hanging: HashMap<TopicPartition, i64>,
 }
 
+impl<T> Default for Inner<T> {
+    fn default() -> Self {
+        Inner { unverified: HashMap::new(), aborted: Vec::new(), hanging: HashMap::new() }
+    }
+}
+
 /// Committed outputs until a `read_committed` reader has seen them.
-pub struct Ledger {
-    inner: Mutex<Inner>,
+pub struct Ledger<T> {
+    inner: Mutex<Inner<T>>,
     metrics: Arc<Metrics>,
     /// Past this, a partition's last stable offset behind outputs is a hanging transaction.
     hanging_after: Duration,
@@ -91,14 +104,14 @@ pub struct Due {
     pub last: i64,
 }
 
-impl Ledger {
+impl<T: Output> Ledger<T> {
     /// `transaction_timeout`: the gateway's own (`kafka.transaction_timeout_ms`).
     pub fn new(metrics: Arc<Metrics>, transaction_timeout: Duration) -> Self {
         Ledger { inner: Mutex::default(), metrics, hanging_after: transaction_timeout + HANGING_MARGIN }
     }
 
     /// Keeps the outputs of a transaction that committed, each where the broker wrote it.
-    pub fn keep(&self, outputs: impl IntoIterator<Item = (Pending, Written)>) {
+    pub fn keep(&self, outputs: impl IntoIterator<Item = (T, Written)>) {
         let now = Instant::now();
         let mut inner = lock(&self.inner);
         for (pending, written) in outputs {
@@ -109,12 +122,12 @@ impl Ledger {
     }
 
     /// The outputs found aborted since the last call, for the next transaction.
-    pub fn take_aborted(&self) -> Vec<Pending> {
+    pub fn take_aborted(&self) -> Vec<T> {
         std::mem::take(&mut lock(&self.inner).aborted)
     }
 
     /// A transaction that was to write these again did not commit: the next one does.
-    pub fn put_aborted(&self, outputs: Vec<Pending>) {
+    pub fn put_aborted(&self, outputs: Vec<T>) {
         lock(&self.inner).aborted.extend(outputs);
     }
 
@@ -219,7 +232,7 @@ impl Ledger {
         hanging
     }
 
-    fn publish(&self, inner: &Inner) {
+    fn publish(&self, inner: &Inner<T>) {
         self.metrics.outputs_unverified.set(inner.unverified.values().map(BTreeMap::len).sum::<usize>() as i64);
         self.metrics.hanging_transactions.set(inner.hanging.len() as i64);
     }
@@ -227,7 +240,7 @@ impl Ledger {
 
 /// Reads back what the ledger holds until `stop` is set and it is empty, or `stop` is set and
 /// `give_up` has passed since. `consumer`: `isolation.level = read_committed`, no group joined.
-pub fn run<C: ConsumerContext>(ledger: Arc<Ledger>, consumer: BaseConsumer<C>, stop: Arc<AtomicBool>, give_up: Duration) {
+pub fn run<C: ConsumerContext, T: Output>(ledger: Arc<Ledger<T>>, consumer: BaseConsumer<C>, stop: Arc<AtomicBool>, give_up: Duration) {
     let mut stopping_since: Option<Instant> = None;
     loop {
         if stop.load(Ordering::SeqCst) {
@@ -258,7 +271,7 @@ pub fn run<C: ConsumerContext>(ledger: Arc<Ledger>, consumer: BaseConsumer<C>, s
 
 /// One topic's partitions with outputs to read back: each one's last stable offset, then one
 /// read of all of them from their oldest output up to it, then whether any hangs.
-fn verify<C: ConsumerContext>(ledger: &Ledger, consumer: &BaseConsumer<C>, topic: &str, dues: &[Due]) -> Result<(), KafkaError> {
+fn verify<C: ConsumerContext, T: Output>(ledger: &Ledger<T>, consumer: &BaseConsumer<C>, topic: &str, dues: &[Due]) -> Result<(), KafkaError> {
     // (partition, from, up to): for a read_committed client the high watermark is the last
     // stable offset; what is below it is committed or aborted for good.
     let mut reads = Vec::with_capacity(dues.len());
@@ -344,13 +357,30 @@ fn read_back<C: ConsumerContext>(
 mod tests {
     use super::*;
 
+    /// A stand-in for a committed output: its topic and whether it was redone.
+    struct Out(bool);
+
+    impl Output for Out {
+        fn topic(&self) -> &str {
+            "t.results"
+        }
+
+        fn redone(self) -> Self {
+            Out(true)
+        }
+    }
+
+    fn outputs(n: usize) -> Vec<Out> {
+        (0..n).map(|_| Out(false)).collect()
+    }
+
     // The ledger's bookkeeping alone; the read back against a broker is
     // tests/tests/gateway_verified_outputs.rs.
     #[test]
     fn outputs_read_are_verified_those_read_past_are_aborted_and_the_rest_wait() {
         let metrics = Metrics::new();
         let ledger = Ledger::new(metrics.clone(), Duration::from_secs(10));
-        let outputs = super::super::transaction::tests::pendings(5);
+        let outputs = outputs(5);
         let topic = outputs[0].topic().to_string();
         ledger.keep(outputs.into_iter().zip([10, 11, 12, 13, 14]).map(|(p, o)| (p, Written { partition: 2, offset: o })));
         let tp = (topic, 2);
@@ -363,7 +393,7 @@ mod tests {
         assert_eq!(metrics.outputs_unverified.get(), 2);
         let redo = ledger.take_aborted();
         assert_eq!(redo.len(), 1);
-        assert!(redo[0].is_redone());
+        assert!(redo[0].0, "marked as redone");
         assert!(!ledger.has_aborted());
         // The rest read: the partition leaves the ledger.
         assert_eq!(ledger.settle(&tp, 13, 15, &HashSet::from([13, 14])), (2, 0));
@@ -374,7 +404,7 @@ mod tests {
     #[test]
     fn a_read_that_started_past_an_output_does_not_call_it_aborted() {
         let ledger = Ledger::new(Metrics::new(), Duration::from_secs(10));
-        let outputs = super::super::transaction::tests::pendings(2);
+        let outputs = outputs(2);
         let topic = outputs[0].topic().to_string();
         ledger.keep(outputs.into_iter().zip([5, 9]).map(|(p, o)| (p, Written { partition: 0, offset: o })));
         let tp = (topic, 0);
@@ -388,7 +418,7 @@ mod tests {
         let metrics = Metrics::new();
         let mut ledger = Ledger::new(metrics.clone(), Duration::from_secs(10));
         ledger.hanging_after = Duration::from_millis(50);
-        let outputs = super::super::transaction::tests::pendings(2);
+        let outputs = outputs(2);
         let topic = outputs[0].topic().to_string();
         ledger.keep(outputs.into_iter().zip([3, 4]).map(|(p, o)| (p, Written { partition: 1, offset: o })));
         let tp = (topic, 1);
