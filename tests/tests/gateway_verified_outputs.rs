@@ -13,6 +13,8 @@
 //!   the offset to abort at); the tool aborts the other transaction, and they all come through.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -74,15 +76,23 @@ async fn outputs_aborted_after_a_reported_commit_are_written_again_once() {
     let committed = Collector::start_with(&topics, Isolation::ReadCommitted).expect("collector");
     let uncommitted = Collector::start_with(&topics, Isolation::ReadUncommitted).expect("collector");
     let mut gateway = start_gateway_with(&env, &[]).await.expect("gateway starts");
-    // Events trickle in (one every 40 ms, 16 s in all), so the gateway commits a transaction
-    // every few of them while the test tries to catch one open.
+    // Events trickle in (one every 40 ms, at most 12 s in all), so the gateway commits a
+    // transaction every few of them while the test tries to catch one open. They stop once one
+    // was aborted: the aborted outputs are then likely the last of their partition, which only
+    // the reader's position past the abort marker tells apart from outputs not yet read.
+    let (sent, stop_sending) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
     let sender = {
         let requests = voice.requests.clone();
+        let (sent, stop_sending) = (sent.clone(), stop_sending.clone());
         tokio::spawn(async move {
             let producer = producer();
             for (id, event) in &records {
+                if stop_sending.load(Ordering::SeqCst) {
+                    break;
+                }
                 let record = FutureRecord::to(&requests).key(id.as_str()).payload(event.as_slice());
                 producer.send(record, Duration::from_secs(30)).await.map_err(|(e, _)| e).expect("send");
+                sent.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(40)).await;
             }
         })
@@ -118,6 +128,7 @@ async fn outputs_aborted_after_a_reported_commit_are_written_again_once() {
             let after = watermarks(&voice.results, PARTITIONS, Isolation::ReadCommitted).expect("watermarks");
             if after.iter().any(|(p, _, s)| *p == partition && *s > lso) {
                 aborted = Some((partition, lso, end));
+                stop_sending.store(true, Ordering::SeqCst);
             }
         }
         signal(pid, "-CONT");
@@ -131,13 +142,15 @@ async fn outputs_aborted_after_a_reported_commit_are_written_again_once() {
     }
     let (partition, from, to) = aborted.expect("no transaction of the gateway was caught open with outputs while events came in");
     sender.await.expect("sender");
-    eprintln!("aborted the gateway's transaction on partition {partition}, offsets {from}..{to}");
+    let events = sent.load(Ordering::SeqCst);
+    let ids = &ids[..events];
+    eprintln!("aborted the gateway's transaction on partition {partition}, offsets {from}..{to}; {events} events sent");
 
-    let all = committed.wait_until(Duration::from_secs(240), |got| count(got) >= EVENTS).await;
+    let all = committed.wait_until(Duration::from_secs(240), |got| count(got) >= events).await;
     let metrics = gateway.metrics_when(Duration::from_secs(30), |m| m.sum("vramgate_gateway_outputs_unverified", &[]) == 0.0).await.expect("metrics");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let t = tally(&ids, &committed.snapshot(), &[&voice.dlq]);
-    let u = tally(&ids, &uncommitted.snapshot(), &[&voice.dlq]);
+    let t = tally(ids, &committed.snapshot(), &[&voice.dlq]);
+    let u = tally(ids, &uncommitted.snapshot(), &[&voice.dlq]);
     let redone = metrics.sum("vramgate_gateway_outputs_redone_total", &[]);
     let verified = metrics.sum("vramgate_gateway_outputs_verified_total", &[]);
     eprintln!(
@@ -153,7 +166,7 @@ async fn outputs_aborted_after_a_reported_commit_are_written_again_once() {
     // in the log for a read_uncommitted reader.
     assert!(redone >= 1.0, "no output was redone, though the tool aborted offsets {from}..{to}; gateway:\n{}", gateway.log_tail());
     assert!(u.extra_records as f64 >= redone, "{} extra records for read_uncommitted, {redone} redone", u.extra_records);
-    assert!(verified >= EVENTS as f64, "{verified} outputs verified of {EVENTS}");
+    assert!(verified >= events as f64, "{verified} outputs verified of {events}");
     assert!(
         !gateway.service.log_matching(&["not visible to read_committed readers"], 1).is_empty(),
         "no log line names the aborted outputs"
