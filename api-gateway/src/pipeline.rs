@@ -103,7 +103,7 @@ pub async fn run(
                 verifier = Some(
                     std::thread::Builder::new()
                         .name("kafka-verify".into())
-                        .spawn(move || verify::run(l, reader, stop, Duration::ZERO))
+                        .spawn(move || verify::run(l, reader, stop))
                         .context("starting the thread that reads back committed outputs")?,
                 );
                 Some(ledger)

@@ -301,7 +301,7 @@ impl Transactional {
     /// Whether outputs found aborted wait to be written again: a commit is due even with no
     /// partition advanced.
     pub fn has_redo(&self) -> bool {
-        self.ledger.as_ref().is_some_and(|l| l.has_aborted())
+        self.ledger.as_ref().is_some_and(|l| l.aborted() > 0)
     }
 
     /// The outputs found aborted that this gateway may write again, and the positions their
