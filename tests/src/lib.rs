@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod ceiling;
 pub mod chaos;
+pub mod chaos_soak;
 pub mod dns;
 pub mod fleet;
 pub mod gpu_kit;
@@ -21,7 +22,7 @@ pub mod tls;
 pub mod contract;
 pub mod wav;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
@@ -366,22 +367,42 @@ pub async fn collect(
     let consumer = collector_consumer(topics)?;
     let deadline = Instant::now() + timeout;
     let mut by_id: HashMap<String, Vec<Received>> = HashMap::new();
+    let mut read = HashSet::new();
     while !done(&by_id) {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             break;
         }
         let Ok(message) = tokio::time::timeout(left, consumer.recv()).await else { break };
-        let received = Received::from_message(&message?)?;
+        // A consumer error (the broker away or restarting) is librdkafka's news, not the end
+        // of the read: it goes on retrying until the deadline.
+        let Ok(message) = message else { continue };
+        let received = Received::from_message(&message)?;
         // Every result and dead letter a test reads is held to the published schemas.
         contract::check_record(&received.topic, &received.value).map_err(|e| anyhow::anyhow!("offset {}: {e}", received.offset))?;
-        by_id.entry(received.id().to_string()).or_default().push(received);
+        keep(&mut by_id, &mut read, received);
     }
     Ok(by_id)
 }
 
 /// Records by `id`, as [`collect`] returns them.
 pub type ById = HashMap<String, Vec<Received>>;
+
+/// Where a record lies: topic, partition, offset.
+type RecordAt = (String, i32, i64);
+
+/// Files `received` under its id unless a record at its position was read before, and says
+/// whether it was new. A reader's group here commits nothing, so one that loses its
+/// assignment (its session timed out while the broker was away) starts its partitions again
+/// from the beginning: what it reads twice is one record, not a duplicate output. A
+/// duplicate is the same id at two positions.
+fn keep(by_id: &mut ById, read: &mut HashSet<RecordAt>, received: Received) -> bool {
+    if !read.insert((received.topic.clone(), received.partition, received.offset)) {
+        return false;
+    }
+    by_id.entry(received.id().to_string()).or_default().push(received);
+    true
+}
 
 /// Reads `topics` from the beginning in a background task for as long as it lives, so a test
 /// can watch progress (and act on it) while the services run.
@@ -393,7 +414,11 @@ pub struct Collector {
 #[derive(Default)]
 struct CollectorState {
     by_id: ById,
+    /// Positions read, so a record read again is not counted twice ([`keep`]).
+    read: HashSet<RecordAt>,
     records: usize,
+    /// Records read again after the reader started its partitions over.
+    reread: usize,
     error: Option<String>,
     /// The first record that broke the published contract ([`contract::check_record`]).
     broken: Option<String>,
@@ -422,8 +447,12 @@ impl Collector {
                         if let Err(e) = contract::check_record(&r.topic, &r.value) {
                             state.broken.get_or_insert(format!("offset {}: {e}", r.offset));
                         }
-                        state.records += 1;
-                        state.by_id.entry(r.id().to_string()).or_default().push(r);
+                        let CollectorState { by_id, read, .. } = &mut *state;
+                        if keep(by_id, read, r) {
+                            state.records += 1;
+                        } else {
+                            state.reread += 1;
+                        }
                     }
                     Err(e) => state.error = Some(format!("{e:#}")),
                 }
@@ -451,6 +480,12 @@ impl Collector {
     pub fn counts(&self) -> (usize, usize) {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         (state.records, state.by_id.len())
+    }
+
+    /// Records read a second time at a position already read (the reader started over after
+    /// losing its assignment); not counted as records or outputs.
+    pub fn reread(&self) -> usize {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).reread
     }
 
     /// The last error met (a record that is not json, a consumer error), if any.

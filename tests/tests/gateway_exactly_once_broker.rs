@@ -95,7 +95,7 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
     // read_committed readers (seen read_uncommitted).
     eprintln!(
         "after the restart: read_committed lost {}, doubled {}, dead letters {:?}; read_uncommitted lost {}, {} extra \
-         records; transactions committed {}, aborted {}, fenced {}, failed {}; offset commits ok {}, error {}; records \
+         records; records the readers read again after starting over {} and {}; transactions committed {}, aborted {}, fenced {}, failed {}; offset commits ok {}, error {}; records \
          in flight {}, uncommitted {}, pending per partition {:?}, outputs awaiting a transaction {}, paused \
          partitions {}, consumer lag {:?}; wall time {:?}",
         t.lost.len(),
@@ -103,6 +103,8 @@ async fn the_broker_restarted_mid_run_leaves_no_output_lost_or_doubled() {
         t.dead_by_kind,
         u.lost.len(),
         u.extra_records,
+        committed.reread(),
+        uncommitted.reread(),
         outcome("committed"),
         outcome("aborted"),
         outcome("fenced"),
