@@ -52,6 +52,9 @@ pub const HANGING_MARGIN: Duration = Duration::from_secs(10);
 /// How often the reader looks at the partitions with outputs to read back: each look is a
 /// watermark query per partition and one read per topic, so not more often than this.
 const TICK: Duration = Duration::from_millis(100);
+/// After a failed read back the next waits twice as long as the last, up to this: a broker
+/// that is restarting or fenced is not asked ten times a second.
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long one watermark query or one topic's read back may take before it is tried again at
 /// the next tick.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -237,19 +240,45 @@ impl<T: Output> Ledger<T> {
 /// for the last transactions to be read back, and logged what was not. `consumer`:
 /// `isolation.level = read_committed`, no group joined.
 pub fn run<C: ConsumerContext, T: Output>(ledger: Arc<Ledger<T>>, consumer: BaseConsumer<C>, stop: Arc<AtomicBool>) {
+    let mut wait = TICK;
     while !stop.load(Ordering::SeqCst) {
         let mut by_topic: BTreeMap<String, Vec<Due>> = BTreeMap::new();
         for due in ledger.due() {
             by_topic.entry(due.partition.0.clone()).or_default().push(due);
         }
+        let mut failed = false;
         for (topic, dues) in by_topic {
             if let Err(e) = verify(&ledger, &consumer, &topic, &dues) {
+                failed = true;
                 if VERIFY_LOG.allow() {
-                    tracing::warn!(error = %e, topic = %topic, "reading back committed outputs failed; trying again");
+                    tracing::warn!(error = %e, topic = %topic, retry_in_ms = (wait * 2).min(BACKOFF_MAX).as_millis() as u64, "reading back committed outputs failed; trying again");
                 }
             }
         }
-        std::thread::sleep(TICK);
+        wait = next_wait(wait, failed);
+        sleep_unless_stopped(wait, &stop);
+    }
+}
+
+/// The pause before the next look: [`TICK`] after a clean one, doubling up to [`BACKOFF_MAX`]
+/// while looks fail.
+fn next_wait(last: Duration, failed: bool) -> Duration {
+    if failed {
+        (last * 2).min(BACKOFF_MAX)
+    } else {
+        TICK
+    }
+}
+
+/// Sleeps `wait` in [`TICK`] steps, returning early once `stop` is set.
+fn sleep_unless_stopped(wait: Duration, stop: &AtomicBool) {
+    let until = std::time::Instant::now() + wait;
+    while !stop.load(Ordering::SeqCst) {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        std::thread::sleep(left.min(TICK));
     }
 }
 
@@ -343,6 +372,18 @@ fn read_back<C: ConsumerContext>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_looks_back_off_to_the_bound_and_a_clean_one_resets() {
+        let mut wait = TICK;
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            wait = next_wait(wait, true);
+            seen.push(wait.as_millis());
+        }
+        assert_eq!(seen, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+        assert_eq!(next_wait(wait, false), TICK);
+    }
 
     /// A stand-in for a committed output: its topic and whether it was redone.
     struct Out(bool);
