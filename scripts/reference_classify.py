@@ -36,6 +36,17 @@ def versions():
     return out
 
 
+def pinned_wheel(dist, version_key, who):
+    """The path of the wheel `dist`-<version>-py3-none-any.whl that scripts/setup downloads into
+    .local/wheels/, at the version scripts/versions.env pins under `version_key`; `who` names
+    the script in the message when it is missing."""
+    version = versions()[version_key]
+    wheel = os.path.join(ROOT, ".local", "wheels", f"{dist}-{version}-py3-none-any.whl")
+    if not os.path.exists(wheel):
+        sys.exit(f"{who}: {wheel} not found (scripts/setup downloads it)")
+    return wheel
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("images", nargs="+", metavar="IMAGE")

