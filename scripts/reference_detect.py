@@ -5,6 +5,10 @@ from), compared with the raw head maps vramgate gave.
     python scripts/reference_detect.py resize SRC DST
         writes the picture SRC resized to 416x416 (RGB, PIL's bilinear) as a PNG: sent to
         vramgate it needs no resize, so both sides see the same bytes.
+    python scripts/reference_detect.py opencv PICTURE
+        OpenCV's boxes alone for a 416x416 PICTURE after the same rule as below, clipped to the
+        picture: one JSON line {"file", "boxes": [[class, label, score, x0, y0, x1, y1], ...]},
+        best first (what the gateway's yolo_boxes step should give for it).
     python scripts/reference_detect.py compare PICTURE P5_NPY P4_NPY
         PICTURE is 416x416; P5_NPY and P4_NPY the raw maps vramgate stored for it ([1, 255, 13,
         13] and [1, 255, 26, 26]). Both sides' boxes go through the same rule, the one Darknet's
@@ -74,12 +78,12 @@ def main():
     import numpy as np
     from PIL import Image
 
-    if len(sys.argv) < 4 or sys.argv[1] not in ("resize", "compare"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("resize", "opencv", "compare"):
         sys.exit(__doc__)
     if sys.argv[1] == "resize":
         Image.open(sys.argv[2]).convert("RGB").resize((416, 416), Image.BILINEAR).save(sys.argv[3])
         return
-    picture_path, p5_path, p4_path = sys.argv[2:5]
+    picture_path = sys.argv[2]
     e, weights, cfg, names = wheel_files()
     picture = np.asarray(Image.open(picture_path).convert("RGB"))
     if picture.shape[:2] != (e.YOLO_SIZE, e.YOLO_SIZE):
@@ -92,7 +96,14 @@ def main():
     kept_o = cv2.dnn.NMSBoxesBatched(xywh, score_o.tolist(), cls_o.tolist(), SCORE, NMS_IOU) if len(xywh) else []
     theirs = [(int(cls_o[i]), float(score_o[i]), xyxy_o[i]) for i in np.array(kept_o).reshape(-1)]
 
+    if sys.argv[1] == "opencv":
+        theirs.sort(key=lambda t: -t[1])
+        clip = [[c, names[c], s] + [float(np.clip(v, 0, e.YOLO_SIZE)) for v in b] for c, s, b in theirs]
+        print(json.dumps({"file": os.path.basename(picture_path), "boxes": clip}))
+        return
+
     # Ours: the stored maps decoded as the cfg says, suppressed here.
+    p5_path, p4_path = sys.argv[3:5]
     p5 = np.load(p5_path).astype(np.float32).reshape(255, 13, 13)
     p4 = np.load(p4_path).astype(np.float32).reshape(255, 26, 26)
     cls, score, xyxy = boxes_of(e.yolo_decode([p5, p4]), e.YOLO_SIZE)

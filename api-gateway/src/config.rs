@@ -178,10 +178,11 @@ impl GatewayConfig {
                 let whole_audio =
                     task.converter == Converter::Audio && task.audio.frames.is_none() && task.audio.length.is_none();
                 let image_tensor = task.converter == Converter::Image;
-                if crate::tasks::outputs::Outputs::wants_face_boxes(&task.outputs) && !image_tensor {
+                if let Some(op) = crate::tasks::outputs::Outputs::wants_placement(&task.outputs).filter(|_| !image_tensor) {
                     return Err(format!(
-                        "tasks.{name}.outputs: face_boxes needs converter \"image\" (mode \"tensor\"), whose placement maps \
-                         the boxes back to the image"
+                        "tasks.{name}.outputs: {} needs converter \"image\" (mode \"tensor\"), whose placement maps \
+                         the boxes back to the image",
+                        op.as_str()
                     ));
                 }
                 if crate::tasks::outputs::Outputs::wants_speech_segments(&task.outputs) && !whole_audio {

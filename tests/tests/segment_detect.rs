@@ -15,7 +15,9 @@
 //!   Darknet reader (`scripts/reference_detect.py`): each photograph resized to 416x416 and sent
 //!   as that picture; the two raw head maps stored as `.npy`, decoded as the cfg says, and after
 //!   Darknet's score threshold and per-class NMS matched box for box with OpenCV's (IoU >= 0.9,
-//!   same class, score within 0.02), none extra on either side.
+//!   same class, score within 0.02), none extra on either side; and the gateway's own
+//!   `yolo_boxes` step on the same pictures giving OpenCV's boxes in order, class, label and
+//!   place; with `max_boxes = 1` the better of two boxes and `cut: true`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -175,8 +177,14 @@ async fn u2netp_by_configuration_agrees_with_rembg_on_real_photographs() {
 async fn yolov4_tiny_by_configuration_agrees_with_opencv_on_real_photographs() {
     let root = scratch_dir("detect");
     let topics = TaskTopics::create(&unique("detect"), 1).await.expect("topics");
+    let (boxes_topics, cut_topics) =
+        (TaskTopics::create(&unique("boxes"), 1).await.expect("topics"), TaskTopics::create(&unique("cut"), 1).await.expect("topics"));
     let outputs = stored_output("detect", "p5", "detect", "") + &stored_output("detect", "p4", "detect", "");
-    let (server, worker, gateway) = serve(&root, DETECT_PORT, "yolov4_tiny", &task("detect", "yolov4_tiny", 416, &topics, &outputs)).await;
+    let labels = repo_root().join("models/repository/yolov4_tiny/labels.txt");
+    let tasks = task("detect", "yolov4_tiny", 416, &topics, &outputs)
+        + &task("boxes", "yolov4_tiny", 416, &boxes_topics, &yolo_row("boxes", &labels, 100))
+        + &task("cut", "yolov4_tiny", 416, &cut_topics, &yolo_row("cut", &labels, 1));
+    let (server, worker, gateway) = serve(&root, DETECT_PORT, "yolov4_tiny", &tasks).await;
 
     let producer = producer();
     let mut sent: Vec<(String, PathBuf)> = Vec::new();
@@ -185,11 +193,20 @@ async fn yolov4_tiny_by_configuration_agrees_with_opencv_on_real_photographs() {
         reference("reference_detect.py", &[std::ffi::OsStr::new("resize"), photo(name).as_os_str(), resized.as_os_str()]);
         let id = unique(&format!("detect-{}", name.replace('.', "-")));
         send(&producer, &topics.requests, &id, &request_file(&id, "detect", &resized)).await.expect("send");
+        let boxes_id = format!("boxes-{id}");
+        send(&producer, &boxes_topics.requests, &boxes_id, &request_file(&boxes_id, "boxes", &resized)).await.expect("send");
         sent.push((id, resized));
     }
-    let got = collect(&[&topics.results, &topics.dlq], Duration::from_secs(300), |got| sent.iter().all(|(id, _)| got.contains_key(id)))
-        .await
-        .expect("collect");
+    // The cat and the dog, with room for one box.
+    let (chelsea, cut_id) = (sent[1].1.clone(), unique("cut"));
+    send(&producer, &cut_topics.requests, &cut_id, &request_file(&cut_id, "cut", &chelsea)).await.expect("send");
+    let topics_read = [&topics.results, &topics.dlq, &boxes_topics.results, &boxes_topics.dlq, &cut_topics.results, &cut_topics.dlq];
+    let topics_read: Vec<&str> = topics_read.iter().map(|t| t.as_str()).collect();
+    let got = collect(&topics_read, Duration::from_secs(300), |got| {
+        got.contains_key(&cut_id) && sent.iter().all(|(id, _)| got.contains_key(id) && got.contains_key(&format!("boxes-{id}")))
+    })
+    .await
+    .expect("collect");
     let mut people = 0;
     for (id, picture) in &sent {
         let result = result_of(&got, id, &gateway);
@@ -207,10 +224,51 @@ async fn yolov4_tiny_by_configuration_agrees_with_opencv_on_real_photographs() {
             assert!(r["worst_score_diff"].as_f64().unwrap_or(1.0) <= 0.02, "{id}: {r}");
         }
         people += r["boxes"].as_array().into_iter().flatten().filter(|b| b[1] == "person").count();
+
+        // The gateway's own yolo_boxes step on the same picture: OpenCV's boxes, one for one.
+        let boxes_id = format!("boxes-{id}");
+        let ours = &result_of(&got, &boxes_id, &gateway)["output"]["outputs"]["p5"];
+        let theirs = reference("reference_detect.py", &[std::ffi::OsStr::new("opencv"), picture.as_os_str()]);
+        eprintln!("{boxes_id}: the gateway's boxes {ours}; OpenCV's {theirs}");
+        assert_eq!(ours["cut"], false, "{boxes_id}: {ours}");
+        let (ours, theirs) = (ours["boxes"].as_array().expect("boxes"), theirs["boxes"].as_array().expect("boxes"));
+        assert_eq!(ours.len(), theirs.len(), "{boxes_id}: {ours:?} vs {theirs:?}");
+        for (o, t) in ours.iter().zip(theirs) {
+            assert_eq!(o["class"], t[0], "{boxes_id}: {o} vs {t}");
+            assert_eq!(o["label"], t[1], "{boxes_id}: {o} vs {t}");
+            let score = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+            assert!((score(&o["score"]) - score(&t[2])).abs() <= 0.02, "{boxes_id}: {o} vs {t}");
+            let corners = [score(&o["x1"]), score(&o["y1"]), score(&o["x2"]), score(&o["y2"])];
+            let want = [score(&t[3]), score(&t[4]), score(&t[5]), score(&t[6])];
+            assert!(iou(corners, want) >= 0.9, "{boxes_id}: {o} vs {t}");
+        }
     }
+    // A bound of one box: the best one, and the result says the list was cut.
+    let cut = &result_of(&got, &cut_id, &gateway)["output"]["outputs"]["p5"];
+    assert_eq!(cut["boxes"].as_array().map(Vec::len), Some(1), "{cut}");
+    assert_eq!(cut["cut"], true, "{cut}");
+    assert_eq!(cut["boxes"][0]["label"], "cat", "the better of the cat and the dog: {cut}");
     // The astronaut is a person: the check is not passing on pictures with nothing in them.
     assert!(people >= 1, "no person found on any photograph");
     drop(gateway);
     drop(worker);
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A `yolo_boxes` row on YOLOv4-tiny's heads (the cfg's strides, anchors and scale_x_y), with
+/// Darknet's demo's score threshold and per-class NMS.
+fn yolo_row(task: &str, labels: &Path, max_boxes: usize) -> String {
+    format!(
+        "[[tasks.{task}.outputs]]\nname = \"p5\"\npost = [\"yolo_boxes\"]\nthreshold = 0.25\nnms_iou = 0.45\nmax_boxes = {max_boxes}\n\
+         labels = \"{}\"\n\n[tasks.{task}.outputs.yolo]\nclasses = 80\nscale_x_y = 1.05\nheads = [\n\
+         {{ output = \"p5\", stride = 32, anchors = [[81, 82], [135, 169], [344, 319]] }},\n\
+         {{ output = \"p4\", stride = 16, anchors = [[23, 27], [37, 58], [81, 82]] }},\n]\n\n",
+        labels.display()
+    )
+}
+
+fn iou(a: [f64; 4], b: [f64; 4]) -> f64 {
+    let inter = (a[2].min(b[2]) - a[0].max(b[0])).max(0.0) * (a[3].min(b[3]) - a[1].max(b[1])).max(0.0);
+    let union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter;
+    if union > 0.0 { inter / union } else { 0.0 }
 }

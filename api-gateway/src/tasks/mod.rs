@@ -23,6 +23,7 @@ pub mod npy;
 pub mod outputs;
 pub mod tensor;
 pub mod voice;
+pub mod yolo;
 
 use std::sync::Arc;
 

@@ -21,7 +21,11 @@
 //!   output the `[1, 2, h, w]` no-face/face probabilities, the output `boxes` names the
 //!   `[1, 4, h, w]` regressions; one 12-pixel window every 2 pixels) → `{"faces": [{"x1", "y1",
 //!   "x2", "y2", "score"}, ...]}` in the input image's pixels, through `threshold`, `nms_iou` and
-//!   `max_faces`: what the image task's `proposals` mode answers, on the configured path.
+//!   `max_faces`: what the image task's `proposals` mode answers, on the configured path;
+//! - `yolo_boxes` (alone; `image` tensor mode): an anchor-grid detector's raw heads (the row's
+//!   output and the others its `yolo.heads` name) → `{"boxes": [{"x1", "y1", "x2", "y2",
+//!   "score", "class", "label"}, ...], "cut": bool}` in the image's pixels, through `threshold`,
+//!   per-class `nms_iou` and `max_boxes` ([`super::yolo`]).
 //!
 //! Datatypes ([`READ`]: every one the worker serves): raw values go out as they are, integers as
 //! exact JSON integers (an INT64 is never rounded through a float), BOOL as booleans, FP16
@@ -45,6 +49,7 @@ use serde_json::{json, Value};
 use vramgate_shared::events::{ErrorKind, Stage};
 
 use super::image::{faces, ImageOptions, Placement};
+use super::yolo::YoloConfig;
 use crate::storage::{StoreTarget, StoredOutput};
 use super::voice::SegmentConfig;
 use vramgate_shared::oip::{DataType, Tensor, TensorData};
@@ -89,6 +94,9 @@ pub enum PostOp {
     SpeechSegments,
     /// P-Net-style face maps → boxes in image pixels. Alone; `image` tensor mode only.
     FaceBoxes,
+    /// An anchor-grid detector's heads (YOLO) → class-aware boxes in image pixels. Alone;
+    /// `image` tensor mode only.
+    YoloBoxes,
     /// A `[h, w]` map (`[1, h, w]`, `[1, 1, h, w]`) → a PNG the input image's size, mapped
     /// back through the image's placement: probabilities (after any `sigmoid`/`softmax`)
     /// thresholded at `threshold` to 0/255, integer class labels as the indices of a
@@ -100,7 +108,13 @@ impl PostOp {
     fn is_terminal(self) -> bool {
         matches!(
             self,
-            PostOp::Argmax | PostOp::TopK | PostOp::Threshold | PostOp::SpeechSegments | PostOp::FaceBoxes | PostOp::MaskPng
+            PostOp::Argmax
+                | PostOp::TopK
+                | PostOp::Threshold
+                | PostOp::SpeechSegments
+                | PostOp::FaceBoxes
+                | PostOp::YoloBoxes
+                | PostOp::MaskPng
         )
     }
 
@@ -114,6 +128,7 @@ impl PostOp {
             PostOp::Threshold => "threshold",
             PostOp::SpeechSegments => "speech_segments",
             PostOp::FaceBoxes => "face_boxes",
+            PostOp::YoloBoxes => "yolo_boxes",
             PostOp::MaskPng => "mask_png",
         }
     }
@@ -126,7 +141,7 @@ impl PostOp {
         let floating = matches!(datatype, DataType::Fp16 | DataType::Fp32);
         let integer = matches!(datatype, DataType::Uint8 | DataType::Int32 | DataType::Int64);
         let (fits, needs) = match self {
-            PostOp::Softmax | PostOp::Sigmoid | PostOp::SpeechSegments | PostOp::FaceBoxes => {
+            PostOp::Softmax | PostOp::Sigmoid | PostOp::SpeechSegments | PostOp::FaceBoxes | PostOp::YoloBoxes => {
                 (floating, "a floating-point output (FP16, FP32)")
             }
             PostOp::Argmax | PostOp::TopK => (floating || integer || datatype == DataType::Bool, "a numeric or BOOL output"),
@@ -178,6 +193,13 @@ pub struct OutputRule {
     /// For `face_boxes`: the most boxes reported, best first.
     #[serde(default = "default_max_faces")]
     pub max_faces: usize,
+    /// For `yolo_boxes`: the heads, their strides and anchors, the classes.
+    #[serde(default)]
+    pub yolo: Option<YoloConfig>,
+    /// For `yolo_boxes`: the most boxes reported, best first (the result says when more
+    /// were found).
+    #[serde(default = "default_max_faces")]
+    pub max_boxes: usize,
     /// `s3://bucket/prefix/`: the output is written to `<prefix><task>/<id>/<name>.<ext>`
     /// (`.npy` for values, `.png` for `mask_png`, `.json` for what `argmax`, `top_k`,
     /// `threshold`, `speech_segments` or `face_boxes` give) before the result is produced, and
@@ -243,8 +265,25 @@ impl OutputRule {
         if !self.threshold.is_finite() {
             return Err(format!("{at}.threshold must be a finite number"));
         }
-        if self.labels.is_some() && !matches!(self.post.last(), Some(PostOp::Argmax | PostOp::TopK)) {
-            return Err(format!("{at}.labels is only read by post = [..., \"argmax\"] or [..., \"top_k\"]"));
+        if self.labels.is_some() && !matches!(self.post.last(), Some(PostOp::Argmax | PostOp::TopK | PostOp::YoloBoxes)) {
+            return Err(format!("{at}.labels is only read by post = [..., \"argmax\"], [..., \"top_k\"] or [\"yolo_boxes\"]"));
+        }
+        if self.post.contains(&PostOp::YoloBoxes) {
+            if self.post.len() != 1 {
+                return Err(format!("{at}.post: yolo_boxes takes the model's heads as they are, alone"));
+            }
+            let Some(yolo) = &self.yolo else {
+                return Err(format!("{at}.yolo must give the heads (output, stride, anchors) and classes"));
+            };
+            yolo.validate(&format!("{at}.yolo"), &self.name)?;
+            if !(0.0..=1.0).contains(&self.nms_iou) || !(0.0..=1.0).contains(&self.threshold) {
+                return Err(format!("{at}.threshold and {at}.nms_iou must be between 0 and 1"));
+            }
+            if !(1..=super::yolo::MAX_BOXES).contains(&self.max_boxes) {
+                return Err(format!("{at}.max_boxes must be 1 to {}, got {}", super::yolo::MAX_BOXES, self.max_boxes));
+            }
+        } else if self.yolo.is_some() {
+            return Err(format!("{at}.yolo is only read by post = [\"yolo_boxes\"]"));
         }
         if self.post.contains(&PostOp::SpeechSegments) && self.post.len() != 1 {
             return Err(format!("{at}.post: speech_segments takes the model's probabilities as they are, alone"));
@@ -288,6 +327,9 @@ pub fn asked<'a>(rules: impl IntoIterator<Item = &'a OutputRule>) -> Vec<Asked> 
         let takes = Takes::Steps(DataType::ALL.iter().map(|&d| (d, post_fits(&rule.post, d))).collect());
         if let Some(boxes) = &rule.boxes {
             all.push(Asked { by: by.clone(), name: boxes.clone(), takes: takes.clone() });
+        }
+        for head in rule.yolo.iter().flat_map(|y| y.heads.iter().skip(1)) {
+            all.push(Asked { by: by.clone(), name: head.output.clone(), takes: takes.clone() });
         }
         all.push(Asked { by, name: rule.name.clone(), takes });
     }
@@ -346,9 +388,11 @@ impl Outputs {
             };
             loaded.push((rule.clone(), labels));
         }
-        // The rows' outputs, then the regressions a `face_boxes` row reads, each once.
+        // The rows' outputs, then the regressions a `face_boxes` row reads and the other heads
+        // a `yolo_boxes` row reads, each once.
         let mut wanted: Vec<&str> = rules.iter().map(|r| r.name.as_str()).collect();
-        for boxes in rules.iter().filter_map(|r| r.boxes.as_deref()) {
+        let heads = rules.iter().flat_map(|r| r.yolo.iter().flat_map(|y| y.heads.iter().map(|h| h.output.as_str())));
+        for boxes in rules.iter().filter_map(|r| r.boxes.as_deref()).chain(heads) {
             if !wanted.contains(&boxes) {
                 wanted.push(boxes);
             }
@@ -382,9 +426,10 @@ impl Outputs {
         rules.iter().any(|r| r.post.contains(&PostOp::SpeechSegments))
     }
 
-    /// Whether a row reports boxes in image pixels (which needs the image's placement).
-    pub fn wants_face_boxes(rules: &[OutputRule]) -> bool {
-        rules.iter().any(|r| r.post.contains(&PostOp::FaceBoxes))
+    /// The step of a row that reports boxes in image pixels (which needs the image's
+    /// placement), if any.
+    pub fn wants_placement(rules: &[OutputRule]) -> Option<PostOp> {
+        rules.iter().flat_map(|r| r.post.iter()).copied().find(|op| matches!(op, PostOp::FaceBoxes | PostOp::YoloBoxes))
     }
 
     /// The result's `outputs` object from one call's answer; `input` is what the converter
@@ -434,6 +479,7 @@ impl Outputs {
             }
             let value = match rule.post.first() {
                 Some(PostOp::FaceBoxes) => face_boxes(rule, tensor, tensors, placement)?,
+                Some(PostOp::YoloBoxes) => yolo_boxes(rule, labels.as_deref(), tensors, placement)?,
                 _ => apply(rule, labels.as_deref(), tensor, input)?,
             };
             out.insert(rule.name.clone(), value);
@@ -491,6 +537,7 @@ fn store(
         Some(op) if op.is_terminal() => {
             let value = match op {
                 PostOp::FaceBoxes => face_boxes(rule, tensor, tensors, frame.map(|(p, _)| p))?,
+                PostOp::YoloBoxes => yolo_boxes(rule, labels, tensors, frame.map(|(p, _)| p))?,
                 _ => apply(rule, labels, tensor, input)?,
             };
             let bytes = serde_json::to_vec(&value).map_err(|e| failed(e.to_string()))?;
@@ -665,6 +712,23 @@ fn face_boxes(rule: &OutputRule, prob: &OutputTensor, tensors: &[OutputTensor], 
         ImageOptions { threshold: rule.threshold, nms_iou: rule.nms_iou, max_faces: rule.max_faces, ..ImageOptions::default() };
     let found = faces(&prob.floats()?, &prob.shape, &boxes.floats()?, placement, &options)?;
     Ok(json!({ "faces": found }))
+}
+
+/// Class-aware boxes from an anchor-grid detector's heads, in the image's pixels.
+fn yolo_boxes(rule: &OutputRule, labels: Option<&[String]>, tensors: &[OutputTensor], placement: Option<&Placement>) -> Result<Value, Failure> {
+    let internal = |message: String| Failure::new(ErrorKind::Internal, Stage::Postprocess, message);
+    let yolo = rule.yolo.as_ref().ok_or_else(|| internal(format!("output '{}': yolo_boxes without its heads", rule.name)))?;
+    let placement = placement.ok_or_else(|| internal(format!("output '{}': yolo_boxes needs an image's placement", rule.name)))?;
+    let mut found = Vec::new();
+    for head in &yolo.heads {
+        let tensor = tensors
+            .iter()
+            .find(|t| t.name == head.output)
+            .ok_or_else(|| internal(format!("the worker's answer has no output '{}'", head.output)))?;
+        found.extend(super::yolo::decode(head, &tensor.shape, &tensor.floats()?, yolo, rule.threshold).map_err(internal)?);
+    }
+    let (kept, cut) = super::yolo::suppress_per_class(&found, rule.nms_iou, rule.max_boxes);
+    Ok(super::yolo::render(&kept, cut, placement, labels))
 }
 
 /// An output value as the last steps read it: the worker's datatypes but FP16 (widened to
@@ -938,6 +1002,35 @@ mod tests {
         let sigmoid = Outputs::load(&[rule(r#"{"name": "p", "post": ["sigmoid"]}"#)], 100).expect("sigmoid");
         let s = sigmoid.render(&[tensor("p", vec![1], vec![0.0])], &Value::Null, None).expect("renders");
         assert_eq!(s["p"]["data"], json!([0.5]));
+    }
+
+    #[test]
+    fn a_yolo_row_asks_for_every_head_and_renders_boxes_in_image_pixels() {
+        let row = r#"{"name": "p5", "post": ["yolo_boxes"], "threshold": 0.25, "max_boxes": 5,
+                      "yolo": {"classes": 1, "heads": [{"output": "p5", "stride": 32, "anchors": [[32, 32]]},
+                                                       {"output": "p4", "stride": 16, "anchors": [[16, 16]]}]}}"#;
+        let outputs = Outputs::load(&[rule(row)], 100).expect("loads");
+        assert_eq!(outputs.names(), ["p5", "p4"]);
+        assert_eq!(asked([&rule(row)]).iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["p4", "p5"]);
+        // One confident cell in p5 (1 x 1 grid, logits 0 for x, y, w, h: a 32-pixel box at 16, 16);
+        // p4 (1 x 1) has nothing.
+        let p5 = tensor("p5", vec![1, 6, 1, 1], vec![0.0, 0.0, 0.0, 0.0, 5.0, 5.0]);
+        let p4 = tensor("p4", vec![1, 6, 1, 1], vec![0.0, 0.0, 0.0, 0.0, -9.0, 0.0]);
+        let placement = Placement { scale_x: 0.5, scale_y: 0.5, pad_x: 0.0, pad_y: 0.0, width: 100, height: 100 };
+        let v = outputs.render(&[p5, p4], &Value::Null, Some(&placement)).expect("renders");
+        assert_eq!(v["p5"]["boxes"].as_array().map(Vec::len), Some(1), "{v}");
+        assert_eq!((v["p5"]["boxes"][0]["x1"].as_f64(), v["p5"]["boxes"][0]["x2"].as_f64()), (Some(0.0), Some(64.0)));
+        assert_eq!(v["p5"]["cut"], false);
+        for (bad, says) in [
+            (r#"{"name": "p5", "post": ["yolo_boxes"]}"#, "outputs[0].yolo must give the heads"),
+            (r#"{"name": "p5", "post": ["sigmoid"], "yolo": {"classes": 1, "heads": [{"output": "p5", "stride": 32, "anchors": [[1, 1]]}]}}"#,
+             "yolo is only read by"),
+            (r#"{"name": "p5", "post": ["yolo_boxes"], "max_boxes": 0, "yolo": {"classes": 1, "heads": [{"output": "p5", "stride": 32, "anchors": [[1, 1]]}]}}"#,
+             "max_boxes must be 1 to 10000"),
+        ] {
+            let err = validate(&[rule(bad)], 100).expect_err(bad);
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

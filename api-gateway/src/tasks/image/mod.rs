@@ -28,7 +28,7 @@ mod cascade;
 mod convert;
 mod faces;
 mod mtcnn;
-mod nms;
+pub(crate) mod nms;
 pub mod tensor;
 #[cfg(test)]
 mod test_util;
