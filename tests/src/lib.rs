@@ -166,10 +166,19 @@ pub fn watermarks(topic: &str, partitions: i32, isolation: Isolation) -> anyhow:
         .set("bootstrap.servers", brokers())
         .set("isolation.level", isolation.name())
         .create()?;
+    // A broker just restarted may still be electing its partitions' leaders (NotLeaderForPartition,
+    // UnknownPartition): each query is tried again for up to a minute before it counts.
+    let deadline = Instant::now() + Duration::from_secs(60);
     (0..partitions)
-        .map(|p| {
-            let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10))?;
-            Ok((p, low, high))
+        .map(|p| loop {
+            match consumer.fetch_watermarks(topic, p, Duration::from_secs(10)) {
+                Ok((low, high)) => return Ok((p, low, high)),
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("watermarks of {topic} [{p}]: {e}; trying again");
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                Err(e) => return Err(e.into()),
+            }
         })
         .collect()
 }
