@@ -109,6 +109,19 @@ impl Verified {
     }
 }
 
+/// One task's line of `vramgate-cli load`'s summary.
+#[derive(Debug, Clone)]
+pub struct TaskCount {
+    pub task: String,
+    pub sent: u64,
+    pub results: u64,
+    pub dead_letters: u64,
+    pub lost: u64,
+    pub duplicates: u64,
+    /// The dead letters by kind, as JSON.
+    pub dead_by_kind: String,
+}
+
 /// What a soak counted and measured.
 pub struct Report {
     pub settings: Settings,
@@ -129,15 +142,21 @@ impl Report {
         self.summary["settled"].as_bool() == Some(true)
     }
 
-    /// Per task: (task, sent, results, dead letters, lost, duplicates).
-    pub fn tasks(&self) -> Vec<(String, u64, u64, u64, u64, u64)> {
+    /// What `vramgate-cli load` counted, per task.
+    pub fn tasks(&self) -> Vec<TaskCount> {
         let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
         self.summary["tasks"]
             .as_array()
             .into_iter()
             .flatten()
-            .map(|t| {
-                (t["task"].as_str().unwrap_or("?").to_string(), n(&t["sent"]), n(&t["results"]), n(&t["dead_letters"]), n(&t["lost"]), n(&t["duplicates"]))
+            .map(|t| TaskCount {
+                task: t["task"].as_str().unwrap_or("?").to_string(),
+                sent: n(&t["sent"]),
+                results: n(&t["results"]),
+                dead_letters: n(&t["dead_letters"]),
+                lost: n(&t["lost"]),
+                duplicates: n(&t["duplicates"]),
+                dead_by_kind: t["dead_letters_by_kind"].to_string(),
             })
             .collect()
     }
@@ -151,10 +170,11 @@ impl Report {
             self.elapsed.as_secs_f64()
         );
         out += &format!("  {:<8} {:>8} {:>8} {:>6} {:>5} {:>5}  dead letters by kind\n", "task", "sent", "results", "dead", "lost", "dups");
-        for (task, sent, results, dead, lost, dups) in self.tasks() {
-            let by_kind = self.summary["tasks"].as_array().into_iter().flatten().find(|t| t["task"] == task.as_str());
-            let by_kind = by_kind.map(|t| t["dead_letters_by_kind"].to_string()).unwrap_or_default();
-            out += &format!("  {task:<8} {sent:>8} {results:>8} {dead:>6} {lost:>5} {dups:>5}  {by_kind}\n");
+        for t in self.tasks() {
+            out += &format!(
+                "  {:<8} {:>8} {:>8} {:>6} {:>5} {:>5}  {}\n",
+                t.task, t.sent, t.results, t.dead_letters, t.lost, t.duplicates, t.dead_by_kind
+            );
         }
         out += &format!(
             "  read {}; {}\n",

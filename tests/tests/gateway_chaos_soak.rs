@@ -16,11 +16,11 @@ async fn three_minutes_of_faults_lose_and_double_nothing() {
     assert!(report.faults.len() >= 3, "too few faults to mean anything:\n{text}");
     let tasks = report.tasks();
     assert_eq!(tasks.len(), 2, "voice and image both counted:\n{text}");
-    for (task, sent, results, dead, lost, duplicates) in tasks {
-        assert!(sent > 0 && results > 0, "{task}: nothing sent or nothing came out:\n{text}");
+    for t in tasks {
+        assert!(t.sent > 0 && t.results > 0, "{}: nothing sent or nothing came out:\n{text}", t.task);
         // The hostile 5% are dead letters; valid events are results.
-        assert!(dead > 0, "{task}: the missing inputs made no dead letters:\n{text}");
-        assert_eq!(lost, 0, "{task}: events lost:\n{text}");
-        assert_eq!(duplicates, 0, "{task}: outputs doubled for read_committed:\n{text}");
+        assert!(t.dead_letters > 0, "{}: the missing inputs made no dead letters:\n{text}", t.task);
+        assert_eq!(t.lost, 0, "{}: events lost:\n{text}", t.task);
+        assert_eq!(t.duplicates, 0, "{}: outputs doubled for read_committed:\n{text}", t.task);
     }
 }
