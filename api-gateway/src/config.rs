@@ -172,7 +172,18 @@ impl GatewayConfig {
                 Converter::Tensor => task.tensor.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
                 Converter::Wav => {}
             }
-            if task.configured_outputs() {
+            if !task.stages.is_empty() {
+                if task.converter != Converter::Image {
+                    return Err(format!("tasks.{name}.stages are for converter \"image\", not \"{}\"", task.converter.as_str()));
+                }
+                if !task.outputs.is_empty() {
+                    return Err(format!("tasks.{name}: a task with stages gives their rows (stages.outputs), not its own outputs"));
+                }
+                if task.model_version.is_some() {
+                    return Err(format!("tasks.{name}.model_version pins the task's model; a task with stages runs the newest version of each stage's model"));
+                }
+                crate::tasks::stages::validate(&task.stages, task.max_output_elements).map_err(|e| format!("tasks.{name}.{e}"))?;
+            } else if task.configured_outputs() {
                 crate::tasks::outputs::validate(&task.outputs, task.max_output_elements)
                     .map_err(|e| format!("tasks.{name}.{e}"))?;
                 let whole_audio =
@@ -841,6 +852,9 @@ pub struct TaskConfig {
     pub outputs: Vec<OutputRule>,
     /// A model output with more values is a dead letter (`output_rejected`).
     pub max_output_elements: usize,
+    /// A pipeline (`image` converter only): stages, each a model with its own input and rows,
+    /// instead of `model`, `image` and `outputs` (`crate::tasks::stages`).
+    pub stages: Vec<crate::tasks::stages::StageConfig>,
 }
 
 impl Default for TaskConfig {
@@ -869,6 +883,7 @@ impl Default for TaskConfig {
             tensor: TensorOptions::default(),
             outputs: Vec::new(),
             max_output_elements: crate::tasks::outputs::DEFAULT_MAX_OUTPUT_ELEMENTS,
+            stages: Vec::new(),
         }
     }
 }
@@ -882,6 +897,11 @@ impl TaskConfig {
             Converter::Image => self.image.mode == crate::tasks::image::ImageMode::Tensor,
             Converter::Wav => false,
         }
+    }
+
+    /// Every `[[outputs]]` row of the task: its own, or its stages'.
+    pub fn output_rules(&self) -> impl Iterator<Item = &OutputRule> {
+        self.outputs.iter().chain(self.stages.iter().flat_map(|s| s.outputs.iter()))
     }
 
     pub fn requests_topic(&self, name: &str) -> String {

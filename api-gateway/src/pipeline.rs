@@ -131,7 +131,7 @@ pub async fn run(
         "the kafka consumer",
     )?;
     // A client per bucket: those events may name, and those [[outputs]] rows store to.
-    let store_buckets = config.enabled_tasks().flat_map(|(_, task)| crate::tasks::outputs::Outputs::store_buckets(&task.outputs)).collect::<Vec<_>>();
+    let store_buckets = config.enabled_tasks().flat_map(|(_, task)| task.output_rules().filter_map(|rule| rule.store.as_ref().map(|t| t.bucket.clone()))).collect::<Vec<_>>();
     let buckets = Arc::new(Buckets::new(&config.s3, store_buckets)?);
     let input = InputSource::new(&config.input.file_root, config.input.max_input_bytes, config.input.read_timeout())
         .with_context(|| format!("input root {}", config.input.file_root.display()))?

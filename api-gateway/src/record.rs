@@ -553,9 +553,11 @@ async fn convert_and_call(
     let output = loop {
         let Converted { calls, finish } = converted;
         // One encoded body per call, which every attempt re-sends; the tensors are gone after.
-        let bodies: Vec<(usize, InferCall)> =
-            calls.into_iter().map(|c| (c.stage, InferCall::new(&id, &c.inputs, c.outputs, stage_protocol(task, c.stage)))).collect();
-        let holding = record_bytes + finish.held_bytes() + bodies.iter().map(|(_, b)| b.body_len() as u64).sum::<u64>();
+        let bodies: Vec<StageCall> = calls
+            .into_iter()
+            .map(|c| StageCall { stage: c.stage, name: c.name, body: InferCall::new(&id, &c.inputs, c.outputs, stage_protocol(task, c.stage)) })
+            .collect();
+        let holding = record_bytes + finish.held_bytes() + bodies.iter().map(|c| c.body.body_len() as u64).sum::<u64>();
         if holding > held.bytes() {
             held.grow(holding - held.bytes()).await;
         } else {
@@ -625,33 +627,62 @@ async fn convert_and_call(
     })
 }
 
-/// Makes one step's calls together and waits for all of them; the first that fails for good
-/// fails the record (the others are dropped, which cancels them). With more than one model in
-/// the task, the step is a `stage` span and a failure names the stage and its model.
 /// The door the workers of `stage` are called through.
 fn stage_protocol(task: &Task, stage: usize) -> crate::call::client::Protocol {
     task.stages.get(stage).map_or_else(Default::default, |set| set.protocol())
 }
 
+/// One call of a step: which of the task's models, the pipeline stage's name if any, the body.
+struct StageCall {
+    stage: usize,
+    name: Option<&'static str>,
+    body: InferCall,
+}
+
+/// Makes one step's calls together and waits for all of them; the first that fails for good
+/// fails the record (the others are dropped, which cancels them). With more than one model in
+/// the task, or a pipeline's named stages, each stage's calls of the step are a `stage` span
+/// and a failure names the stage and its model. The answers come in the calls' order.
 async fn call_stage(
     task: &Task,
-    bodies: &[(usize, InferCall)],
+    calls: &[StageCall],
     metrics: &Metrics,
     chain_started: Instant,
 ) -> Result<Vec<call::WorkerCall>, Failure> {
-    let Some(&(stage, _)) = bodies.first() else { return Ok(Vec::new()) };
-    let calls = futures::future::try_join_all(
-        bodies.iter().map(|(stage, body)| call::call_worker(task, *stage, body, metrics, chain_started)),
-    );
-    if task.stages.len() == 1 {
-        return calls.await;
+    fn one<'a>(task: &'a Task, c: &'a StageCall, metrics: &'a Metrics, started: Instant) -> impl std::future::Future<Output = Result<call::WorkerCall, Failure>> + 'a {
+        call::call_worker(task, c.stage, &c.body, metrics, started)
     }
-    let model = task.stages.get(stage).map(|s| s.model.as_str()).unwrap_or("?");
-    let span = tracing::info_span!("stage", stage = stage + 1, model, calls = bodies.len());
-    calls.instrument(span).await.map_err(|mut failure| {
-        failure.message = format!("stage {} of {} ({model}): {}", stage + 1, task.stages.len(), failure.message);
-        failure
-    })
+    if task.stages.len() == 1 && calls.iter().all(|c| c.name.is_none()) {
+        return futures::future::try_join_all(calls.iter().map(|c| one(task, c, metrics, chain_started))).await;
+    }
+    // The calls by stage, in the order each stage first appears.
+    let mut groups: Vec<(usize, Option<&'static str>, Vec<usize>)> = Vec::new();
+    for (i, c) in calls.iter().enumerate() {
+        match groups.iter_mut().find(|(stage, name, _)| *stage == c.stage && *name == c.name) {
+            Some((_, _, members)) => members.push(i),
+            None => groups.push((c.stage, c.name, vec![i])),
+        }
+    }
+    let stages = task.stages.len();
+    let answered = futures::future::try_join_all(groups.into_iter().map(|(stage, name, members)| {
+        let model = task.stages.get(stage).map(|s| s.model.as_str()).unwrap_or("?");
+        let span = tracing::info_span!("stage", stage = stage + 1, name = name.unwrap_or(""), model, calls = members.len());
+        let label = name.map_or_else(|| format!("{} of {stages}", stage + 1), str::to_string);
+        let made = futures::future::try_join_all(members.iter().map(|&i| one(task, &calls[i], metrics, chain_started)));
+        async move {
+            let answers = made.instrument(span).await.map_err(|mut failure| {
+                failure.message = format!("stage {label} ({model}): {}", failure.message);
+                failure
+            })?;
+            Ok::<_, Failure>(members.into_iter().zip(answers).collect::<Vec<_>>())
+        }
+    }))
+    .await?;
+    let mut ordered: Vec<Option<call::WorkerCall>> = (0..calls.len()).map(|_| None).collect();
+    for (i, answer) in answered.into_iter().flatten() {
+        ordered[i] = Some(answer);
+    }
+    Ok(ordered.into_iter().flatten().collect())
 }
 
 /// Longest event id accepted. Ids travel into every output record, log line and span; a

@@ -15,6 +15,7 @@ use crate::tasks::audio::AudioInput;
 use crate::tasks::image::ImageTask;
 use crate::tasks::image_model::ImageInput;
 use crate::tasks::outputs::{ConfiguredTask, Outputs};
+use crate::tasks::stages::Pipeline;
 use crate::tasks::tensor::TensorInput;
 use crate::tasks::voice::VoiceTask;
 use crate::tasks::Converter;
@@ -98,7 +99,8 @@ impl Task {
         // `<task>/<model>`, so that its permits and workers show apart.
         let later = converter.stage_models();
         let labels = std::iter::once(name.to_string()).chain(later.iter().map(|m| format!("{name}/{m}")));
-        let models = std::iter::once(config.model.clone()).chain(later.iter().cloned());
+        let first = converter.first_model().unwrap_or_else(|| config.model.clone());
+        let models = std::iter::once(first).chain(later.iter().cloned());
         let mut stages = Vec::new();
         for (stage, (label, model)) in labels.zip(models).enumerate() {
             let pin = if stage == 0 { config.model_version } else { None };
@@ -170,6 +172,9 @@ fn converter(config: &TaskConfig) -> Result<Box<dyn Converter>, String> {
         true => Some(Outputs::load(&config.outputs, config.max_output_elements)?),
         false => None,
     };
+    if !config.stages.is_empty() {
+        return Ok(Box::new(Pipeline::new(&config.stages, config.max_output_elements)?));
+    }
     Ok(match (config.converter, outputs) {
         (config::Converter::Wav, _) => Box::new(VoiceTask::new(config.wav.clone())),
         (config::Converter::Image, Some(outputs)) => Box::new(ConfiguredTask::new(ImageInput { options: config.image.clone() }, outputs)),

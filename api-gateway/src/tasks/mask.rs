@@ -79,21 +79,79 @@ pub fn render(map: &Map, shape: &[usize], frame: Option<(&Placement, (u32, u32))
             (iw, ih, pixels)
         }
     };
+    let png = encode(width, height, &pixels, matches!(map, Map::Labels(_)))?;
+    Ok((png, width, height))
+}
+
+/// An 8-bit PNG: greyscale, or palette indices with VOC's colours.
+fn encode(width: u32, height: u32, pixels: &[u8], palette_image: bool) -> Result<Vec<u8>, String> {
     let mut png = Vec::new();
     {
         let mut encoder = png::Encoder::new(&mut png, width, height);
         encoder.set_depth(png::BitDepth::Eight);
-        match map {
-            Map::Binary(_) => encoder.set_color(png::ColorType::Grayscale),
-            Map::Labels(_) => {
-                encoder.set_color(png::ColorType::Indexed);
-                encoder.set_palette(palette());
-            }
+        if palette_image {
+            encoder.set_color(png::ColorType::Indexed);
+            encoder.set_palette(palette());
+        } else {
+            encoder.set_color(png::ColorType::Grayscale);
         }
         let mut writer = encoder.write_header().map_err(|e| format!("writing the PNG: {e}"))?;
-        writer.write_image_data(&pixels).map_err(|e| format!("writing the PNG: {e}"))?;
+        writer.write_image_data(pixels).map_err(|e| format!("writing the PNG: {e}"))?;
     }
-    Ok((png, width, height))
+    Ok(png)
+}
+
+/// A picture-sized mask that crops' maps are pasted into (a pipeline's map stage): each crop's
+/// map covers its own rectangle of the picture, through that crop's placement (`model =
+/// picture · scale + pad`); a pixel is foreground when any crop says so, and a class label
+/// is the last nonzero one pasted over it.
+pub struct Canvas {
+    width: u32,
+    height: u32,
+    pixels: Vec<u8>,
+    labels: bool,
+}
+
+impl Canvas {
+    /// An empty (background) mask of the picture's size.
+    pub fn new(width: u32, height: u32) -> Self {
+        Canvas { width, height, pixels: vec![0; width as usize * height as usize], labels: false }
+    }
+
+    /// Pastes `map` (of `shape`, covering a `model_w × model_h` model input) over the picture
+    /// rectangle `rect` (`[x0, y0, x1, y1)`, in pixels) it was cropped from.
+    pub fn paste(&mut self, map: &Map, shape: &[usize], placement: &Placement, (model_w, model_h): (u32, u32), rect: [u32; 4]) -> Result<(), String> {
+        let (h, w) = map_size(shape)?;
+        if map.len() != h * w {
+            return Err(format!("a map of shape {shape:?} with {} values", map.len()));
+        }
+        self.labels |= matches!(map, Map::Labels(_));
+        let (to_u, to_v) = (w as f64 / f64::from(model_w.max(1)), h as f64 / f64::from(model_h.max(1)));
+        let cell = |i: u32, scale: f32, pad: f32, to: f64, n: usize| {
+            let m = (f64::from(i) + 0.5) * f64::from(scale) + f64::from(pad);
+            let c = (m * to).floor();
+            (c >= 0.0 && c < n as f64).then_some(c as usize)
+        };
+        let [x0, y0, x1, y1] = [rect[0].min(self.width), rect[1].min(self.height), rect[2].min(self.width), rect[3].min(self.height)];
+        let columns: Vec<Option<usize>> = (x0..x1).map(|x| cell(x, placement.scale_x, placement.pad_x, to_u, w)).collect();
+        for y in y0..y1 {
+            let Some(v) = cell(y, placement.scale_y, placement.pad_y, to_v, h) else { continue };
+            let row = &mut self.pixels[y as usize * self.width as usize..][..self.width as usize];
+            for (x, u) in (x0..x1).zip(&columns) {
+                let Some(u) = u else { continue };
+                let value = map.at(v * w + u);
+                if value != 0 {
+                    row[x as usize] = value;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The mask as a PNG, with its width and height.
+    pub fn png(&self) -> Result<(Vec<u8>, u32, u32), String> {
+        Ok((encode(self.width, self.height, &self.pixels, self.labels)?, self.width, self.height))
+    }
 }
 
 /// PASCAL VOC's 256 colours: label `i`'s bits spread over the high bits of R, G and B.
@@ -164,5 +222,20 @@ mod tests {
         for bad in [vec![2, 2, 2], vec![4], vec![0, 3]] {
             assert!(render(&Map::Binary(vec![false; 8]), &bad, None).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn crops_paste_into_their_rectangles_of_one_mask() {
+        // A 6x2 picture; a crop of its columns 1..3 stretched to a 4x2 model input (scale 2),
+        // and one of columns 4..6 at its own size.
+        let mut canvas = Canvas::new(6, 2);
+        let left = Placement { scale_x: 2.0, scale_y: 1.0, pad_x: -2.0, pad_y: 0.0, width: 6, height: 2 };
+        canvas.paste(&Map::Binary(vec![true, true, false, false, false, false, true, true]), &[2, 4], &left, (4, 2), [1, 0, 3, 2]).expect("pastes");
+        let right = Placement { scale_x: 1.0, scale_y: 1.0, pad_x: -4.0, pad_y: 0.0, width: 6, height: 2 };
+        canvas.paste(&Map::Binary(vec![false, true, false, false]), &[1, 2, 2], &right, (2, 2), [4, 0, 6, 2]).expect("pastes");
+        let (png, w, h) = canvas.png().expect("encodes");
+        assert_eq!((w, h), (6, 2));
+        assert_eq!(decode(&png).1, vec![0, 255, 0, 0, 0, 255, 0, 0, 255, 0, 0, 0]);
+        assert!(canvas.paste(&Map::Binary(vec![true; 3]), &[2, 2], &left, (4, 2), [0, 0, 1, 1]).is_err());
     }
 }

@@ -21,6 +21,7 @@ pub mod image_model;
 pub mod mask;
 pub mod npy;
 pub mod outputs;
+pub mod stages;
 pub mod tensor;
 pub mod voice;
 pub mod yolo;
@@ -41,6 +42,12 @@ pub trait Converter: Send + Sync {
     /// this list's `i - 1`th. Each gets its own workers and GPU permits.
     fn stage_models(&self) -> Vec<String> {
         Vec::new()
+    }
+
+    /// Stage 0's model when the converter names it (a pipeline's first stage); `None`: the
+    /// task row's `model`.
+    fn first_model(&self) -> Option<String> {
+        None
     }
 
     /// What it sends each of its models and asks of them, by stage (as
@@ -75,7 +82,7 @@ impl Converted {
 
     /// One call to the task's own model (stage 0), of its `inputs`, in the model's order.
     pub fn call(inputs: Vec<Tensor>, outputs: &'static [&'static str], finish: Box<dyn Finish>) -> Self {
-        Converted { calls: vec![ModelCall { stage: 0, inputs, outputs }], finish }
+        Converted { calls: vec![ModelCall { stage: 0, inputs, outputs, name: None }], finish }
     }
 }
 
@@ -87,6 +94,8 @@ pub struct ModelCall {
     pub inputs: Vec<Tensor>,
     /// The model outputs to ask for, in the order [`Finish::output`] reads them.
     pub outputs: &'static [&'static str],
+    /// A pipeline stage's name (its span's and its failures'); `None`: by its number.
+    pub name: Option<&'static str>,
 }
 
 /// What a request needs, after the worker answered, to go on: to its result's `output`, or to

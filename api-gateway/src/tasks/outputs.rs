@@ -74,6 +74,8 @@ pub const MAX_LABEL_BYTES: usize = 256;
 /// Default and largest `max_output_elements`.
 pub const DEFAULT_MAX_OUTPUT_ELEMENTS: usize = 65_536;
 pub const MAX_OUTPUT_ELEMENTS: usize = 4_194_304;
+/// Most labels a `yolo_boxes` row's `keep` names.
+pub const MAX_KEEP: usize = 1000;
 
 /// One post-processing step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -200,6 +202,10 @@ pub struct OutputRule {
     /// were found).
     #[serde(default = "default_max_faces")]
     pub max_boxes: usize,
+    /// For `yolo_boxes`: only boxes of these labels (of the row's `labels` file), e.g.
+    /// `["person"]`; empty: every class. At most [`MAX_KEEP`].
+    #[serde(default)]
+    pub keep: Vec<String>,
     /// `s3://bucket/prefix/`: the output is written to `<prefix><task>/<id>/<name>.<ext>`
     /// (`.npy` for values, `.png` for `mask_png`, `.json` for what `argmax`, `top_k`,
     /// `threshold`, `speech_segments` or `face_boxes` give) before the result is produced, and
@@ -282,8 +288,16 @@ impl OutputRule {
             if !(1..=super::yolo::MAX_BOXES).contains(&self.max_boxes) {
                 return Err(format!("{at}.max_boxes must be 1 to {}, got {}", super::yolo::MAX_BOXES, self.max_boxes));
             }
+            if self.keep.len() > MAX_KEEP {
+                return Err(format!("{at}.keep names {} labels; at most {MAX_KEEP}", self.keep.len()));
+            }
+            if !self.keep.is_empty() && self.labels.is_none() {
+                return Err(format!("{at}.keep names labels: set {at}.labels to the file that names the classes"));
+            }
         } else if self.yolo.is_some() {
             return Err(format!("{at}.yolo is only read by post = [\"yolo_boxes\"]"));
+        } else if !self.keep.is_empty() {
+            return Err(format!("{at}.keep is only read by post = [\"yolo_boxes\"]"));
         }
         if self.post.contains(&PostOp::SpeechSegments) && self.post.len() != 1 {
             return Err(format!("{at}.post: speech_segments takes the model's probabilities as they are, alone"));
@@ -386,6 +400,10 @@ impl Outputs {
                 Some(path) => Some(read_labels(path).map_err(|e| format!("outputs[{i}].labels: {e}"))?),
                 None => None,
             };
+            let missing = labels.as_ref().and_then(|names| rule.keep.iter().find(|k| !names.contains(k)));
+            if let Some(missing) = missing {
+                return Err(format!("outputs[{i}].keep: '{}' is not a label of {}", cut(missing, MAX_LABEL_BYTES), rule.labels.as_ref().map(|p| p.display().to_string()).unwrap_or_default()));
+            }
             loaded.push((rule.clone(), labels));
         }
         // The rows' outputs, then the regressions a `face_boxes` row reads and the other heads
@@ -557,6 +575,12 @@ fn store(
 
 /// A row's map as a PNG ([`mask`]), with its width and height.
 fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement, (u32, u32))>) -> Result<(Vec<u8>, u32, u32), String> {
+    mask::render(&mask_map(rule, &tensor.data, &tensor.shape)?, &tensor.shape, frame)
+}
+
+/// A `mask_png` row's map of `data` (of `shape`): probabilities through the row's transforms
+/// thresholded to yes/no, BOOL as it is, integers as class labels.
+pub fn mask_map(rule: &OutputRule, data: &TensorData, shape: &[usize]) -> Result<mask::Map, String> {
     let labels = |values: Vec<i64>| -> Result<mask::Map, String> {
         values
             .into_iter()
@@ -564,9 +588,10 @@ fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement,
             .collect::<Result<Vec<u8>, String>>()
             .map(mask::Map::Labels)
     };
-    let map = match &tensor.data {
-        TensorData::Fp32(_) | TensorData::Fp16(_) => {
-            let values = transformed(rule, &tensor.shape, tensor.floats().map_err(|f| f.message)?.into_owned());
+    Ok(match data {
+        TensorData::Fp32(v) => mask::Map::Binary(transformed(rule, shape, v.clone()).iter().map(|&v| v >= rule.threshold).collect()),
+        TensorData::Fp16(v) => {
+            let values = transformed(rule, shape, v.iter().map(|x| x.to_f32()).collect());
             mask::Map::Binary(values.iter().map(|&v| v >= rule.threshold).collect())
         }
         TensorData::Bool(v) => mask::Map::Binary(v.clone()),
@@ -574,8 +599,7 @@ fn mask_png(rule: &OutputRule, tensor: &OutputTensor, frame: Option<(&Placement,
         TensorData::Int32(v) => labels(v.iter().map(|&x| i64::from(x)).collect())?,
         TensorData::Int64(v) => labels(v.clone())?,
         other => return Err(format!("mask_png does not read {}", other.datatype().as_str())),
-    };
-    mask::render(&map, &tensor.shape, frame)
+    })
 }
 
 /// The values through the row's `softmax` / `sigmoid` steps (softmax along the last
@@ -726,6 +750,12 @@ fn yolo_boxes(rule: &OutputRule, labels: Option<&[String]>, tensors: &[OutputTen
             .find(|t| t.name == head.output)
             .ok_or_else(|| internal(format!("the worker's answer has no output '{}'", head.output)))?;
         found.extend(super::yolo::decode(head, &tensor.shape, &tensor.floats()?, yolo, rule.threshold).map_err(internal)?);
+    }
+    if !rule.keep.is_empty() {
+        // Per-class suppression does not mix classes, so leaving the others out first keeps
+        // exactly the boxes of these classes that suppressing them all would have kept.
+        let labels = labels.unwrap_or_default();
+        found.retain(|f| labels.get(f.class).is_some_and(|l| rule.keep.contains(l)));
     }
     let (kept, cut) = super::yolo::suppress_per_class(&found, rule.nms_iou, rule.max_boxes);
     Ok(super::yolo::render(&kept, cut, placement, labels))
@@ -1031,6 +1061,38 @@ mod tests {
             let err = validate(&[rule(bad)], 100).expect_err(bad);
             assert!(err.contains(says), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn a_yolo_row_keeps_only_the_labels_it_names() {
+        let dir = std::env::temp_dir().join(format!("vramgate-keep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let labels = dir.join("labels.txt");
+        std::fs::write(&labels, "person\ncat\n").expect("labels");
+        let row = |keep: &str| {
+            rule(&format!(
+                r#"{{"name": "p5", "post": ["yolo_boxes"], "threshold": 0.25, "labels": {labels:?}, "keep": {keep},
+                    "yolo": {{"classes": 2, "heads": [{{"output": "p5", "stride": 32, "anchors": [[32, 32], [64, 64]]}}]}}}}"#
+            ))
+        };
+        // Two confident anchors in one cell: a cat (anchor 0) and a person (anchor 1).
+        let mut values = vec![0.0; 14];
+        (values[4], values[6]) = (5.0, 5.0); // anchor 0: objectness, class 1 (cat)
+        (values[11], values[12]) = (5.0, 5.0); // anchor 1: objectness, class 0 (person)
+        let p5 = tensor("p5", vec![1, 14, 1, 1], values);
+        let placement = Placement { scale_x: 1.0, scale_y: 1.0, pad_x: 0.0, pad_y: 0.0, width: 100, height: 100 };
+        let all = Outputs::load(&[row("[]")], 100).expect("loads");
+        let v = all.render(std::slice::from_ref(&p5), &Value::Null, Some(&placement)).expect("renders");
+        assert_eq!(v["p5"]["boxes"].as_array().map(Vec::len), Some(2), "{v}");
+        let people = Outputs::load(&[row(r#"["person"]"#)], 100).expect("loads");
+        let v = people.render(std::slice::from_ref(&p5), &Value::Null, Some(&placement)).expect("renders");
+        let boxes = v["p5"]["boxes"].as_array().expect("boxes");
+        assert_eq!((boxes.len(), boxes[0]["label"].clone()), (1, json!("person")), "{v}");
+        let unknown = Outputs::load(&[row(r#"["dog"]"#)], 100).expect_err("not a label");
+        assert!(unknown.contains("keep: 'dog' is not a label"), "{unknown}");
+        let no_labels = r#"{"name": "p5", "post": ["yolo_boxes"], "keep": ["person"], "yolo": {"classes": 1, "heads": [{"output": "p5", "stride": 32, "anchors": [[1, 1]]}]}}"#;
+        assert!(validate(&[rule(no_labels)], 100).expect_err("needs labels").contains("set outputs[0].labels"));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -69,7 +69,7 @@ impl Plan for CascadePlan {
                 let mut data = Vec::with_capacity(3 * w * h);
                 mtcnn::resample(&image, Crop::whole(&image), w, h, &mut data);
                 let tensor = Tensor { name: MODEL_INPUT.into(), shape: vec![1, 3, h, w], data: TensorData::Fp32(data) };
-                ModelCall { stage: 0, inputs: vec![tensor], outputs: &[PROB_OUTPUT, BOX_OUTPUT] }
+                ModelCall { stage: 0, inputs: vec![tensor], outputs: &[PROB_OUTPUT, BOX_OUTPUT], name: None }
             })
             .collect();
         let finish = Pyramid { image: Photo { image, format }, scales, options: self.options.clone() };
@@ -204,7 +204,7 @@ fn next_stage(image: Photo, candidates: Vec<Candidate>, next: Next, options: Ima
             }
             let tensor =
                 Tensor { name: MODEL_INPUT.into(), shape: vec![chunk.len(), 3, side, side], data: TensorData::Fp32(data) };
-            ModelCall { stage: next.stage(), inputs: vec![tensor], outputs }
+            ModelCall { stage: next.stage(), inputs: vec![tensor], outputs, name: None }
         })
         .collect();
     let finish = Candidates { image, candidates, next, options };

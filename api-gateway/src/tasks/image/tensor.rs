@@ -184,8 +184,18 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_js
     validate(options).map_err(|e| Failure::new(ErrorKind::Internal, Stage::Convert, format!("image options are invalid: {e}")))?;
     let (rgb, format) = decode_rgb(bytes, options.max_pixels)?;
     let (width, height) = rgb.dimensions();
-    let fitted = fit(&rgb, options);
+    let (data, placement) = values(&rgb, options);
     drop(rgb);
+    let input = json!({ "format": format, "width": width, "height": height });
+    Ok((Tensor { name: options.input.clone(), shape: shape(options), data }, input, placement))
+}
+
+/// One decoded picture (or a crop of one) as the model input's values, without the batch
+/// dimension's bookkeeping (`[3, h, w]` or `[h, w, 3]` worth), and where it sits in the model
+/// input.
+pub fn values(rgb: &RgbImage, options: &ImageOptions) -> (TensorData, Placement) {
+    let (width, height) = rgb.dimensions();
+    let fitted = fit(rgb, options);
     let (w, h) = (options.width as usize, options.height as usize);
     let order: [usize; 3] = match options.channel_order {
         ChannelOrder::Rgb => [0, 1, 2],
@@ -215,9 +225,7 @@ pub fn convert(bytes: &[u8], options: &ImageOptions) -> Result<(Tensor, serde_js
         DataType::Fp16 => TensorData::Fp16((0..n).map(|k| F16::from_f64(f64::from(value(k))).unwrap_or_default()).collect()),
         _ => TensorData::Fp32((0..n).map(value).collect()),
     };
-    let shape = shape(options);
-    let input = json!({ "format": format, "width": width, "height": height });
-    Ok((Tensor { name: options.input.clone(), shape, data }, input, placement(width, height, options)))
+    (data, placement(width, height, options))
 }
 
 /// The model input's shape: `[1, 3, h, w]` or `[1, h, w, 3]`, without the leading 1 for a
