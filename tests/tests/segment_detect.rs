@@ -18,6 +18,8 @@
 //!   same class, score within 0.02), none extra on either side; and the gateway's own
 //!   `yolo_boxes` step on the same pictures giving OpenCV's boxes in order, class, label and
 //!   place; with `max_boxes = 1` the better of two boxes and `cut: true`.
+//! - Both in one pipeline, config/products.toml (seed 004's product segmentor) against
+//!   `scripts/reference_pipeline.py`, which computes the same steps with onnxruntime and OpenCV.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -32,6 +34,7 @@ use vramgate_tests::{
 /// This file's S3 ports, one per test (object_storage.rs has 18_433 to 18_453).
 const SEGMENT_PORT: u16 = 18_463;
 const DETECT_PORT: u16 = 18_473;
+const PRODUCTS_PORT: u16 = 18_483;
 /// Photographs with public-domain or CC0 terms (tests/photos.md): a person, a cat, a cup, a
 /// rocket on its pad, and a greyscale one.
 const PHOTOS: [&str; 5] = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png"];
@@ -67,21 +70,28 @@ fn stored_output(name: &str, output: &str, dir: &str, more: &str) -> String {
     format!("[[tasks.{name}.outputs]]\nname = \"{output}\"\n{more}store = \"s3://outputs/{dir}/\"\n\n")
 }
 
-/// An object server on `port`, a worker serving `model` from a repository under `root` (the
-/// folder as docs/models.md has a user write it: the exported file and its config.toml), and
-/// a gateway running `tasks` against both.
-async fn serve(root: &Path, port: u16, model: &str, tasks: &str) -> (ObjectServer, Worker, Gateway) {
+/// An object server on `port` and a worker serving `models` from a repository under `root`
+/// (the folder as docs/models.md has a user write it: each exported file and its config.toml).
+async fn serve_models(root: &Path, port: u16, models: &[&str]) -> (ObjectServer, Worker) {
     let server = ObjectServer::start(port).expect("the object store starts (scripts/object-store)");
-    let folder = root.join("repository").join(model);
-    std::fs::create_dir_all(&folder).expect("model folder");
-    let exported = repo_root().join("models/repository").join(model);
-    assert!(exported.join("model.pt").is_file(), "{} missing: run scripts/setup", exported.join("model.pt").display());
-    for file in ["model.pt", "config.toml"] {
-        std::fs::copy(exported.join(file), folder.join(file)).expect("copying the model");
+    for model in models {
+        let folder = root.join("repository").join(model);
+        std::fs::create_dir_all(&folder).expect("model folder");
+        let exported = repo_root().join("models/repository").join(model);
+        assert!(exported.join("model.pt").is_file(), "{} missing: run scripts/setup", exported.join("model.pt").display());
+        for file in ["model.pt", "config.toml"] {
+            std::fs::copy(exported.join(file), folder.join(file)).expect("copying the model");
+        }
     }
     let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", root.join("repository").display()), &[]))
         .await
         .expect("the worker loads the repository");
+    (server, worker)
+}
+
+/// [`serve_models`] with `model`, and a gateway running `tasks` against both.
+async fn serve(root: &Path, port: u16, model: &str, tasks: &str) -> (ObjectServer, Worker, Gateway) {
+    let (server, worker) = serve_models(root, port, &[model]).await;
     let config = root.join("gateway.toml");
     std::fs::write(
         &config,
@@ -271,4 +281,108 @@ fn iou(a: [f64; 4], b: [f64; 4]) -> f64 {
     let inter = (a[2].min(b[2]) - a[0].max(b[0])).max(0.0) * (a[3].min(b[3]) - a[1].max(b[1])).max(0.0);
     let union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter;
     if union > 0.0 { inter / union } else { 0.0 }
+}
+
+/// Seed 004's product segmentor, config/products.toml as it ships (its brokers, worker, object
+/// store, input root, group and topics given by the environment, as a deployment gives them),
+/// on six photographs, one of six people (JPEGs sent as PNGs of PIL's decode, so that both sides
+/// see the same pixels): per picture the foreground mask and the people mask
+/// (every person box cropped, segmented and pasted back) stored as PNGs, equal (IoU >= 0.99) to
+/// what scripts/reference_pipeline.py computes with onnxruntime and OpenCV by the same steps;
+/// the person boxes one for one with OpenCV's (score within 0.02). A picture without people
+/// has an empty people list and an empty people mask. The same file with room for three boxes
+/// (a second task, `few`) keeps the three best people of six and says the list was cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onnxruntime_and_opencv() {
+    let root = scratch_dir("products");
+    let (server, worker) = serve_models(&root, PRODUCTS_PORT, &["u2netp", "yolov4_tiny"]).await;
+    let (products, few) =
+        (TaskTopics::create(&unique("products"), 1).await.expect("topics"), TaskTopics::create(&unique("few"), 1).await.expect("topics"));
+    // The shipped file, and after it the same task as `few`, cut to three boxes.
+    let shipped = std::fs::read_to_string(repo_root().join("config/products.toml")).expect("config/products.toml");
+    let task = &shipped[shipped.find("[tasks.products]").expect("the products task")..];
+    let few_task = task.replace("tasks.products", "tasks.few").replace("max_boxes = 10", "max_boxes = 3");
+    assert_ne!(few_task, task.replace("tasks.products", "tasks.few"), "config/products.toml has no max_boxes = 10 to lower");
+    let config = root.join("products.toml");
+    std::fs::write(&config, format!("{shipped}\n{few_task}")).expect("products.toml");
+    let mut overrides: Vec<(&str, String)> = server.gateway_keys().to_vec();
+    overrides.extend([
+        ("KAFKA__GROUP_ID", unique("products-gw")),
+        ("WORKER__URL", worker.url.clone()),
+        ("INPUT__FILE_ROOT", root.display().to_string()),
+        ("S3__ENDPOINT", server.endpoint()),
+        ("TASKS__PRODUCTS__REQUESTS_TOPIC", products.requests.clone()),
+        ("TASKS__PRODUCTS__RESULTS_TOPIC", products.results.clone()),
+        ("TASKS__PRODUCTS__DLQ_TOPIC", products.dlq.clone()),
+        ("TASKS__FEW__REQUESTS_TOPIC", few.requests.clone()),
+        ("TASKS__FEW__RESULTS_TOPIC", few.results.clone()),
+        ("TASKS__FEW__DLQ_TOPIC", few.dlq.clone()),
+    ]);
+    let gateway = start_gateway_config_with(&config, &overrides, &[]).await.expect("the gateway starts on config/products.toml");
+
+    let producer = producer();
+    let mut sent: Vec<(String, &str, PathBuf)> = Vec::new(); // (id, task, picture)
+    for name in PHOTOS.iter().copied().chain(["t1.jpg"]) {
+        // JPEGs as the PNG of PIL's decode: both sides then see the same pixels.
+        let picture = root.join(format!("{name}.png"));
+        reference("reference_pipeline.py", &[std::ffi::OsStr::new("png"), photo(name).as_os_str(), picture.as_os_str()]);
+        let id = unique(&format!("products-{}", name.replace('.', "-")));
+        send(&producer, &products.requests, &id, &request_file(&id, "products", &picture)).await.expect("send");
+        sent.push((id, "products", picture));
+    }
+    let crowd = sent.last().expect("t1").2.clone();
+    let few_id = unique("few-t1");
+    send(&producer, &few.requests, &few_id, &request_file(&few_id, "few", &crowd)).await.expect("send");
+    sent.push((few_id, "few", crowd));
+    let got = collect(&[&products.results, &products.dlq, &few.results, &few.dlq], Duration::from_secs(420), |got| {
+        sent.iter().all(|(id, _, _)| got.contains_key(id))
+    })
+    .await
+    .expect("collect");
+
+    let mut with_people = 0;
+    for (id, task, picture) in &sent {
+        let result = result_of(&got, id, &gateway);
+        let outputs = &result["output"]["outputs"];
+        let (w, h) = image::image_dimensions(picture).expect("photo size");
+        for mask in ["foreground.mask", "people_masks.mask"] {
+            assert_eq!(outputs[mask]["shape"], serde_json::json!([h, w]), "{id}: {mask} is the picture's size: {result}");
+        }
+        let foreground = fetch(&server, &root, id, result, "foreground.mask", "png").await;
+        let people = fetch(&server, &root, id, result, "people_masks.mask", "png").await;
+        let r = reference(
+            "reference_pipeline.py",
+            &[config.as_os_str(), std::ffi::OsStr::new(task), picture.as_os_str(), foreground.as_os_str(), people.as_os_str()],
+        );
+        eprintln!("{id}: {} against the reference: {r}", outputs["people.p5"]);
+        let (fg_iou, people_iou) = (r["foreground_iou"].as_f64().expect("iou"), r["people_iou"].as_f64().expect("iou"));
+        assert!(fg_iou >= 0.99, "{id}: foreground masks' IoU {fg_iou} (limit 0.99): {r}");
+        assert!(people_iou >= 0.99, "{id}: people masks' IoU {people_iou} (limit 0.99): {r}");
+        let (ours, theirs) = (outputs["people.p5"]["boxes"].as_array().expect("boxes"), r["boxes"].as_array().expect("boxes"));
+        assert_eq!(ours.len(), theirs.len(), "{id}: person boxes {ours:?} vs OpenCV's {theirs:?}");
+        for (o, t) in ours.iter().zip(theirs) {
+            let v = |x: &Value| x.as_f64().unwrap_or(f64::NAN);
+            assert_eq!(o["label"], "person", "{id}: {o}");
+            assert!((v(&o["score"]) - v(&t[0])).abs() <= 0.02, "{id}: {o} vs {t}");
+            assert!(iou([v(&o["x1"]), v(&o["y1"]), v(&o["x2"]), v(&o["y2"])], [v(&t[1]), v(&t[2]), v(&t[3]), v(&t[4])]) >= 0.9, "{id}: {o} vs {t}");
+        }
+        assert_eq!(outputs["people.p5"]["cut"], r["cut"], "{id}: {result}");
+        assert_eq!(result["output"]["crops"]["people_masks"]["count"], ours.len(), "{id}: one crop a box: {result}");
+        assert!(result["model"].as_str().is_some_and(|m| m.contains("u2netp") && m.contains("yolov4_tiny")), "{id}: {result}");
+        if picture.ends_with("chelsea.png.png") {
+            assert!(ours.is_empty(), "{id}: a cat is not a person: {result}");
+            assert_eq!(r["people_share"], 0.0, "{id}: the reference's people mask is empty too: {r}");
+        }
+        if *task == "few" {
+            assert_eq!((ours.len(), outputs["people.p5"]["cut"].clone()), (3, Value::Bool(true)), "{id}: three of six, cut: {result}");
+            assert_eq!(result["output"]["crops"]["people_masks"], serde_json::json!({"count": 3, "cut": true}), "{id}: {result}");
+        } else if picture.ends_with("t1.jpg.png") {
+            assert!(ours.len() >= 5, "{id}: the six people of t1.jpg: {result}");
+        }
+        with_people += usize::from(!ours.is_empty());
+    }
+    assert!(with_people >= 3, "people found on {with_people} pictures; the astronaut, the cameraman and t1's six are people");
+    drop(gateway);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
 }
