@@ -1013,6 +1013,23 @@ mod tests {
     }
 
     #[test]
+    fn the_product_segmentor_is_a_valid_configuration_of_stages() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/products.toml");
+        let config: GatewayConfig = vramgate_shared::config::load(Some(&path), "VGGW_UNUSED_").expect("loads");
+        config.validate().expect("validates");
+        let names: Vec<&String> = config.enabled_tasks().map(|(n, _)| n).collect();
+        assert_eq!(names, ["products"]);
+        let stages: Vec<(&str, &str, &str)> =
+            config.tasks["products"].stages.iter().map(|s| (s.name.as_str(), s.model.as_str(), s.input.as_str())).collect();
+        assert_eq!(stages, [("foreground", "u2netp", "image"), ("people", "yolov4_tiny", "image"), ("people_masks", "u2netp", "people.p5")]);
+        assert_eq!(config.tasks["products"].output_rules().filter(|r| r.store.is_some()).count(), 2);
+        // Stages are the image converter's, and replace the task's own rows.
+        let mut wrong = config.clone();
+        wrong.tasks.get_mut("products").expect("products").converter = Converter::Audio;
+        assert!(wrong.validate().expect_err("audio stages").contains("stages are for converter \"image\""));
+    }
+
+    #[test]
     #[allow(clippy::result_large_err)]
     fn librdkafka_properties_take_numbers_as_text_and_never_echo_secrets() {
         figment::Jail::expect_with(|jail| {

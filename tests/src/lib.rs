@@ -1096,6 +1096,23 @@ async fn start_gateway_command(mut command: Command, overrides: &[(&str, String)
     Ok(Gateway { service, metrics_url, http: reqwest::Client::new() })
 }
 
+/// A model repository under `root` holding `models` as scripts/setup exported them into
+/// models/repository/ (each folder's model.pt and config.toml, the way docs/models.md has a user
+/// write one): a worker given `model_repository = <it>` serves those and no others.
+pub fn model_repository(root: &Path, models: &[&str]) -> PathBuf {
+    let repository = root.join("repository");
+    for model in models {
+        let folder = repository.join(model);
+        std::fs::create_dir_all(&folder).expect("model folder");
+        let exported = repo_root().join("models/repository").join(model);
+        assert!(exported.join("model.pt").is_file(), "{} missing: run scripts/setup", exported.join("model.pt").display());
+        for file in ["model.pt", "config.toml"] {
+            std::fs::copy(exported.join(file), folder.join(file)).expect("copying the model");
+        }
+    }
+    repository
+}
+
 /// A fresh scratch folder under `.local/`, for test inputs the gateway may read.
 pub fn scratch_dir(name: &str) -> PathBuf {
     let dir = repo_root().join(".local/test-data").join(unique(name));

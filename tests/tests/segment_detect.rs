@@ -27,7 +27,7 @@ use std::time::Duration;
 use serde_json::Value;
 use vramgate_tests::object_store::ObjectServer;
 use vramgate_tests::{
-    collect, photo, producer, repo_root, request_file, scratch_dir, send, start_gateway_config_with, start_worker, unique, venv_python,
+    collect, model_repository, photo, producer, repo_root, request_file, scratch_dir, send, start_gateway_config_with, start_worker, unique, venv_python,
     worker_config, ById, Gateway, TaskTopics, Worker,
 };
 
@@ -70,20 +70,11 @@ fn stored_output(name: &str, output: &str, dir: &str, more: &str) -> String {
     format!("[[tasks.{name}.outputs]]\nname = \"{output}\"\n{more}store = \"s3://outputs/{dir}/\"\n\n")
 }
 
-/// An object server on `port` and a worker serving `models` from a repository under `root`
-/// (the folder as docs/models.md has a user write it: each exported file and its config.toml).
+/// An object server on `port` and a worker serving `models` from a repository under `root`.
 async fn serve_models(root: &Path, port: u16, models: &[&str]) -> (ObjectServer, Worker) {
     let server = ObjectServer::start(port).expect("the object store starts (scripts/object-store)");
-    for model in models {
-        let folder = root.join("repository").join(model);
-        std::fs::create_dir_all(&folder).expect("model folder");
-        let exported = repo_root().join("models/repository").join(model);
-        assert!(exported.join("model.pt").is_file(), "{} missing: run scripts/setup", exported.join("model.pt").display());
-        for file in ["model.pt", "config.toml"] {
-            std::fs::copy(exported.join(file), folder.join(file)).expect("copying the model");
-        }
-    }
-    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", root.join("repository").display()), &[]))
+    let repository = model_repository(root, models);
+    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", repository.display()), &[]))
         .await
         .expect("the worker loads the repository");
     (server, worker)

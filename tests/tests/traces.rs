@@ -13,7 +13,8 @@ use vramgate_cli::jaeger::{Jaeger, Span, Trace};
 use vramgate_tests::jaeger::JaegerProcess;
 use vramgate_tests::wav::{compose, write_wav, SampleFormat};
 use vramgate_tests::{
-    binary, brokers, faces_task_env, gateway_base_env, photo, scratch_dir, start_gateway, start_gateway_with, start_worker,
+    binary, brokers, faces_task_env, gateway_base_env, model_repository, photo, scratch_dir, start_gateway, start_gateway_config_with,
+    start_gateway_with, start_worker,
     unique, voice_task_env, worker_config, Collector, TaskTopics, ONET_MODEL, PNET_KEYS, PNET_MODEL, RNET_MODEL,
     VAD_MODEL,
 };
@@ -473,5 +474,82 @@ async fn over_grpc_an_event_is_one_trace_through_the_worker_s_grpc_door() -> any
         assert!(trace.span(&format!("process {}", voice.requests)).is_some() && trace.span("commit").is_some(), "{shown}");
     }
     drop(worker);
+    Ok(())
+}
+
+/// A pipeline by configuration (detect, then classify each box: YOLOv4-tiny, then MobileNetV2 on
+/// every crop, batched), one event: its trace has a `stage` span per stage named after it, each
+/// over its own model's calls, and the worker's inference of both models; the result gives one
+/// classification per box.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pipeline_s_stages_are_spans_named_after_them() -> anyhow::Result<()> {
+    let jaeger_process = JaegerProcess::start(26_761)?;
+    let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+    let topics = TaskTopics::create(&unique("trace-pipeline"), 1).await?;
+    let root = scratch_dir("trace-pipeline");
+    let repository = model_repository(&root, &["yolov4_tiny", "mobilenet_v2"]);
+    let worker_extra = format!("model_repository = \"{}\"\n{}", repository.display(), telemetry_toml(&jaeger_process));
+    let worker = start_worker(&worker_config(&worker_extra, &[])).await?;
+    let labels = |model: &str| vramgate_tests::repo_root().join("models/repository").join(model).join("labels.txt");
+    let config = root.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[tasks.voice]\nenabled = false\n\n[tasks.image]\nenabled = false\n\n\
+             [tasks.objects]\nconverter = \"image\"\nrequests_topic = \"{}\"\nresults_topic = \"{}\"\ndlq_topic = \"{}\"\n\n\
+             [[tasks.objects.stages]]\nname = \"detect\"\nmodel = \"yolov4_tiny\"\n\
+             image = {{ width = 416, height = 416, resize = \"stretch\", layout = \"nhwc\", datatype = \"UINT8\" }}\n\n\
+             [[tasks.objects.stages.outputs]]\nname = \"p5\"\npost = [\"yolo_boxes\"]\nthreshold = 0.25\nnms_iou = 0.45\nmax_boxes = 5\nlabels = \"{}\"\n\n\
+             [tasks.objects.stages.outputs.yolo]\nclasses = 80\nscale_x_y = 1.05\nheads = [\n\
+             {{ output = \"p5\", stride = 32, anchors = [[81, 82], [135, 169], [344, 319]] }},\n\
+             {{ output = \"p4\", stride = 16, anchors = [[23, 27], [37, 58], [81, 82]] }},\n]\n\n\
+             [[tasks.objects.stages]]\nname = \"classify\"\nmodel = \"mobilenet_v2\"\ninput = \"detect.p5\"\ncrop_margin = 0.125\n\
+             image = {{ width = 224, height = 224, resize = \"stretch\", layout = \"nhwc\", datatype = \"UINT8\" }}\n\n\
+             [[tasks.objects.stages.outputs]]\nname = \"logits\"\npost = [\"softmax\", \"top_k\"]\ntop_k = 3\nlabels = \"{}\"\n",
+            topics.requests,
+            topics.results,
+            topics.dlq,
+            labels("yolov4_tiny").display(),
+            labels("mobilenet_v2").display(),
+        ),
+    )?;
+    let mut env = gateway_base_env(&unique("trace-pipeline"), &worker.url, &root);
+    env.extend(gateway_telemetry(&jaeger_process));
+    let gateway = start_gateway_config_with(&config, &env, &[]).await?;
+    let collector = Collector::start(&[&topics.results, &topics.dlq])?;
+
+    let picture = root.join("chelsea.png");
+    std::fs::copy(photo("chelsea.png"), &picture)?;
+    let produced = cli_produce(&jaeger_process, "objects", &topics.requests, "png", &[], &[picture])?;
+    let event = &produced[0];
+    let done = collector.wait_until(Duration::from_secs(120), |seen| seen.contains_key(&event.id)).await;
+    assert!(done, "no output; gateway log:\n{}", gateway.log_tail());
+    let out = &collector.snapshot()[&event.id][0];
+    assert_eq!(out.topic, topics.results, "{:?}", out.value);
+    let outputs = &out.value["output"]["outputs"];
+    let boxes = outputs["detect.p5"]["boxes"].as_array().map_or(0, Vec::len);
+    assert!(boxes >= 1, "the cat is found: {}", out.value);
+    let items = outputs["classify.logits"]["items"].as_array().expect("one classification a box");
+    assert_eq!(items.len(), boxes, "{}", out.value);
+    assert_eq!(out.value["output"]["crops"]["classify"], serde_json::json!({"count": boxes, "cut": false}));
+    // The cat's crop is a cat to MobileNetV2: some ImageNet cat among its best three.
+    let cat = outputs["detect.p5"]["boxes"].as_array().into_iter().flatten().position(|b| b["label"] == "cat").expect("a cat box");
+    let top = items[cat]["top_k"][0].as_array().expect("top 3");
+    assert!(top.iter().any(|t| t["label"].as_str().is_some_and(|l| l.contains("cat"))), "the cat's crop: {top:?}");
+
+    let trace = wait_for_trace(&jaeger, &event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
+    assert_one_trace_across_services(&trace, &topics.requests, &topics.results);
+    let shown = vramgate_cli::jaeger::render(&trace);
+    for (stage, model) in [("detect", "yolov4_tiny"), ("classify", "mobilenet_v2")] {
+        let span = trace
+            .spans_named("stage")
+            .find(|s| tag_str(s, "name") == Some(stage))
+            .unwrap_or_else(|| panic!("no stage span named {stage}:\n{shown}"));
+        assert_eq!(tag_str(span, "model"), Some(model), "{shown}");
+        assert!(trace.spans_named("inference").any(|s| tag_str(s, "model") == Some(model)), "no inference of {model}:\n{shown}");
+    }
+    drop(gateway);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }
