@@ -401,13 +401,43 @@ fn summarise_result(payload: &[u8]) -> String {
                     best.join(", ")
                 )
             }
-            Err(_) => result.output.to_string(),
+            Err(_) => summarise_outputs(&result.output).unwrap_or_else(|| result.output.to_string()),
         },
     };
     format!(
         "{}  ok  {detail}  [{} · {:.0} ms total, {:.0} ms inference]",
         result.id, result.model, result.timings_ms.total, result.timings_ms.inference
     )
+}
+
+/// A configured task's `outputs` (a pipeline's `<stage>.<output>` too), one short part each:
+/// stored objects by shape and URI, boxes by count and best labels, per-crop items by count,
+/// anything else by its keys. `None` when the output has no `outputs` object.
+fn summarise_outputs(output: &serde_json::Value) -> Option<String> {
+    let outputs = output.get("outputs")?.as_object()?;
+    let parts: Vec<String> = outputs
+        .iter()
+        .map(|(name, value)| {
+            let shape = |v: &serde_json::Value| v.as_array().map(|d| d.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("×")).unwrap_or_default();
+            if let Some(uri) = value["uri"].as_str() {
+                format!("{name} {} → {uri}", shape(&value["shape"]))
+            } else if let Some(boxes) = value["boxes"].as_array().or_else(|| value["faces"].as_array()) {
+                let best: Vec<String> = boxes
+                    .iter()
+                    .take(3)
+                    .map(|b| format!("{} p={:.2}", b["label"].as_str().unwrap_or("box"), b["score"].as_f64().unwrap_or(f64::NAN)))
+                    .collect();
+                let cut = if value["cut"] == true { ", cut" } else { "" };
+                format!("{name} {} box(es){}{cut}", boxes.len(), if best.is_empty() { String::new() } else { format!(": {}", best.join(", ")) })
+            } else if let Some(items) = value["items"].as_array() {
+                format!("{name} {} item(s)", items.len())
+            } else {
+                let keys: Vec<&str> = value.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+                format!("{name} {{{}}}", keys.join(", "))
+            }
+        })
+        .collect();
+    Some(parts.join("; "))
 }
 
 fn summarise_dead_letter(payload: &[u8]) -> String {
@@ -466,5 +496,19 @@ mod tests {
         // The properties may change the default; the flag wins over them.
         assert_eq!(config(&file("read_uncommitted"), Isolation::ReadCommitted).0.as_deref(), Some("read_uncommitted"));
         assert_eq!(config(&file("read_committed"), Isolation::ReadUncommitted).0.as_deref(), Some("read_uncommitted"));
+    }
+
+    #[test]
+    fn a_pipeline_result_is_summarised_output_by_output() {
+        let output = serde_json::json!({"input": {}, "outputs": {
+            "foreground.mask": {"uri": "s3://outputs/p/products/a/foreground.mask.png", "shape": [886, 1280], "bytes": 1, "sha256": "x", "datatype": "UINT8"},
+            "people.p5": {"boxes": [{"label": "person", "score": 0.884}], "cut": true},
+            "classify.logits": {"items": [{}, {}]},
+        }});
+        let text = summarise_outputs(&output).expect("outputs");
+        assert!(text.contains("foreground.mask 886×1280 → s3://outputs/p/products/a/foreground.mask.png"), "{text}");
+        assert!(text.contains("people.p5 1 box(es): person p=0.88, cut"), "{text}");
+        assert!(text.contains("classify.logits 2 item(s)"), "{text}");
+        assert_eq!(summarise_outputs(&serde_json::json!({"faces": []})), None);
     }
 }
