@@ -68,7 +68,7 @@ use crate::config::{AdmissionMode, WorkerConfig};
 use crate::estimate::MemoryEstimate;
 use crate::memory::MemoryMonitor;
 use crate::metrics::Metrics;
-use crate::model::{Inputs, Model, ModelError, OutputTensor};
+use crate::model::{join_rows, Inputs, Model, ModelError, OutputTensor};
 
 /// Why a request got no outputs.
 #[derive(Debug, thiserror::Error)]
@@ -458,7 +458,70 @@ impl Engine {
 
     /// Admits `input` for `served`, runs it in a batch, and returns its outputs. `arrival` (from
     /// [`Served::arrive`]) is marked queued once the job is.
+    ///
+    /// The rows of a request are independent items of a batch: one whose rows together are
+    /// priced past the whole budget (admission by bytes), but whose single rows are not, runs
+    /// as consecutive parts of as many rows as fit, each admitted on its own, and is answered
+    /// their outputs joined: what the request would have been answered on a larger card,
+    /// instead of a 413 for a batch the client could not have sized without knowing the card.
     pub async fn infer(
+        &self,
+        served: &Served,
+        input: Inputs,
+        timeout: Duration,
+        arrival: &mut Arrival,
+    ) -> Result<Vec<OutputTensor>, InferError> {
+        if self.rows_that_fit(served, &input).is_none() {
+            return self.infer_whole(served, input, timeout, arrival).await;
+        }
+        let deadline = Instant::now() + timeout;
+        let total = input.rows();
+        let mut joined: Option<Vec<OutputTensor>> = None;
+        let mut start = 0;
+        while start < total {
+            // Sized again for each part: the estimate may have learned from the last one.
+            let rest = input.row_range(start, total - start).expect("a row range inside the request");
+            let rows = self.rows_that_fit(served, &rest).unwrap_or(total - start);
+            tracing::debug!(model = served.model.name(), rows = total, start, part_rows = rows, "request split into parts that fit the budget");
+            let part = input.row_range(start, rows).expect("a row range inside the request");
+            start += rows;
+            let outputs = self.infer_whole(served, part, deadline.saturating_duration_since(Instant::now()), arrival).await?;
+            joined = Some(match joined {
+                None => outputs,
+                Some(so_far) => join_rows(so_far, outputs)
+                    .map_err(|message| InferError::Model(ModelError::Runtime { name: served.model.name().into(), message }))?,
+            });
+        }
+        Ok(joined.unwrap_or_default())
+    }
+
+    /// For a request of several rows priced past the whole budget (admission by bytes): the
+    /// most rows of it that fit, when at least one does; `None` when it fits as it is, or
+    /// cannot be split to fit.
+    fn rows_that_fit(&self, served: &Served, input: &Inputs) -> Option<usize> {
+        let rows = input.rows();
+        if self.mode != AdmissionMode::Bytes || rows < 2 {
+            return None;
+        }
+        let capacity = self.pool.capacity();
+        let price = |n: usize| input.row_range(0, n).map(|part| served.estimate.bytes(served.model.padded_elements(&[&part])));
+        if price(rows)? <= capacity || price(1)? > capacity {
+            return None;
+        }
+        // The price grows with the rows: the largest n with price(n) within the budget.
+        let (mut fits, mut over) = (1, rows);
+        while over - fits > 1 {
+            let mid = fits + (over - fits) / 2;
+            if price(mid)? <= capacity {
+                fits = mid;
+            } else {
+                over = mid;
+            }
+        }
+        Some(fits)
+    }
+
+    async fn infer_whole(
         &self,
         served: &Served,
         input: Inputs,

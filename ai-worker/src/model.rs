@@ -358,6 +358,50 @@ impl Inputs {
     pub fn elements(&self) -> u64 {
         self.0.iter().map(InputTensor::elements).sum()
     }
+
+    /// Rows `start..start + len` of every input (rows are dimension 0 of each, and every input
+    /// has as many): a request of its own, sharing the bytes. `None` past its rows.
+    pub fn row_range(&self, start: usize, len: usize) -> Option<Inputs> {
+        let rows = self.rows();
+        if len == 0 || start.checked_add(len)? > rows {
+            return None;
+        }
+        let mut part = Vec::with_capacity(self.0.len());
+        for t in &self.0 {
+            if t.shape.first() != Some(&rows) || t.data.len() % rows != 0 {
+                return None;
+            }
+            let row_bytes = t.data.len() / rows;
+            let mut shape = t.shape.clone();
+            shape[0] = len;
+            part.push(InputTensor { shape, datatype: t.datatype, data: t.data.slice(start * row_bytes..(start + len) * row_bytes) });
+        }
+        Some(Inputs(part))
+    }
+}
+
+/// The outputs of consecutive row ranges of one request, joined along the rows: what the
+/// request as a whole would have been answered. Every other dimension must agree.
+pub fn join_rows(mut first: Vec<OutputTensor>, next: Vec<OutputTensor>) -> Result<Vec<OutputTensor>, String> {
+    if first.len() != next.len() {
+        return Err(format!("parts answered {} and {} outputs", first.len(), next.len()));
+    }
+    for (a, b) in first.iter_mut().zip(next) {
+        if a.name != b.name || a.shape.len() != b.shape.len() || a.shape.is_empty() || a.shape[1..] != b.shape[1..] {
+            return Err(format!("output '{}': parts of shapes {:?} and {:?} do not join along their rows", a.name, a.shape, b.shape));
+        }
+        macro_rules! join {
+            ($($variant:ident),*) => {
+                match (&mut a.data, b.data) {
+                    $((TensorData::$variant(x), TensorData::$variant(y)) => x.extend(y),)*
+                    _ => return Err(format!("output '{}': parts answered different datatypes", a.name)),
+                }
+            };
+        }
+        join!(Bool, Uint8, Uint16, Uint32, Uint64, Int8, Int16, Int32, Int64, Fp16, Fp32, Fp64);
+        a.shape[0] += b.shape[0];
+    }
+    Ok(first)
 }
 
 impl From<InputTensor> for Inputs {
@@ -1563,6 +1607,25 @@ mod tests {
 
     fn bits(values: &[f32]) -> Vec<u32> {
         values.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn a_request_s_rows_split_and_its_answers_join_back() {
+        // Two inputs of 3 rows: a [3, 2] FP32 and a [3] UINT8.
+        let a = InputTensor::from_f32(vec![3, 2], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let b = InputTensor::from_le_bytes(vec![3], DataType::Uint8, Bytes::from_static(&[7, 8, 9])).expect("bytes");
+        let input = Inputs(vec![a, b]);
+        let tail = input.row_range(1, 2).expect("rows 1 and 2");
+        assert_eq!((tail.rows(), tail.tensors()[0].shape.clone(), tail.tensors()[1].shape.clone()), (2, vec![2, 2], vec![2]));
+        assert_eq!(&tail.tensors()[0].data[..], &input.tensors()[0].data[8..]);
+        assert_eq!(&tail.tensors()[1].data[..], &[8, 9]);
+        assert!(input.row_range(2, 2).is_none() && input.row_range(0, 0).is_none());
+
+        let out = |rows: usize, values: Vec<f32>| vec![OutputTensor { name: "y".into(), shape: vec![rows, 2], data: TensorData::Fp32(values) }];
+        let joined = join_rows(out(1, vec![0.0, 1.0]), out(2, vec![2.0, 3.0, 4.0, 5.0])).expect("joins");
+        assert_eq!((joined[0].shape.clone(), joined[0].data.clone()), (vec![3, 2], TensorData::Fp32(vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0])));
+        let wide = vec![OutputTensor { name: "y".into(), shape: vec![1, 3], data: TensorData::Fp32(vec![0.0; 3]) }];
+        assert!(join_rows(out(1, vec![0.0, 1.0]), wide).expect_err("shapes differ").contains("do not join"));
     }
 
     /// An output's values, which must be FP32.

@@ -260,3 +260,38 @@ async fn an_expired_deadline_is_504_and_gives_its_bytes_back() {
     assert_eq!(metric(&text, "gpu_memory_admitted_bytes"), 0.0, "bytes still held after the deadline: {text}");
     eprintln!("late request answered 504 after {answered:?}; batches still running then: {running}");
 }
+
+/// A request of several rows priced past the whole budget, each row within it (a pipeline's
+/// crops batched for a bigger card than this): answered 200, run as parts that fit one after
+/// another, the outputs joined in row order and equal to each row answered alone. A single row
+/// past the budget is still refused, 413 naming the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_past_the_budget_runs_in_parts_that_fit() {
+    // Declared estimate: 1 MB + 40 B a value (about what P-Net measures on this CPU, so that
+    // what it learns from each part moves it little). A 3 × 400 × 400 row is 20.2 MB; the
+    // budget of 64 MiB takes three (58.6 MB), not four (77.8 MB) or five.
+    let extra = "memory_budget_bytes = 67108864\nmemory_reserve_bytes = 0\nmemory_reserve_fraction = 0.0\n\
+                 [admission]\nmax_queue_wait_ms = 120000\n[batching]\ncalibrate = false\n";
+    let declared = "estimate = { base_bytes = 1000000.0, bytes_per_element = 40.0 }\nmax_input_elements = 20000000";
+    let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, declared)])).await.expect("worker starts");
+    let http = client();
+    let (side, rows) = (400, 5);
+    let row_values: Vec<Vec<f32>> = (0..rows).map(|i| test_image(side, side, 3 * i + 1)).collect();
+    let batch = infer(&http, &worker.url, "pnet", "image", vec![rows, 3, side, side], row_values.concat(), None).await.expect("sent");
+    assert_eq!(batch.status, 200, "{:?}\nworker log:\n{}", batch.error, worker.service.log_tail());
+    let probs = batch.output("face_prob");
+    assert_eq!(probs.shape[0], rows, "{:?}", probs.shape);
+    let per_row = batch.fp32("face_prob").len() / rows;
+    for (i, values) in row_values.into_iter().enumerate() {
+        let alone = infer(&http, &worker.url, "pnet", "image", vec![1, 3, side, side], values, None).await.expect("sent");
+        assert_eq!(alone.status, 200, "{:?}", alone.error);
+        let (got, want) = (&batch.fp32("face_prob")[i * per_row..(i + 1) * per_row], alone.fp32("face_prob"));
+        let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-4, "row {i} differs from its answer alone by {worst}");
+    }
+    // One row larger than the whole budget cannot be split: 413, naming the budget.
+    let huge = 1300;
+    let refused = infer(&http, &worker.url, "pnet", "image", vec![1, 3, huge, huge], vec![0.0; 3 * huge * huge], None).await.expect("sent");
+    assert_eq!(refused.status, 413, "{:?}", refused.error);
+    assert!(refused.error.as_deref().is_some_and(|e| e.contains("whole memory budget")), "{:?}", refused.error);
+}
