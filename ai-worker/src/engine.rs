@@ -504,8 +504,11 @@ impl Engine {
             return None;
         }
         let capacity = self.pool.capacity();
+        if served.estimate.bytes(served.model.padded_elements(&[input])) <= capacity {
+            return None;
+        }
         let price = |n: usize| input.row_range(0, n).map(|part| served.estimate.bytes(served.model.padded_elements(&[&part])));
-        if price(rows)? <= capacity || price(1)? > capacity {
+        if price(1)? > capacity {
             return None;
         }
         // The price grows with the rows: the largest n with price(n) within the budget.

@@ -90,21 +90,8 @@ async fn one(root: &Path, server: &ObjectServer, config: &Path, pictures: &[std:
     );
     let worker = start_worker(&worker_config(&extra, &[])).await?;
     let topics = TaskTopics::create(&unique("seg"), 1).await?;
-    let overrides: Vec<(&str, String)> = server
-        .gateway_keys()
-        .into_iter()
-        .chain([
-            ("KAFKA__GROUP_ID", unique("seg-gw")),
-            ("WORKER__URL", worker.url.clone()),
-            ("INPUT__FILE_ROOT", root.display().to_string()),
-            ("S3__ENDPOINT", server.endpoint()),
-            ("TASKS__PRODUCTS__REQUESTS_TOPIC", topics.requests.clone()),
-            ("TASKS__PRODUCTS__RESULTS_TOPIC", topics.results.clone()),
-            ("TASKS__PRODUCTS__DLQ_TOPIC", topics.dlq.clone()),
-            ("TASKS__PRODUCTS__GPU_PERMITS__MAX", "64".into()),
-            ("TASKS__PRODUCTS__GPU_PERMITS__INITIAL", "32".into()),
-        ])
-        .collect();
+    let mut overrides = server.products_gateway(&worker.url, root, &topics);
+    overrides.extend([("TASKS__PRODUCTS__GPU_PERMITS__MAX", "64".into()), ("TASKS__PRODUCTS__GPU_PERMITS__INITIAL", "32".into())]);
     let gateway = start_gateway_config_with(config, &overrides, &[]).await?;
     let collector = Collector::start(&[&topics.results, &topics.dlq])?;
     let producer = producer();

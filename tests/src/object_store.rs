@@ -57,6 +57,23 @@ impl ObjectServer {
         ]
     }
 
+    /// Overrides that point a gateway running config/products.toml (seed 004's segmentor) at
+    /// this server (its endpoint and the test identity), `worker_url`, the input `root`, a
+    /// fresh group and `topics` for its task `products`: the file as it ships, deployed here.
+    pub fn products_gateway(&self, worker_url: &str, root: &std::path::Path, topics: &crate::TaskTopics) -> Vec<(&'static str, String)> {
+        let mut overrides = self.gateway_keys().to_vec();
+        overrides.extend([
+            ("KAFKA__GROUP_ID", crate::unique("products-gw")),
+            ("WORKER__URL", worker_url.to_string()),
+            ("INPUT__FILE_ROOT", root.display().to_string()),
+            ("S3__ENDPOINT", self.endpoint()),
+            ("TASKS__PRODUCTS__REQUESTS_TOPIC", topics.requests.clone()),
+            ("TASKS__PRODUCTS__RESULTS_TOPIC", topics.results.clone()),
+            ("TASKS__PRODUCTS__DLQ_TOPIC", topics.dlq.clone()),
+        ]);
+        overrides
+    }
+
     /// Starts it again after [`stop`](Self::stop), on the same port and data.
     pub fn restart(&self) -> anyhow::Result<()> {
         self.script("start").map(drop)

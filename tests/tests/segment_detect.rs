@@ -296,15 +296,8 @@ async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onn
     assert_ne!(few_task, task.replace("tasks.products", "tasks.few"), "config/products.toml has no max_boxes = 10 to lower");
     let config = root.join("products.toml");
     std::fs::write(&config, format!("{shipped}\n{few_task}")).expect("products.toml");
-    let mut overrides: Vec<(&str, String)> = server.gateway_keys().to_vec();
+    let mut overrides = server.products_gateway(&worker.url, &root, &products);
     overrides.extend([
-        ("KAFKA__GROUP_ID", unique("products-gw")),
-        ("WORKER__URL", worker.url.clone()),
-        ("INPUT__FILE_ROOT", root.display().to_string()),
-        ("S3__ENDPOINT", server.endpoint()),
-        ("TASKS__PRODUCTS__REQUESTS_TOPIC", products.requests.clone()),
-        ("TASKS__PRODUCTS__RESULTS_TOPIC", products.results.clone()),
-        ("TASKS__PRODUCTS__DLQ_TOPIC", products.dlq.clone()),
         ("TASKS__FEW__REQUESTS_TOPIC", few.requests.clone()),
         ("TASKS__FEW__RESULTS_TOPIC", few.results.clone()),
         ("TASKS__FEW__DLQ_TOPIC", few.dlq.clone()),

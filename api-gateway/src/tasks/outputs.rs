@@ -428,11 +428,6 @@ impl Outputs {
         self.rules.iter().any(|(rule, _)| rule.store.is_some())
     }
 
-    /// The buckets the rows store to (each needs a client).
-    pub fn store_buckets(rules: &[OutputRule]) -> impl Iterator<Item = String> + '_ {
-        rules.iter().filter_map(|rule| rule.store.as_ref().map(|t| t.bucket.clone()))
-    }
-
     /// The rows, in order.
     pub fn rules(&self) -> impl Iterator<Item = &OutputRule> {
         self.rules.iter().map(|(rule, _)| rule)
@@ -1279,7 +1274,7 @@ mod tests {
         // max_output_elements 4 bounds the inline row only.
         let outputs = Outputs::load(&rows, 4).expect("loads");
         assert!(outputs.stores());
-        assert_eq!(Outputs::store_buckets(&rows).collect::<Vec<_>>(), vec!["outputs"; 3]);
+        assert_eq!(rows.iter().filter_map(|r| r.store.as_ref().map(|t| t.bucket.as_str())).collect::<Vec<_>>(), vec!["outputs"; 3]);
         let map = typed("map", vec![1, 2, 3], vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0]);
         let mask = typed("mask", vec![1, 2, 2], vec![-5.0f32, 5.0, 5.0, -5.0]);
         let class = typed("class", vec![1, 3], vec![0.1f32, 0.7, 0.2]);
