@@ -991,12 +991,18 @@ mod tests {
         OutputTensor { name: name.into(), shape, data: data.into() }
     }
 
-    #[test]
-    fn softmax_then_top_k_names_labels_and_orders_ties_by_index() {
-        let dir = std::env::temp_dir().join(format!("vramgate-labels-{}", std::process::id()));
+    /// A labels file holding `text` in a fresh temporary folder (the caller removes it).
+    fn labels_file(tag: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("vramgate-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let labels = dir.join("labels.txt");
-        std::fs::write(&labels, "cat\ndog\r\nbird\n").expect("labels");
+        std::fs::write(&labels, text).expect("labels");
+        (dir, labels)
+    }
+
+    #[test]
+    fn softmax_then_top_k_names_labels_and_orders_ties_by_index() {
+        let (dir, labels) = labels_file("labels", "cat\ndog\r\nbird\n");
         let r = rule(&json!({"name": "logits", "post": ["softmax", "top_k"], "top_k": 3, "labels": labels}).to_string());
         let outputs = Outputs::load(&[r], 100).expect("loads");
         assert_eq!(outputs.names(), &["logits"]);
@@ -1060,10 +1066,7 @@ mod tests {
 
     #[test]
     fn a_yolo_row_keeps_only_the_labels_it_names() {
-        let dir = std::env::temp_dir().join(format!("vramgate-keep-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let labels = dir.join("labels.txt");
-        std::fs::write(&labels, "person\ncat\n").expect("labels");
+        let (dir, labels) = labels_file("keep", "person\ncat\n");
         let row = |keep: &str| {
             rule(&format!(
                 r#"{{"name": "p5", "post": ["yolo_boxes"], "threshold": 0.25, "labels": {labels:?}, "keep": {keep},

@@ -190,7 +190,6 @@ struct Shared {
     models: Vec<String>,
     /// The strictest of the stages' `image.max_pixels`.
     max_pixels: u64,
-    configs: Vec<StageConfig>,
 }
 
 /// A task of stages (the `image` converter with `[[stages]]`).
@@ -236,12 +235,7 @@ impl Pipeline {
             });
         }
         let max_pixels = configs.iter().map(|c| c.image.max_pixels).min().unwrap_or(ImageOptions::default().max_pixels);
-        Ok(Pipeline { shared: Arc::new(Shared { stages, models, max_pixels, configs: configs.to_vec() }) })
-    }
-
-    /// The task's first model: its stage 0.
-    pub fn first_model(&self) -> String {
-        self.shared.models[0].clone()
+        Ok(Pipeline { shared: Arc::new(Shared { stages, models, max_pixels }) })
     }
 }
 
@@ -263,17 +257,16 @@ impl Converter for Pipeline {
         // One use per model: what its first stage sends, and every row of every stage on it.
         (0..self.shared.models.len())
             .map(|m| {
-                let on: Vec<(usize, &StageConfig)> =
-                    self.shared.configs.iter().enumerate().filter(|(i, _)| self.shared.stages[*i].model == m).collect();
+                let on: Vec<(usize, &StageRun)> = self.shared.stages.iter().enumerate().filter(|(_, s)| s.model == m).collect();
                 let (i, first) = on[0];
-                let options = &self.shared.stages[i].options;
+                let options = &first.options;
                 let mut shape: Vec<Dim> = tensor::shape(options).into_iter().map(Dim::Fixed).collect();
-                if first.source().is_some() && options.batch {
+                if first.source.is_some() && options.batch {
                     shape[0] = Dim::Any;
                 }
                 let key = format!("stages[{i}].image.input");
                 let inputs = Sent::One(SentTensor::new(&key, &options.input, Some(options.datatype), Some(shape)));
-                let outputs = on.iter().flat_map(|(_, c)| asked(&c.outputs)).collect();
+                let outputs = on.iter().flat_map(|(_, s)| asked(s.outputs.rules())).collect();
                 ModelUse { inputs, outputs }
             })
             .collect()
@@ -655,7 +648,7 @@ mod tests {
     fn stages_on_one_model_share_it_and_the_first_is_stage_zero() {
         let text = DETECT_THEN_SEGMENT.replace("model = \"segmenter\"", "model = \"detector\"");
         let pipeline = Pipeline::new(&stages(&text), 1000).expect("loads");
-        assert_eq!(pipeline.first_model(), "detector");
+        assert_eq!(pipeline.first_model().as_deref(), Some("detector"));
         assert!(pipeline.stage_models().is_empty());
         let two = Pipeline::new(&stages(DETECT_THEN_SEGMENT), 1000).expect("loads");
         assert_eq!(two.stage_models(), ["segmenter"]);
