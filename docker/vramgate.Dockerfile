@@ -143,7 +143,7 @@ LABEL vramgate.image=gateway \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN set -eux; \
     apt-get update; \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libssl3 ca-certificates curl; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libssl3 ca-certificates curl ffmpeg; \
     rm -rf /var/lib/apt/lists/*; \
     useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home --shell /usr/sbin/nologin vramgate; \
     mkdir -p /data/inputs; chown vramgate:vramgate /data/inputs

@@ -167,7 +167,10 @@ impl GatewayConfig {
                 ));
             }
             match task.converter {
-                Converter::Image => task.image.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
+                Converter::Image => {
+                    task.image.validate().map_err(|e| format!("tasks.{name}.{e}"))?;
+                    task.video.validate().map_err(|e| format!("tasks.{name}.{e}"))?;
+                }
                 Converter::Audio => task.audio.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
                 Converter::Tensor => task.tensor.validate().map_err(|e| format!("tasks.{name}.{e}"))?,
                 Converter::Wav => {}
@@ -855,6 +858,8 @@ pub struct TaskConfig {
     /// A pipeline (`image` converter only): stages, each a model with its own input and rows,
     /// instead of `model`, `image` and `outputs` (`crate::tasks::stages`).
     pub stages: Vec<crate::tasks::stages::StageConfig>,
+    /// Videos and frame batches (`image` converter only; `crate::video`).
+    pub video: crate::video::VideoOptions,
 }
 
 impl Default for TaskConfig {
@@ -884,6 +889,7 @@ impl Default for TaskConfig {
             outputs: Vec::new(),
             max_output_elements: crate::tasks::outputs::DEFAULT_MAX_OUTPUT_ELEMENTS,
             stages: Vec::new(),
+            video: crate::video::VideoOptions::default(),
         }
     }
 }

@@ -3,6 +3,7 @@
 //!
 //! This is the only crate that knows Kafka; it reaches the worker only over HTTP.
 
+pub mod answer;
 pub mod audio;
 pub mod budget;
 pub mod call;
@@ -10,6 +11,7 @@ pub mod config;
 pub mod consume;
 pub mod endpoint;
 pub mod failure;
+pub mod frames;
 pub mod health;
 pub mod input;
 pub mod metrics;
@@ -20,5 +22,6 @@ pub mod record;
 pub mod storage;
 pub mod task;
 pub mod tasks;
+pub mod video;
 
 pub use config::GatewayConfig;

@@ -22,7 +22,7 @@ use rdkafka::message::{Message, OwnedHeaders, OwnedMessage};
 use tracing::Instrument;
 use vramgate_shared::telemetry::context::{self, Carried};
 use vramgate_shared::events::{
-    DeadLetterEvent, ErrorInfo, ErrorKind, RequestEvent, ResultEvent, Stage, TimingsMs,
+    DeadLetterEvent, ErrorInfo, ErrorKind, FrameRef, InputRef, RequestEvent, ResultEvent, Stage, TimingsMs,
     SCHEMA_VERSION,
 };
 use vramgate_shared::telemetry::{self, bounded, LogLimit, LOG_FIELD_MAX_BYTES};
@@ -35,9 +35,13 @@ use crate::metrics::Metrics;
 use crate::consume::offsets::{SharedOffsets, Ticket};
 use crate::consume::transaction::{Outbox, Pending};
 use crate::produce::{self, Outgoing, Producer};
+use crate::answer::{answer, Answered, Services};
+use crate::config::Converter;
+use crate::frames;
 use crate::task::Task;
-use crate::tasks::{Converted, Plan, Step};
-use crate::call::{self, client::InferCall};
+use crate::tasks::Plan;
+use crate::call;
+use crate::video;
 
 /// Log lines a second, per kind of line; the rest are counted in `log_lines_suppressed_total`.
 static RESULT_LOG: LogLimit = LogLimit::new(20);
@@ -465,7 +469,13 @@ struct Checked {
     id: String,
     task: String,
     plan: Arc<dyn Plan>,
-    opened: Opened,
+    input: Input,
+}
+
+/// What a request names: one input, or a batch of frames (each opened and checked).
+enum Input {
+    One(Opened),
+    Frames(Vec<Opened>),
 }
 
 /// The checks made at once, in the record's poll round: the request parses, its id, version
@@ -502,8 +512,41 @@ fn check(shared: &Shared, task: &Task, message: &OwnedMessage) -> Result<Checked
         )));
     }
     let plan = task.converter.plan(options.as_ref()).map_err(reject)?;
-    let opened = shared.input.open(input).map_err(|e| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string())))?;
-    Ok(Checked { id, task: task_name, plan, opened })
+    let input = match input {
+        InputRef::Frames { frames } => Input::Frames(open_frames(shared, task, frames).map_err(reject)?),
+        one => Input::One(shared.input.open(one).map_err(|e| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string())))?),
+    };
+    Ok(Checked { id, task: task_name, plan, input })
+}
+
+/// Opens a batch's frames: for a task that takes pictures, within `video.max_batch_frames`.
+fn open_frames(shared: &Shared, task: &Task, frames: Vec<FrameRef>) -> Result<Vec<Opened>, Failure> {
+    let invalid = |message: String| Failure::new(ErrorKind::InvalidRequest, Stage::Parse, message);
+    if task.config.converter != Converter::Image {
+        return Err(invalid(format!(
+            "input.frames is for tasks that take pictures (converter \"image\"); task '{}' takes {} input",
+            task.name,
+            task.config.converter.as_str()
+        )));
+    }
+    let limit = task.config.video.max_batch_frames as usize;
+    if frames.is_empty() {
+        return Err(invalid("input.frames is empty; give at least one frame".into()));
+    }
+    if frames.len() > limit {
+        return Err(Failure::new(
+            ErrorKind::InputTooLarge,
+            Stage::Parse,
+            format!("input.frames has {} frames, more than the limit of {limit} (video.max_batch_frames)", frames.len()),
+        ));
+    }
+    frames
+        .into_iter()
+        .enumerate()
+        .map(|(i, frame)| {
+            shared.input.open(frame.into()).map_err(|e| Failure::new(e.kind(), Stage::Fetch, format!("frame {i}: {e}")))
+        })
+        .collect()
 }
 
 async fn convert_and_call(
@@ -514,101 +557,26 @@ async fn convert_and_call(
     started: Instant,
 ) -> Result<ResultEvent, Rejection> {
     let convert_started = Instant::now();
-    let record_bytes = held.bytes();
-    let Checked { id, task: task_name, plan, opened } = checked;
+    let Checked { id, task: task_name, plan, input } = checked;
     let reject = |failure: Failure| Rejection { failure, id: Some(id.clone()), task: Some(task_name.clone()) };
     let fetch_failed = |e: crate::input::FetchError| reject(Failure::new(e.kind(), Stage::Fetch, e.to_string()));
-    // Read the input, its bytes reserved from the budget first (an object's size is asked
-    // for, and checked against the limit, before its body is downloaded).
-    let opened = shared.input.locate(opened).await.map_err(fetch_failed)?;
-    held.grow(opened.size()).await;
-    let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
-
-    // Check the header (limits, format) and reserve what decoding will hold, before decoding.
-    held.grow(plan.probe(&bytes).map_err(reject)?).await;
-    let queue = shared.metrics.cpu_queue.with_label_values(&[&task.name]);
-    queue.inc();
-    let input_bytes = bytes.len();
-    let format = task.config.converter.as_str();
-    let result = on_pool(&task.pool, task.pool.current_num_threads(), move || {
-        let span = tracing::info_span!("convert", input.format = format, input.bytes = input_bytes, output.elements = tracing::field::Empty);
-        let _entered = span.enter();
-        let converted = plan.convert(&bytes);
-        if let Ok(c) = &converted {
-            span.record("output.elements", c.calls.iter().flat_map(|call| &call.inputs).map(|t| t.shape.iter().product::<usize>()).sum::<usize>());
-        }
-        converted
-    })
-    .await;
-    queue.dec();
-    let mut converted = result.and_then(|r| r).map_err(reject)?;
-    let mut convert_ms = call::ms(convert_started.elapsed());
-
-    // The calls, step by step: a task with one model makes one call; a cascade makes each
-    // stage's calls together, and its CPU work between stages runs on the task's pool.
-    let chain_started = Instant::now();
-    let (mut wait_ms, mut inference_ms, mut attempts) = (0.0, 0.0, 0u32);
-    // Each model that answered with its version, once, in the order they answered.
-    let mut models: Vec<(String, String)> = Vec::new();
-    let output = loop {
-        let Converted { calls, finish } = converted;
-        // One encoded body per call, which every attempt re-sends; the tensors are gone after.
-        let bodies: Vec<StageCall> = calls
-            .into_iter()
-            .map(|c| StageCall { stage: c.stage, name: c.name, body: InferCall::new(&id, &c.inputs, c.outputs, stage_protocol(task, c.stage)) })
-            .collect();
-        let holding = record_bytes + finish.held_bytes() + bodies.iter().map(|c| c.body.body_len() as u64).sum::<u64>();
-        if holding > held.bytes() {
-            held.grow(holding - held.bytes()).await;
-        } else {
-            held.shrink_to(holding);
-        }
-        let answers = call_stage(task, &bodies, &shared.metrics, chain_started).await.map_err(reject)?;
-        drop(bodies);
-        let (mut step_wait, mut step_inference) = (0.0f64, 0.0f64);
-        let mut tensors = Vec::with_capacity(answers.len());
-        for answer in answers {
-            // Calls made together overlap: a step costs its slowest call.
-            step_wait = step_wait.max(answer.wait_ms);
-            step_inference = step_inference.max(answer.inference_ms);
-            attempts += answer.attempts;
-            let answered = (answer.output.model.clone(), answer.output.version.clone());
-            if !models.contains(&answered) {
-                models.push(answered);
+    let services = Services { metrics: &shared.metrics, buckets: &shared.buckets };
+    let answered = match input {
+        Input::One(opened) => {
+            // Read the input, its bytes reserved from the budget first (an object's size is
+            // asked for, and checked against the limit, before its body is downloaded).
+            let opened = shared.input.locate(opened).await.map_err(fetch_failed)?;
+            held.grow(opened.size()).await;
+            let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
+            match video::sniff(&bytes).filter(|_| task.config.converter == Converter::Image) {
+                Some(container) => frames::video(services, &shared.budget, task, &id, &plan, bytes, container).await,
+                None => answer(services, task, held, &id, &id, &plan, bytes, convert_started).await,
             }
-            tensors.push(answer.output.tensors);
         }
-        (wait_ms, inference_ms) = (wait_ms + step_wait, inference_ms + step_inference);
-        let step = if finish.cpu_bound() {
-            let between = Instant::now();
-            let step = on_pool(&task.pool, task.pool.current_num_threads(), move || finish.output(tensors)).await;
-            convert_ms += call::ms(between.elapsed());
-            step.and_then(|r| r)
-        } else {
-            finish.output(tensors)
-        };
-        match step.map_err(reject)? {
-            Step::Done(output) => break output,
-            Step::Store { mut output, stored } => {
-                // The claim check: each stored output written, then its reference in the result.
-                let store_started = Instant::now();
-                // Encoded already: counted now, so the budget sees them while they upload.
-                held.grow(stored.iter().map(|s| s.bytes.len() as u64).sum()).await;
-                for object in stored {
-                    let name = object.output.clone();
-                    let reference = shared
-                        .buckets
-                        .put(&task_name, &id, object)
-                        .await
-                        .map_err(|message| reject(Failure::new(ErrorKind::StoreFailed, Stage::Store, message)))?;
-                    output["outputs"][name.as_str()] = reference;
-                }
-                convert_ms += call::ms(store_started.elapsed());
-                break output;
-            }
-            Step::Next(next) => converted = next,
-        }
-    };
+        Input::Frames(frames) => frames::batch(services, &shared.budget, &shared.input, task, &id, &plan, frames).await,
+    }
+    .map_err(reject)?;
+    let Answered { output, models, convert_ms, wait_ms, inference_ms, attempts } = answered;
     Ok(ResultEvent {
         version: SCHEMA_VERSION,
         id,
@@ -625,64 +593,6 @@ async fn convert_and_call(
         },
         attempts,
     })
-}
-
-/// The door the workers of `stage` are called through.
-fn stage_protocol(task: &Task, stage: usize) -> crate::call::client::Protocol {
-    task.stages.get(stage).map_or_else(Default::default, |set| set.protocol())
-}
-
-/// One call of a step: which of the task's models, the pipeline stage's name if any, the body.
-struct StageCall {
-    stage: usize,
-    name: Option<&'static str>,
-    body: InferCall,
-}
-
-/// Makes one step's calls together and waits for all of them; the first that fails for good
-/// fails the record (the others are dropped, which cancels them). With more than one model in
-/// the task, or a pipeline's named stages, each stage's calls of the step are a `stage` span
-/// and a failure names the stage and its model. The answers come in the calls' order.
-async fn call_stage(
-    task: &Task,
-    calls: &[StageCall],
-    metrics: &Metrics,
-    chain_started: Instant,
-) -> Result<Vec<call::WorkerCall>, Failure> {
-    fn one<'a>(task: &'a Task, c: &'a StageCall, metrics: &'a Metrics, started: Instant) -> impl std::future::Future<Output = Result<call::WorkerCall, Failure>> + 'a {
-        call::call_worker(task, c.stage, &c.body, metrics, started)
-    }
-    if task.stages.len() == 1 && calls.iter().all(|c| c.name.is_none()) {
-        return futures::future::try_join_all(calls.iter().map(|c| one(task, c, metrics, chain_started))).await;
-    }
-    // The calls by stage, in the order each stage first appears.
-    let mut groups: Vec<(usize, Option<&'static str>, Vec<usize>)> = Vec::new();
-    for (i, c) in calls.iter().enumerate() {
-        match groups.iter_mut().find(|(stage, name, _)| *stage == c.stage && *name == c.name) {
-            Some((_, _, members)) => members.push(i),
-            None => groups.push((c.stage, c.name, vec![i])),
-        }
-    }
-    let stages = task.stages.len();
-    let answered = futures::future::try_join_all(groups.into_iter().map(|(stage, name, members)| {
-        let model = task.stages.get(stage).map(|s| s.model.as_str()).unwrap_or("?");
-        let span = tracing::info_span!("stage", stage = stage + 1, name = name.unwrap_or(""), model, calls = members.len());
-        let label = name.map_or_else(|| format!("{} of {stages}", stage + 1), str::to_string);
-        let made = futures::future::try_join_all(members.iter().map(|&i| one(task, &calls[i], metrics, chain_started)));
-        async move {
-            let answers = made.instrument(span).await.map_err(|mut failure| {
-                failure.message = format!("stage {label} ({model}): {}", failure.message);
-                failure
-            })?;
-            Ok::<_, Failure>(members.into_iter().zip(answers).collect::<Vec<_>>())
-        }
-    }))
-    .await?;
-    let mut ordered: Vec<Option<call::WorkerCall>> = (0..calls.len()).map(|_| None).collect();
-    for (i, answer) in answered.into_iter().flatten() {
-        ordered[i] = Some(answer);
-    }
-    Ok(ordered.into_iter().flatten().collect())
 }
 
 /// Longest event id accepted. Ids travel into every output record, log line and span; a
@@ -742,9 +652,23 @@ fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
         )));
     }
     let hint = |key: &str| json.get(key).and_then(|v| v.as_str()).map(|v| bounded(v, MAX_ID_BYTES).to_string());
+    let frame_shape = "{\"uri\": \"…\"} or {\"data_b64\": \"…\"}";
     let message = match json.get("input") {
+        Some(input) if input.get("frames").is_some() => match input.get("frames") {
+            _ if input.as_object().is_some_and(|o| o.len() > 1) => {
+                "record is not a valid request: input has frames and other fields; give frames alone".to_string()
+            }
+            Some(serde_json::Value::Array(frames)) => match frames.iter().position(|f| {
+                let Some(f) = f.as_object() else { return true };
+                f.len() != 1 || !(f.get("uri").is_some_and(|v| v.is_string()) || f.get("data_b64").is_some_and(|v| v.is_string()))
+            }) {
+                Some(i) => format!("record is not a valid request: input.frames[{i}] must be {frame_shape}"),
+                None => format!("record is not a valid request: {}", bounded(&error.to_string(), LOG_FIELD_MAX_BYTES)),
+            },
+            _ => format!("record is not a valid request: input.frames must be a list of {frame_shape}"),
+        },
         Some(input) if !input.is_object() || (input.get("uri").is_none() && input.get("data_b64").is_none()) => {
-            "record is not a valid request: input must be {\"uri\": \"file:///…\"} or {\"data_b64\": \"…\"}".to_string()
+            "record is not a valid request: input must be {\"uri\": \"file:///…\"}, {\"data_b64\": \"…\"} or {\"frames\": [...]}".to_string()
         }
         Some(input) if input.get("uri").is_some() && input.get("data_b64").is_some() => {
             "record is not a valid request: input has both uri and data_b64; give one".to_string()
@@ -760,34 +684,6 @@ fn parse_request(value: &[u8]) -> Result<RequestEvent, Rejection> {
         task: hint("task"),
     })
 }
-
-/// Runs CPU-bound work on a rayon pool and awaits it without blocking a tokio thread. The
-/// caller's span goes along, so the pool's logs carry the record's fields.
-/// Runs `work` on `pool`; the time it waits for a thread is a `cpu_queue_wait` span.
-async fn on_pool<T: Send + 'static>(
-    pool: &rayon::ThreadPool,
-    threads: usize,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, Failure> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let span = tracing::Span::current();
-    let waiting = tracing::info_span!("cpu_queue_wait", pool.threads = threads);
-    pool.spawn(move || {
-        drop(waiting);
-        let _entered = span.enter();
-        let _ = tx.send(std::panic::catch_unwind(AssertUnwindSafe(work)));
-    });
-    match rx.await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(_)) => Err(Failure::new(
-            ErrorKind::Internal,
-            Stage::Convert,
-            "conversion panicked on this input; see the gateway log",
-        )),
-        Err(_) => Err(Failure::new(ErrorKind::Internal, Stage::Convert, "cpu pool dropped the job")),
-    }
-}
-
 
 fn dead_letter(message: &OwnedMessage, rejection: Rejection) -> DeadLetterEvent {
     DeadLetterEvent {
@@ -822,6 +718,11 @@ mod tests {
         check(br#"{"id":"","task":"voice","input":{"uri":"file:///a"}}"#, ErrorKind::InvalidRequest, "id is empty");
         check(br#"{"id":"a","task":"voice","input":{"url":"file:///a"}}"#, ErrorKind::InvalidRequest, "input must be");
         check(br#"{"id":"a","task":"voice","input":{"uri":"x","data_b64":"y"}}"#, ErrorKind::InvalidRequest, "both");
+        check(br#"{"id":"a","task":"image","input":{"frames":"a.png"}}"#, ErrorKind::InvalidRequest, "input.frames must be a list");
+        check(br#"{"id":"a","task":"image","input":{"frames":[{"uri":"a"},{"url":"b"}]}}"#, ErrorKind::InvalidRequest, "input.frames[1] must be");
+        check(br#"{"id":"a","task":"image","input":{"frames":[],"uri":"a"}}"#, ErrorKind::InvalidRequest, "frames alone");
+        let batch = read_request(br#"{"id":"a","task":"image","input":{"frames":[{"uri":"file:///a.png"},{"data_b64":"AA=="}]}}"#);
+        assert!(matches!(batch.map(|r| r.input), Ok(InputRef::Frames { frames }) if frames.len() == 2));
         let long = format!(r#"{{"id":"{}","task":"voice","input":{{"uri":"file:///a"}}}}"#, "x".repeat(5000));
         let rejection = check(long.as_bytes(), ErrorKind::InvalidRequest, "limit is 256 bytes");
         assert_eq!(rejection.id.map(|id| id.len()), Some(MAX_ID_BYTES), "echoed cut short");

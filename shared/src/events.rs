@@ -120,6 +120,28 @@ pub enum InputRef {
     Uri { uri: String },
     /// The bytes themselves, standard base64.
     Inline { data_b64: String },
+    /// Several pictures for a task that takes pictures (the frames an upstream step extracted
+    /// from a video, say): each is converted, admitted and answered on its own, and the result
+    /// has one entry per frame, in this order ([`FramesOutput`]). Bounded by the task's
+    /// `video.max_batch_frames` and `video.max_batch_bytes`.
+    Frames { frames: Vec<FrameRef> },
+}
+
+/// One picture of an [`InputRef::Frames`] batch: a URI or the bytes themselves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged, deny_unknown_fields)]
+pub enum FrameRef {
+    Uri { uri: String },
+    Inline { data_b64: String },
+}
+
+impl From<FrameRef> for InputRef {
+    fn from(frame: FrameRef) -> Self {
+        match frame {
+            FrameRef::Uri { uri } => InputRef::Uri { uri },
+            FrameRef::Inline { data_b64 } => InputRef::Inline { data_b64 },
+        }
+    }
 }
 
 /// Time spent in each stage of one request, in milliseconds.
@@ -186,8 +208,59 @@ pub struct ImageOutput {
     /// Size of the input image after its EXIF orientation.
     pub width: u32,
     pub height: u32,
-    /// The decoded format: `png`, `jpeg` or `webp`.
+    /// The decoded format: `png`, `jpeg` or `webp`; `ppm` for a video's frame.
     pub format: String,
+}
+
+/// The output of a picture task for a batch of frames or a video: one entry per frame, in
+/// frame order. Each entry holds the task's usual output for that frame, or why that frame
+/// failed while the others were answered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FramesOutput {
+    pub frames: Vec<FrameEntry>,
+    /// What the gateway read of the video, for an event that named one; absent for a batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub video: Option<VideoInfo>,
+}
+
+/// One frame's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FrameEntry {
+    /// The frame's place: in the batch, or among the frames the video's policy chose (from 0).
+    pub index: u32,
+    /// The frame's presentation time in the video, in seconds, as the container states it
+    /// (`ffprobe`'s `pts_time`); absent for a batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pts_seconds: Option<f64>,
+    /// The task's output for this frame, as it is for one picture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<serde_json::Value>,
+    /// Why this frame has no output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+}
+
+/// A video as the gateway read it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct VideoInfo {
+    /// The demuxer's name for the container, e.g. `mov,mp4,m4a,3gp,3g2,mj2` or `matroska,webm`.
+    pub container: String,
+    /// The video stream's codec, e.g. `h264`, `vp8`.
+    pub codec: String,
+    pub width: u32,
+    pub height: u32,
+    /// The container's duration, when it states one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_seconds: Option<f64>,
+    /// How the frames were chosen: `intra`, `every_seconds=S` or `scene_change=T`.
+    pub policy: String,
+    /// Whether the policy chose more frames than the task's `video.max_frames`, of which only
+    /// the first were answered.
+    pub truncated: bool,
+    /// Why decoding stopped before the end (a frame the decoder could not read, its time
+    /// bound), when it did; the frames before were answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<ErrorInfo>,
 }
 
 /// One detected face: a box in input pixels and the model's face probability; with MTCNN's
@@ -222,6 +295,9 @@ pub enum ErrorKind {
     InvalidAudio,
     /// The input is an image that cannot be decoded (corrupt or truncated PNG/JPEG/WebP).
     InvalidImage,
+    /// The input is a video that cannot be demuxed or decoded (corrupt, truncated, a stream
+    /// the decoder refuses, a decoder that crashed on it), or that gave no frame.
+    InvalidVideo,
     /// The input is larger than the configured limits (bytes, seconds of audio, pixels).
     InputTooLarge,
     /// The input file named by the request does not exist.
@@ -261,6 +337,7 @@ impl ErrorKind {
             ErrorKind::UnsupportedInput => "unsupported_input",
             ErrorKind::InvalidAudio => "invalid_audio",
             ErrorKind::InvalidImage => "invalid_image",
+            ErrorKind::InvalidVideo => "invalid_video",
             ErrorKind::InputTooLarge => "input_too_large",
             ErrorKind::InputNotFound => "input_not_found",
             ErrorKind::InputOutsideRoot => "input_outside_root",
@@ -512,6 +589,7 @@ mod tests {
             ErrorKind::UnsupportedInput,
             ErrorKind::InvalidAudio,
             ErrorKind::InvalidImage,
+            ErrorKind::InvalidVideo,
             ErrorKind::InputTooLarge,
             ErrorKind::InputNotFound,
             ErrorKind::InputOutsideRoot,

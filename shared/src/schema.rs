@@ -17,7 +17,7 @@ use schemars::{schema_for, Schema};
 use serde_json::json;
 
 use crate::events::{
-    DeadLetterEvent, ImageOutput, ImageRequestOptions, RequestEvent, ResultEvent, VoiceOutput, VoiceRequestOptions,
+    DeadLetterEvent, FramesOutput, ImageOutput, ImageRequestOptions, RequestEvent, ResultEvent, VoiceOutput, VoiceRequestOptions,
     SCHEMA_VERSION,
 };
 
@@ -29,6 +29,7 @@ pub fn schemas() -> Vec<(&'static str, Schema)> {
         ("dead-letter.json", schema_for!(DeadLetterEvent)),
         ("voice-output.json", schema_for!(VoiceOutput)),
         ("image-output.json", schema_for!(ImageOutput)),
+        ("frames-output.json", schema_for!(FramesOutput)),
     ];
     for (file, schema) in &mut all {
         schema.insert("$id".into(), format!("https://vramgate.invalid/schemas/v{SCHEMA_VERSION}/{file}").into());

@@ -7,7 +7,8 @@
 //! the schema of its kind: the `voice` task's to `voice-output.json`; the `image` task's to
 //! `image-output.json`, or in `tensor` mode (an output of `input` and `outputs`) to
 //! `task-output.json`, as every other task's (the configured tasks' `[[outputs]]` rows). A
-//! record of a `*.dlq` topic is a dead letter (`dead-letter.json`). Other topics (requests, the
+//! result of a video or a batch of frames (`output.frames`) is held to `frames-output.json`,
+//! and each frame's `output` to its kind as above. A record of a `*.dlq` topic is a dead letter (`dead-letter.json`). Other topics (requests, the
 //! tests' own) are not checked.
 
 use std::sync::OnceLock;
@@ -22,7 +23,7 @@ const MAX_REPORT_CHARS: usize = 2000;
 fn validator(name: &str) -> &'static jsonschema::Validator {
     static SCHEMAS: OnceLock<Vec<(String, jsonschema::Validator)>> = OnceLock::new();
     let all = SCHEMAS.get_or_init(|| {
-        ["result", "dead-letter", "voice-output", "image-output", "task-output"]
+        ["result", "dead-letter", "voice-output", "image-output", "task-output", "frames-output"]
             .into_iter()
             .map(|name| {
                 let path = repo_root().join("schemas/v1").join(format!("{name}.json"));
@@ -48,12 +49,27 @@ pub fn check_record(topic: &str, value: &Value) -> Result<(), String> {
     if topic.ends_with(".results") {
         broken.extend(violations("result", value).into_iter().map(|v| format!("result.json: {v}")));
         let output = value.get("output").unwrap_or(&Value::Null);
-        let kind = match value.get("task").and_then(Value::as_str) {
+        let kind_of = |output: &Value| match value.get("task").and_then(Value::as_str) {
             Some("voice") => "voice-output",
             Some("image") if output.get("outputs").is_none() => "image-output",
             _ => "task-output",
         };
-        broken.extend(violations(kind, output).into_iter().map(|v| format!("{kind}.json: {v}")));
+        match output.get("frames") {
+            // A video's or a batch's: the entries' shape, then each frame's output as its kind.
+            Some(frames) => {
+                broken.extend(violations("frames-output", output).into_iter().map(|v| format!("frames-output.json: {v}")));
+                for (i, frame) in frames.as_array().into_iter().flatten().enumerate() {
+                    if let Some(one) = frame.get("output") {
+                        let kind = kind_of(one);
+                        broken.extend(violations(kind, one).into_iter().map(|v| format!("{kind}.json (frame {i}): {v}")));
+                    }
+                }
+            }
+            None => {
+                let kind = kind_of(output);
+                broken.extend(violations(kind, output).into_iter().map(|v| format!("{kind}.json: {v}")));
+            }
+        }
     } else if topic.ends_with(".dlq") {
         broken.extend(violations("dead-letter", value).into_iter().map(|v| format!("dead-letter.json: {v}")));
     }

@@ -68,6 +68,8 @@ pub enum FetchError {
     BadBase64(base64::DecodeError),
     #[error("input uri '{0}' is not valid percent-encoding")]
     BadEscape(String),
+    #[error("input.frames is a batch; each of its frames is opened on its own")]
+    Batch,
 }
 
 impl FetchError {
@@ -80,7 +82,8 @@ impl FetchError {
             | FetchError::BucketNotListed(_)
             | FetchError::HostNotListed(_)
             | FetchError::BadUrl { .. }
-            | FetchError::BadKey { .. } => ErrorKind::UnsupportedInput,
+            | FetchError::BadKey { .. }
+            | FetchError::Batch => ErrorKind::UnsupportedInput,
             FetchError::NotFound(_) | FetchError::ObjectNotFound(_) => ErrorKind::InputNotFound,
             _ => ErrorKind::FetchFailed,
         }
@@ -161,6 +164,7 @@ impl InputSource {
     /// ([`crate::record`]).
     pub fn open(&self, input: InputRef) -> Result<Opened, FetchError> {
         match input {
+            InputRef::Frames { .. } => Err(FetchError::Batch),
             InputRef::Inline { data_b64 } => {
                 // base64 is 4 characters per 3 bytes; check before allocating the decoded copy.
                 let size = (data_b64.len() as u64 / 4) * 3;

@@ -1,6 +1,6 @@
 //! Image bytes → the model's input tensor: the header probe (an oversized image is refused
 //! before a pixel is decoded), the peak memory of a conversion, the decode under limits (PNG,
-//! JPEG, WebP) with decoder panics caught, the EXIF orientation, and the fit (stretch or
+//! JPEG, WebP, and binary PPM: the frames the video decoder writes) with decoder panics caught, the EXIF orientation, and the fit (stretch or
 //! letterbox), resize and normalisation into the CHW tensor. [`Placement`] records how the
 //! model input was made, for the sibling `faces` module to map boxes back.
 //!
@@ -11,6 +11,7 @@ use std::panic::{self, AssertUnwindSafe};
 
 use ::image::codecs::jpeg::JpegDecoder;
 use ::image::codecs::png::PngDecoder;
+use ::image::codecs::pnm::PnmDecoder;
 use ::image::codecs::webp::WebPDecoder;
 use ::image::imageops::FilterType;
 use ::image::metadata::Orientation;
@@ -211,12 +212,14 @@ fn open(bytes: &[u8], max_pixels: u64) -> Result<Opened<'_>, Failure> {
         Ok(ImageFormat::Png) => "png",
         Ok(ImageFormat::Jpeg) => "jpeg",
         Ok(ImageFormat::WebP) => "webp",
+        // Binary RGB only (`P6`): what the video decoder writes for each frame.
+        Ok(ImageFormat::Pnm) if bytes.starts_with(b"P6") => "ppm",
         Ok(other) => {
             let name = format!("{other:?}").to_lowercase();
             return Err(Failure::new(
                 ErrorKind::UnsupportedInput,
                 Stage::Convert,
-                format!("input is a {name} image; this task takes png, jpeg or webp"),
+                format!("input is a {name} image; this task takes png, jpeg, webp or binary ppm"),
             ));
         }
         Err(_) => {
@@ -234,6 +237,7 @@ fn open(bytes: &[u8], max_pixels: u64) -> Result<Opened<'_>, Failure> {
         let decoder: Box<dyn ImageDecoder + '_> = match format {
             "png" => Box::new(PngDecoder::with_limits(cursor, png_limits()).map_err(fail)?),
             "jpeg" => Box::new(JpegDecoder::new(cursor).map_err(fail)?),
+            "ppm" => Box::new(PnmDecoder::new(cursor).map_err(fail)?),
             _ => Box::new(WebPDecoder::new(cursor).map_err(fail)?),
         };
         Ok(decoder)
@@ -681,7 +685,7 @@ mod tests {
             check_failure(convert(bytes, &ImageOptions::default()), kind, Stage::Convert);
         }
         let gif = probe(b"GIF89a\x01\x00", 1).expect_err("gif");
-        assert_eq!(gif.message, "input is a gif image; this task takes png, jpeg or webp");
+        assert_eq!(gif.message, "input is a gif image; this task takes png, jpeg, webp or binary ppm");
     }
 
     #[test]
