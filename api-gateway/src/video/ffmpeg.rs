@@ -230,7 +230,7 @@ pub async fn probe(file: &VideoFile, options: &VideoOptions) -> Result<Probed, F
 }
 
 /// `ffprobe`'s JSON, checked against the limits.
-fn read_probe(out: &[u8], options: &VideoOptions) -> Result<Probed, Failure> {
+pub fn read_probe(out: &[u8], options: &VideoOptions) -> Result<Probed, Failure> {
     let value: serde_json::Value =
         serde_json::from_slice(out).map_err(|e| failure(ErrorKind::InvalidVideo, format!("ffprobe's answer is not JSON ({e})")))?;
     let container = value["format"]["format_name"].as_str().unwrap_or("").chars().take(64).collect::<String>();
@@ -270,7 +270,9 @@ fn read_probe(out: &[u8], options: &VideoOptions) -> Result<Probed, Failure> {
 /// other frames in the decoder itself) and reports each one's time.
 fn filters(policy: Policy) -> String {
     let select = match policy {
-        Policy::Named(Named::Intra) => String::new(),
+        // Skipped in the decoder already where it can (`-skip_frame nokey`); some decoders
+        // (VP9, AV1) give every frame regardless, and the key flag takes their key frames.
+        Policy::Named(Named::Intra) => "select='eq(key\\,1)',".to_string(),
         Policy::EverySeconds { every_seconds } => format!("select='isnan(prev_selected_t)+gte(t-prev_selected_t\\,{every_seconds})',"),
         Policy::SceneChange { scene_change } => format!("select='eq(n\\,0)+gt(scene\\,{scene_change})',"),
     };
@@ -383,7 +385,7 @@ async fn read_log(stderr: tokio::process::ChildStderr, times: mpsc::UnboundedSen
 
 /// A `showinfo` frame line's `pts_time`: `Some(None)` for a frame without one, `None` for
 /// another `showinfo` line (its configuration).
-fn showinfo_time(line: &str) -> Option<Option<f64>> {
+pub fn showinfo_time(line: &str) -> Option<Option<f64>> {
     let after = line.split_once("] ")?.1;
     if !after.trim_start().starts_with("n:") {
         return None;
@@ -452,7 +454,7 @@ impl Decoder {
 
 /// One binary PPM frame as FFmpeg's encoder writes it (`P6\n<w> <h>\n255\n` and the pixels);
 /// `None` at the end of the stream.
-async fn read_ppm(reader: &mut (impl AsyncRead + Unpin), max_pixels: u64) -> Result<Option<Vec<u8>>, Failure> {
+pub async fn read_ppm(reader: &mut (impl AsyncRead + Unpin), max_pixels: u64) -> Result<Option<Vec<u8>>, Failure> {
     let bad = |what: &str| failure(ErrorKind::Internal, format!("the decoder's frame stream is malformed: {what}"));
     let mut header = Vec::with_capacity(32);
     let mut newlines = 0;
@@ -695,5 +697,28 @@ mod tests {
         let limits = program("limits", "echo \"as=$(ulimit -v) cpu=$(ulimit -t) files=$(ulimit -n) core=$(ulimit -c)\" >&2; exit 1");
         let failure = probe(&file, &VideoOptions { ffprobe: limits, ..options }).await.unwrap_err();
         assert!(failure.message.ends_with("as=2097152 cpu=1 files=64 core=0"), "{}", failure.message);
+    }
+
+    #[tokio::test]
+    async fn every_container_and_codec_read_gives_its_key_frames() {
+        // The fuzz seeds: FFmpeg's test pattern in each container and codec the gateway reads,
+        // 0.6 s at 10 frames a second with a key frame every 3 (fuzz/README.md).
+        let seeds = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/video");
+        let mut read = Vec::new();
+        for entry in std::fs::read_dir(&seeds).expect("the seeds") {
+            let path = entry.expect("an entry").path();
+            let bytes = std::fs::read(&path).expect("a seed");
+            let name = path.file_name().expect("a name").to_string_lossy().into_owned();
+            assert!(super::super::sniff(&bytes).is_some(), "{name} is not told as a video");
+            let file = VideoFile::new(&bytes).unwrap();
+            let probed = probe(&file, &VideoOptions::default()).await.unwrap_or_else(|f| panic!("{name}: {}", f.message));
+            let (frames, failed, _) = all(&file, &VideoOptions::default(), Policy::Named(Named::Intra)).await;
+            assert!(failed.is_none(), "{name}: {:?}", failed.map(|f| f.message));
+            assert_eq!(frames.len(), 2, "{name}: key frames at 0 and 0.3 s");
+            read.push(format!("{name} ({})", probed.codec));
+        }
+        read.sort();
+        assert_eq!(read.len(), 8, "{read:?}");
+        eprintln!("read: {}", read.join(", "));
     }
 }

@@ -31,7 +31,9 @@ pub const MAX_FRAMES_IN_FLIGHT: usize = 64;
 #[serde(untagged, deny_unknown_fields)]
 pub enum Policy {
     /// `"intra"`: the stream's own key frames, as `ffprobe -skip_frame nokey` lists them. Only
-    /// they are decoded, which makes this the cheapest.
+    /// they are decoded where the decoder can skip the others (H.264, H.265, VP8, MPEG-2,
+    /// MPEG-4), which makes this the cheapest; VP9 and AV1 decode every frame and keep those
+    /// flagged as key frames (where `ffprobe -skip_frame nokey` lists every frame).
     Named(Named),
     /// `{ every_seconds = S }`: the first frame, then each first frame at least `S` seconds
     /// after the last one chosen.
