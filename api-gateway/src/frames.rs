@@ -167,14 +167,14 @@ pub async fn video(
     );
     let file = VideoFile::new(&bytes)?;
     drop(bytes);
-    let probed = ffmpeg::probe(&file, &options).instrument(span.clone()).await?;
-    span.record("video.codec", probed.codec.as_str());
-    span.record("video.width", probed.width);
-    span.record("video.height", probed.height);
     let mut decoder = {
         let _entered = span.enter();
         ffmpeg::decode(&file, &options, policy)?
     };
+    let probed = decoder.header().instrument(span.clone()).await?;
+    span.record("video.codec", probed.codec.as_str());
+    span.record("video.width", probed.width);
+    span.record("video.height", probed.height);
     let (tx, mut rx) = mpsc::channel::<Decoded>(1);
     let decoding = async move {
         // The memory file lives as long as its reader.

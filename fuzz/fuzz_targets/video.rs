@@ -1,15 +1,15 @@
 //! The picture tasks' video input, as the gateway reads it (`video`): the container sniffed
 //! from the first bytes, then, for what looks like a video, the whole path through FFmpeg
-//! itself: the sealed memory file, `ffprobe`'s header checked against the limits, `ffmpeg`
-//! decoding the key frames under the sandbox's limits, and its output read back (PPM frames,
-//! `showinfo` times). The parsers of FFmpeg's output are also fed the input directly: the probe's
-//! JSON, the PPM stream, the `showinfo` lines.
+//! itself: the sealed memory file, `ffmpeg` under the sandbox's limits, its input dump read as
+//! the header and checked against the limits, the key frames decoded and read back (PPM frames,
+//! `showinfo` times). The readers of FFmpeg's output are also fed the input directly: its lines
+//! as the input dump and as `showinfo` lines, its bytes as the PPM stream.
 //!
 //! Checked: no refusal is `internal` (FFmpeg's output, whatever the input, is read without a
 //! malformed stream); a probe that passes is within the limits; every frame is a binary PPM
 //! that the picture decoder reads, within the pixel limit, with a time where FFmpeg gave one.
-//! Each input that sniffs as a video costs two short FFmpeg processes, so this target runs
-//! tens, not thousands, of inputs a second.
+//! Each input that sniffs as a video costs a short FFmpeg process, so this target runs tens, not
+//! thousands, of inputs a second.
 
 #![no_main]
 
@@ -46,10 +46,11 @@ fn check_frame(ppm: &[u8]) {
 
 fuzz_target!(|data: &[u8]| {
     let options = options();
-    if let Ok(probed) = ffmpeg::read_probe(data, options) {
-        assert!(u64::from(probed.width) * u64::from(probed.height) <= options.max_pixels);
-    }
+    let mut header = ffmpeg::Header::default();
     for line in String::from_utf8_lossy(data).lines() {
+        if let Some(Ok(probed)) = header.read(line, options) {
+            assert!(u64::from(probed.width) * u64::from(probed.height) <= options.max_pixels);
+        }
         let _ = ffmpeg::showinfo_time(line);
     }
     runtime().block_on(async {
@@ -64,7 +65,8 @@ fuzz_target!(|data: &[u8]| {
     }
     runtime().block_on(async {
         let file = VideoFile::new(data).expect("a memory file");
-        let probed = match ffmpeg::probe(&file, options).await {
+        let mut decoder = ffmpeg::decode(&file, options, Policy::Named(Named::Intra)).expect("the decoder starts");
+        let probed = match decoder.header().await {
             Ok(probed) => probed,
             Err(failure) => {
                 assert_ne!(failure.kind, ErrorKind::Internal, "{}", failure.message);
@@ -72,7 +74,6 @@ fuzz_target!(|data: &[u8]| {
             }
         };
         assert!(u64::from(probed.width) * u64::from(probed.height) <= options.max_pixels);
-        let mut decoder = ffmpeg::decode(&file, options, Policy::Named(Named::Intra)).expect("the decoder starts");
         while let Some(next) = decoder.next().await {
             match next {
                 Ok(frame) => check_frame(&frame.ppm),

@@ -75,8 +75,8 @@ async fn key_frames_are_ffprobe_s_and_their_pixels_ffmpeg_s() {
         let pngs = ffmpeg_key_frame_pngs(&path, &dir);
         assert_eq!(pngs.len(), want_times.len(), "{name}: ffmpeg and ffprobe disagree on the key frames");
         let file = VideoFile::new(&std::fs::read(&path).expect("clip")).expect("memory file");
-        let probed = ffmpeg::probe(&file, &options).await.unwrap_or_else(|f| panic!("{name}: {}", f.message));
         let mut decoder = ffmpeg::decode(&file, &options, Policy::Named(Named::Intra)).expect("decoder");
+        let probed = decoder.header().await.unwrap_or_else(|f| panic!("{name}: {}", f.message));
         let mut worst = 0u8;
         let mut index = 0;
         while let Some(frame) = decoder.next().await {

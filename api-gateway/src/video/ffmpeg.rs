@@ -1,11 +1,18 @@
-//! FFmpeg as a sandboxed child process: `ffprobe` reads a video's header, `ffmpeg` decodes the
+//! FFmpeg as a sandboxed child process: one `ffmpeg` per video reads its header, decodes the
 //! frames a policy chooses and writes them to a pipe as binary PPM (`P6`), one after another.
+//! Its log (stderr) gives the header as FFmpeg's input dump states it (`Input #0, <container>`,
+//! `Duration:`, the first `Stream #0:n: Video: <codec>, …, <w>x<h>` line), checked against the
+//! limits before the first frame is taken, and each chosen frame's time (`showinfo`). One
+//! process rather than `ffprobe` then `ffmpeg`: starting Debian's FFmpeg costs about 50 ms of
+//! CPU (its libraries' loading), which a second process would double for a video of few key
+//! frames (`docs/performance.md`, "Video decoding").
 //!
 //! The video is handed over as a sealed memory file (`memfd`) on descriptor 3, opened by the
 //! child as `file:/dev/fd/3`: nothing touches the disk, the child cannot change it, and the
 //! only protocol it may open is `file` (so a playlist or reference inside the file cannot
-//! reach the network or another path). Each child runs with:
-//! - only the allowed containers ([`super::CONTAINERS`]) and decoders (`video.decoders`);
+//! reach the network or another path). The child runs with:
+//! - only the allowed containers ([`super::CONTAINERS`]) and decoders (`video.decoders`), and
+//!   the decoder's own pixel limit (`-max_pixels`);
 //! - `RLIMIT_AS` of `video.decoder_memory_bytes`, `RLIMIT_CPU` of `video.decode_timeout_seconds`,
 //!   64 open files, no core file, an empty environment but `PATH`, `/` as its directory;
 //! - one decoding thread (`-threads 1`): a video costs one core, and several videos share the
@@ -24,7 +31,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use vramgate_shared::events::{ErrorKind, Stage};
 
 use super::{Named, Policy, VideoOptions, CONTAINERS};
@@ -34,8 +41,6 @@ use crate::failure::Failure;
 const MAX_LINE_BYTES: usize = 512;
 /// Stderr lines (other than frame times) kept for a failure's reason.
 const KEPT_LINES: usize = 8;
-/// Most bytes of `ffprobe`'s answer read.
-const MAX_PROBE_OUTPUT_BYTES: usize = 64 * 1024;
 
 /// A video's bytes as a sealed memory file, for the children to read.
 pub struct VideoFile {
@@ -62,7 +67,7 @@ impl VideoFile {
     }
 }
 
-/// What `ffprobe` read of a video's header.
+/// A video's header, as FFmpeg's input dump states it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Probed {
     pub container: String,
@@ -139,24 +144,9 @@ fn decoder_list(options: &VideoOptions) -> String {
     options.decoders.join(",")
 }
 
-/// Whether a stream of `codec` (ffprobe's name) has an allowed decoder.
+/// Whether a stream of `codec` (FFmpeg's name) has an allowed decoder.
 fn codec_allowed(options: &VideoOptions, codec: &str) -> bool {
     options.decoders.iter().any(|d| d == codec || (codec == "av1" && matches!(d.as_str(), "libdav1d" | "libaom-av1")))
-}
-
-/// Reads at most `limit` bytes of `reader`, and drains (drops) the rest.
-async fn read_bounded(mut reader: impl AsyncRead + Unpin, limit: usize) -> Vec<u8> {
-    let mut kept = Vec::new();
-    let mut chunk = [0u8; 8192];
-    loop {
-        match reader.read(&mut chunk).await {
-            Ok(0) | Err(_) => return kept,
-            Ok(n) => {
-                let room = limit.saturating_sub(kept.len());
-                kept.extend_from_slice(&chunk[..n.min(room)]);
-            }
-        }
-    }
 }
 
 /// FFmpeg's closing lines, which say only that something before them failed.
@@ -169,10 +159,11 @@ const GENERIC: [&str; 4] = ["Conversion failed!", "Error marking filters as fini
 fn reason(lines: &[String]) -> String {
     let worth = |l: &&String| !l.trim().is_empty() && !GENERIC.iter().any(|g| l.contains(g));
     let line = lines.iter().rev().find(worth).map_or("", String::as_str);
-    let line = match line.split_once(" @ 0x").and_then(|(_, rest)| rest.split_once("] ")) {
-        Some((_, rest)) if line.starts_with('[') => rest,
-        _ => line,
-    };
+    let mut line = line;
+    // Each `[context @ 0x…] ` prefix (a decoder's, then a helper's within it).
+    while let Some(rest) = line.strip_prefix('[').and_then(|l| l.split_once("] ")).filter(|(context, _)| context.contains(" @ 0x")).map(|(_, rest)| rest) {
+        line = rest;
+    }
     let line = line.replace("file:/dev/fd/3: ", "").replace("file:/dev/fd/3", "the video");
     let clean: String = line.chars().map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).take(MAX_LINE_BYTES).collect();
     let clean = clean.trim();
@@ -201,69 +192,78 @@ fn ended(program: &str, status: ExitStatus, lines: &[String], options: &VideoOpt
     }
 }
 
-/// Reads the video's header with `ffprobe`, and checks it against the limits.
-pub async fn probe(file: &VideoFile, options: &VideoOptions) -> Result<Probed, Failure> {
-    let mut command = command(&options.ffprobe, file, options);
-    command.args(["-v", "error", "-hide_banner", "-protocol_whitelist", "file", "-format_whitelist", CONTAINERS]);
-    command.args(["-select_streams", "v:0", "-show_entries", "stream=codec_name,width,height:format=format_name,duration", "-of", "json"]);
-    command.arg("file:/dev/fd/3");
-    let mut child = spawn(&options.ffprobe, &mut command)?;
-    let stdout = child.stdout.take().expect("piped");
-    let stderr = child.stderr.take().expect("piped");
-    let wait = async {
-        let (out, err) = tokio::join!(read_bounded(stdout, MAX_PROBE_OUTPUT_BYTES), read_bounded(stderr, 4 * MAX_LINE_BYTES));
-        let status = child.wait().await;
-        (out, err, status)
-    };
-    let (out, err, status) = tokio::time::timeout(seconds(options.decode_timeout_seconds), wait).await.map_err(|_| {
-        failure(ErrorKind::Timeout, format!("reading the video's header took more than {} s (video.decode_timeout_seconds)", options.decode_timeout_seconds))
-    })?;
-    let status = status.map_err(|e| failure(ErrorKind::Internal, format!("waiting for ffprobe: {e}")))?;
-    let lines: Vec<String> = String::from_utf8_lossy(&err).lines().map(str::to_string).collect();
-    ended("ffprobe", status, &lines, options).map_err(|mut f| {
-        if f.kind == ErrorKind::InvalidVideo && lines.iter().any(|l| l.contains("Invalid data found")) {
-            f.message = format!("the input is not a video this gateway reads (containers: {CONTAINERS}): {}", reason(&lines));
-        }
-        f
-    })?;
-    read_probe(&out, options)
+/// What FFmpeg's input dump says of the video, as far as it has been read.
+#[derive(Debug, Default)]
+pub struct Header {
+    container: Option<String>,
+    duration_seconds: Option<f64>,
 }
 
-/// `ffprobe`'s JSON, checked against the limits.
-pub fn read_probe(out: &[u8], options: &VideoOptions) -> Result<Probed, Failure> {
-    let value: serde_json::Value =
-        serde_json::from_slice(out).map_err(|e| failure(ErrorKind::InvalidVideo, format!("ffprobe's answer is not JSON ({e})")))?;
-    let container = value["format"]["format_name"].as_str().unwrap_or("").chars().take(64).collect::<String>();
-    let Some(stream) = value["streams"].get(0) else {
-        return Err(failure(ErrorKind::InvalidVideo, format!("the {container} file has no video stream")));
-    };
-    let codec: String = stream["codec_name"].as_str().unwrap_or("unknown").chars().take(64).collect();
-    if !codec_allowed(options, &codec) {
+impl Header {
+    /// Reads one line of FFmpeg's log; `Some` once the first video stream's line is read:
+    /// the header, checked against the limits.
+    pub fn read(&mut self, line: &str, options: &VideoOptions) -> Option<Result<Probed, Failure>> {
+        let cut = |s: &str| s.chars().take(64).collect::<String>();
+        if let Some(rest) = line.strip_prefix("Input #0, ") {
+            self.container = rest.split_once(", from ").map(|(name, _)| cut(name));
+            return None;
+        }
+        if let Some(rest) = line.trim_start().strip_prefix("Duration: ") {
+            self.duration_seconds = rest.split(',').next().and_then(clock_seconds);
+            return None;
+        }
+        let (_, video) = line.trim_start().strip_prefix("Stream #0:")?.split_once(": Video: ")?;
+        let codec = cut(video.split([' ', ',']).next().unwrap_or("unknown"));
+        let size = video.split([' ', ',']).find_map(|t| {
+            let (w, h) = t.split_once('x')?;
+            Some((w.parse::<u32>().ok()?, h.parse::<u32>().ok()?))
+        });
+        let probed = Probed {
+            container: self.container.clone().unwrap_or_default(),
+            codec,
+            width: size.map_or(0, |s| s.0),
+            height: size.map_or(0, |s| s.1),
+            duration_seconds: self.duration_seconds,
+        };
+        Some(check(probed, options))
+    }
+}
+
+/// `HH:MM:SS.ss` as seconds; `None` for `N/A` or anything else.
+fn clock_seconds(clock: &str) -> Option<f64> {
+    let mut parts = clock.trim().split(':');
+    let (h, m, s) = (parts.next()?.parse::<f64>().ok()?, parts.next()?.parse::<f64>().ok()?, parts.next()?.parse::<f64>().ok()?);
+    let seconds = h * 3600.0 + m * 60.0 + s;
+    (parts.next().is_none() && seconds.is_finite() && seconds >= 0.0).then_some(seconds)
+}
+
+/// A video's header held to the limits: an allowed codec, a frame size within `max_pixels`, a
+/// stated duration within `max_duration_seconds`.
+fn check(probed: Probed, options: &VideoOptions) -> Result<Probed, Failure> {
+    let Probed { codec, width, height, duration_seconds, .. } = &probed;
+    if !codec_allowed(options, codec) {
         return Err(failure(
             ErrorKind::UnsupportedInput,
             format!("the video stream is {codec}; this task decodes {} (video.decoders)", options.decoders.join(", ")),
         ));
     }
-    let dimension = |key: &str| stream[key].as_u64().and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
-    let (width, height) = (dimension("width"), dimension("height"));
-    if width == 0 || height == 0 {
+    if *width == 0 || *height == 0 {
         return Err(failure(ErrorKind::InvalidVideo, format!("the {codec} stream states no frame size")));
     }
-    let pixels = u64::from(width) * u64::from(height);
+    let pixels = u64::from(*width) * u64::from(*height);
     if pixels > options.max_pixels {
         return Err(failure(
             ErrorKind::InputTooLarge,
             format!("video frames are {width} × {height} = {pixels} pixels, more than the limit of {} (video.max_pixels)", options.max_pixels),
         ));
     }
-    let duration_seconds = value["format"]["duration"].as_str().and_then(|d| d.parse::<f64>().ok()).filter(|d| d.is_finite() && *d >= 0.0);
     if let Some(d) = duration_seconds.filter(|d| *d > options.max_duration_seconds) {
         return Err(failure(
             ErrorKind::InputTooLarge,
             format!("the video lasts {d:.1} s, more than the limit of {} s (video.max_duration_seconds)", options.max_duration_seconds),
         ));
     }
-    Ok(Probed { container, codec, width, height, duration_seconds })
+    Ok(probed)
 }
 
 /// The `-vf` chain that chooses the frames (after the decoder; `intra` chooses by skipping the
@@ -283,8 +283,9 @@ fn filters(policy: Policy) -> String {
 pub struct Decoder {
     child: Child,
     stdout: BufReader<ChildStdout>,
+    header: oneshot::Receiver<Result<Probed, Failure>>,
     times: mpsc::UnboundedReceiver<Option<f64>>,
-    lines: tokio::task::JoinHandle<Vec<String>>,
+    lines: tokio::task::JoinHandle<Log>,
     options: VideoOptions,
     max_pixels: u64,
     next: u32,
@@ -313,11 +314,13 @@ pub fn decode(file: &VideoFile, options: &VideoOptions, policy: Policy) -> Resul
     let stdout = BufReader::with_capacity(1 << 16, child.stdout.take().expect("piped"));
     let stderr = child.stderr.take().expect("piped");
     let (tx, times) = mpsc::unbounded_channel();
+    let (header_tx, header) = oneshot::channel();
     let wanted = options.max_frames as usize + 1;
-    let lines = tokio::spawn(read_log(stderr, tx, wanted));
+    let lines = tokio::spawn(read_log(stderr, header_tx, options.clone(), tx, wanted));
     Ok(Decoder {
         child,
         stdout,
+        header,
         times,
         lines,
         options: options.clone(),
@@ -328,10 +331,20 @@ pub fn decode(file: &VideoFile, options: &VideoOptions, policy: Policy) -> Resul
     })
 }
 
-/// Reads FFmpeg's log: each `showinfo` line's `pts_time` goes to `times` (at most `wanted`), and
-/// the last [`KEPT_LINES`] other lines are returned for a failure's reason.
-async fn read_log(stderr: tokio::process::ChildStderr, times: mpsc::UnboundedSender<Option<f64>>, wanted: usize) -> Vec<String> {
+/// Reads FFmpeg's log: the input dump's header goes to `header` (checked, once; never sent
+/// when the dump has no video stream), each `showinfo` line's `pts_time` to `times` (at most
+/// `wanted`), and the last [`KEPT_LINES`] other lines are returned for a failure's reason.
+async fn read_log(
+    stderr: tokio::process::ChildStderr,
+    header: oneshot::Sender<Result<Probed, Failure>>,
+    options: VideoOptions,
+    times: mpsc::UnboundedSender<Option<f64>>,
+    wanted: usize,
+) -> Log {
     let mut reader = BufReader::new(stderr);
+    let mut over_pixels = None;
+    let mut header = Some(header);
+    let mut dump = Header::default();
     let mut kept: std::collections::VecDeque<String> = std::collections::VecDeque::new();
     let mut sent = 0;
     let mut line = Vec::new();
@@ -362,6 +375,23 @@ async fn read_log(stderr: tokio::process::ChildStderr, times: mpsc::UnboundedSen
             break;
         }
         let text = String::from_utf8_lossy(&line).trim_end().to_string();
+        if text.starts_with("Output #") || text.starts_with("Stream mapping:") {
+            // The input dump is over; what follows describes the output.
+            header = None;
+        }
+        if over_pixels.is_none() && text.contains("exceeds specified max pixel count") {
+            over_pixels = Some(reason(std::slice::from_ref(&text)));
+        }
+        if header.is_some() {
+            if let Some(mut read) = dump.read(&text, &options) {
+                // The decoder refused the frame size while reading the header (the dump then
+                // states none).
+                if let Some(said) = &over_pixels {
+                    read = Err(failure(ErrorKind::InputTooLarge, format!("a video frame is past video.max_pixels ({}): {said}", options.max_pixels)));
+                }
+                let _ = header.take().expect("checked").send(read);
+            }
+        }
         if text.contains("Parsed_showinfo") {
             if let Some(time) = showinfo_time(&text) {
                 if sent < wanted {
@@ -380,7 +410,16 @@ async fn read_log(stderr: tokio::process::ChildStderr, times: mpsc::UnboundedSen
             break;
         }
     }
-    kept.into()
+    Log { lines: kept.into(), over_pixels }
+}
+
+/// What the log kept for a failure's reason.
+#[derive(Default)]
+struct Log {
+    /// Its last lines (not frame times).
+    lines: Vec<String>,
+    /// The decoder's refusal of a picture past `-max_pixels`, if it said so.
+    over_pixels: Option<String>,
 }
 
 /// A `showinfo` frame line's `pts_time`: `Some(None)` for a frame without one, `None` for
@@ -395,6 +434,32 @@ pub fn showinfo_time(line: &str) -> Option<Option<f64>> {
 }
 
 impl Decoder {
+    /// The video's header, checked against the limits; to be asked before the frames. A
+    /// failure here ends the decode.
+    pub async fn header(&mut self) -> Result<Probed, Failure> {
+        let wait = seconds(self.options.decode_timeout_seconds);
+        let read = tokio::time::timeout(wait, &mut self.header).await;
+        let failed = match read {
+            Ok(Ok(Ok(probed))) => return Ok(probed),
+            Ok(Ok(Err(refused))) => refused,
+            Err(_) => failure(
+                ErrorKind::Timeout,
+                format!("reading the video's header took more than {} s (video.decode_timeout_seconds)", self.options.decode_timeout_seconds),
+            ),
+            // The log ended, or went past the input, without a video stream.
+            Ok(Err(_)) => {
+                self.done = true;
+                return Err(match self.finish().await {
+                    Err(failed) => failed,
+                    Ok(()) => failure(ErrorKind::InvalidVideo, "the file has no video stream"),
+                });
+            }
+        };
+        self.done = true;
+        let _ = self.child.start_kill();
+        Err(failed)
+    }
+
     /// The next chosen frame; `None` once there are no more (or `max_frames` were given). An
     /// error ends the decode: the frames given before it stand.
     pub async fn next(&mut self) -> Option<Result<Frame, Failure>> {
@@ -447,8 +512,17 @@ impl Decoder {
                 return Err(failure(ErrorKind::Timeout, "the decoder did not exit after its last frame and was stopped"));
             }
         };
-        let lines = (&mut self.lines).await.unwrap_or_default();
-        ended("ffmpeg", status, &lines, &self.options)
+        let Log { lines, over_pixels } = (&mut self.lines).await.unwrap_or_default();
+        ended("ffmpeg", status, &lines, &self.options).map_err(|mut f| {
+            if f.kind == ErrorKind::InvalidVideo {
+                if let Some(said) = over_pixels {
+                    f = failure(ErrorKind::InputTooLarge, format!("a video frame is past video.max_pixels ({}): {said}", self.options.max_pixels));
+                } else if lines.iter().any(|l| l.contains("Invalid data found")) {
+                    f.message = format!("the input is not a video this gateway reads (containers: {CONTAINERS}): {}", reason(&lines));
+                }
+            }
+            f
+        })
     }
 }
 
@@ -523,24 +597,46 @@ mod tests {
         assert!(read_ppm(&mut long, 4).await.err().unwrap().message.contains("32 bytes"));
     }
 
+    /// FFmpeg's input dump, as Debian's FFmpeg 5.1 writes it (the MP4 test clip's).
+    const DUMP: [&str; 5] = [
+        "Input #0, mov,mp4,m4a,3gp,3g2,mj2, from 'file:/dev/fd/3':",
+        "  Metadata:",
+        "  Duration: 00:00:53.48, start: 0.000000, bitrate: 150 kb/s",
+        "  Stream #0:0[0x1](und): Video: h264 (High) (avc1 / 0x31637661), yuv420p(progressive), 400x300 [SAR 1:1 DAR 4:3], 148 kb/s, 25 fps",
+        "  Stream #0:1[0x2](und): Audio: aac (LC), 44100 Hz, stereo",
+    ];
+
+    fn header_of(lines: &[&str], options: &VideoOptions) -> Option<Result<Probed, Failure>> {
+        let mut header = Header::default();
+        lines.iter().find_map(|line| header.read(line, options))
+    }
+
     #[test]
-    fn probes_are_held_to_the_limits() {
-        let options = VideoOptions { max_pixels: 1000, max_duration_seconds: 10.0, ..VideoOptions::default() };
-        let answer = |codec: &str, w: u32, h: u32, d: &str| {
-            format!(r#"{{"streams":[{{"codec_name":"{codec}","width":{w},"height":{h}}}],"format":{{"format_name":"matroska,webm","duration":"{d}"}}}}"#)
-        };
-        let ok = read_probe(answer("vp8", 40, 25, "3.5").as_bytes(), &options).unwrap();
-        assert_eq!(ok, Probed { container: "matroska,webm".into(), codec: "vp8".into(), width: 40, height: 25, duration_seconds: Some(3.5) });
-        assert!(read_probe(answer("av1", 4, 4, "1").as_bytes(), &options).is_ok(), "av1 through libdav1d");
-        let codec = read_probe(answer("prores", 4, 4, "1").as_bytes(), &options).unwrap_err();
-        assert_eq!(codec.kind, ErrorKind::UnsupportedInput);
-        assert!(codec.message.contains("prores"), "{}", codec.message);
-        let big = read_probe(answer("vp8", 100, 100, "1").as_bytes(), &options).unwrap_err();
+    fn the_input_dump_gives_the_header_held_to_the_limits() {
+        let options = VideoOptions::default();
+        let read = header_of(&DUMP, &options).expect("a video stream").expect("within the limits");
+        let want = Probed { container: "mov,mp4,m4a,3gp,3g2,mj2".into(), codec: "h264".into(), width: 400, height: 300, duration_seconds: Some(53.48) };
+        assert_eq!(read, want);
+        let vp8 = ["Input #0, matroska,webm, from 'x':", "  Duration: N/A, start: 0.000000", "  Stream #0:0: Video: vp8, yuv420p(tv, progressive), 32x24, SAR 1:1 DAR 4:3, 10 fps"];
+        let read = header_of(&vp8, &options).expect("a stream").expect("fine");
+        assert_eq!((read.codec.as_str(), read.width, read.height, read.duration_seconds), ("vp8", 32, 24, None));
+        let av1 = ["  Stream #0:0: Video: av1 (Main), yuv420p(tv, progressive), 32x24, SAR 1:1 DAR 4:3"];
+        assert!(header_of(&av1, &options).expect("a stream").is_ok(), "av1 through libdav1d");
+        let prores = ["  Stream #0:0: Video: prores (HQ), yuv422p10le, 64x48"];
+        let refused = header_of(&prores, &options).expect("a stream").unwrap_err();
+        assert_eq!(refused.kind, ErrorKind::UnsupportedInput);
+        assert!(refused.message.contains("prores"), "{}", refused.message);
+        let small = VideoOptions { max_pixels: 1000, ..VideoOptions::default() };
+        let big = header_of(&DUMP, &small).expect("a stream").unwrap_err();
         assert!(big.message.contains("video.max_pixels"), "{}", big.message);
-        let long = read_probe(answer("vp8", 4, 4, "11").as_bytes(), &options).unwrap_err();
+        let short = VideoOptions { max_duration_seconds: 10.0, ..VideoOptions::default() };
+        let long = header_of(&DUMP, &short).expect("a stream").unwrap_err();
         assert!(long.message.contains("video.max_duration_seconds"), "{}", long.message);
-        let none = read_probe(br#"{"streams":[],"format":{"format_name":"mpeg"}}"#, &options).unwrap_err();
-        assert!(none.message.contains("no video stream"), "{}", none.message);
+        let sizeless = ["  Stream #0:0: Video: h264, none"];
+        assert!(header_of(&sizeless, &options).expect("a stream").unwrap_err().message.contains("no frame size"));
+        assert!(header_of(&DUMP[..3], &options).is_none(), "no video stream yet");
+        assert_eq!(clock_seconds("01:02:03.50"), Some(3723.5));
+        assert_eq!(clock_seconds("N/A"), None);
     }
 
     #[test]
@@ -556,6 +652,8 @@ mod tests {
         .map(String::from);
         assert_eq!(reason(&cut), "Cannot determine format of input stream 0:0 after EOF (the file is cut short)");
         assert_eq!(reason(&cut[..1]), "stream 0, offset 0x49e9: partial file");
+        let nested = ["[mpeg4 @ 0x1] [IMGUTILS @ 0x7ffe] Picture size 64x48 exceeds specified max pixel count 1000".to_string()];
+        assert_eq!(reason(&nested), "Picture size 64x48 exceeds specified max pixel count 1000");
     }
 
     /// A clip made by FFmpeg's own test source: `seconds` long at 10 frames a second, a key
@@ -576,8 +674,16 @@ mod tests {
         bytes
     }
 
+    /// The header of a video, as the decoder reads it.
+    async fn probe(file: &VideoFile, options: &VideoOptions) -> Result<Probed, Failure> {
+        decode(file, options, Policy::Named(Named::Intra))?.header().await
+    }
+
     async fn all(file: &VideoFile, options: &VideoOptions, policy: Policy) -> (Vec<Frame>, Option<Failure>, bool) {
         let mut decoder = decode(file, options, policy).expect("starts");
+        if let Err(failed) = decoder.header().await {
+            return (Vec::new(), Some(failed), false);
+        }
         let mut frames = Vec::new();
         let mut failed = None;
         while let Some(next) = decoder.next().await {
@@ -638,9 +744,9 @@ mod tests {
         // Frames larger than the limit, refused from the header.
         let small = VideoOptions { max_pixels: 1000, ..options.clone() };
         let refused = probe(&mpeg4, &small).await.unwrap_err();
-        assert_eq!(refused.kind, ErrorKind::InputTooLarge);
+        assert_eq!(refused.kind, ErrorKind::InputTooLarge, "{}", refused.message);
         // A decoder that cannot start is a clear refusal.
-        let missing = VideoOptions { ffprobe: "/nonexistent/ffprobe".into(), ..options };
+        let missing = VideoOptions { ffmpeg: "/nonexistent/ffmpeg".into(), ..options };
         let refused = probe(&mpeg4, &missing).await.unwrap_err();
         assert!(refused.message.contains("install FFmpeg"), "{}", refused.message);
     }
@@ -652,7 +758,7 @@ mod tests {
         let tight = VideoOptions { decoder_memory_bytes: 64 << 20, ..VideoOptions::default() };
         let failure = probe(&file, &tight).await.unwrap_err();
         assert_eq!(failure.kind, ErrorKind::InvalidVideo, "{}", failure.message);
-        assert!(failure.message.starts_with("ffprobe could not read the video"), "{}", failure.message);
+        assert!(failure.message.starts_with("ffmpeg could not read the video"), "{}", failure.message);
     }
 
     /// A stand-in for FFmpeg that misbehaves as `script` says, as an executable file.
@@ -670,24 +776,32 @@ mod tests {
     async fn a_decoder_that_hangs_or_crashes_is_stopped_with_a_reason() {
         let file = VideoFile::new(b"\x1a\x45\xdf\xa3 not really").unwrap();
         let options = VideoOptions { decode_timeout_seconds: 0.5, ..VideoOptions::default() };
-        let hang = VideoOptions { ffprobe: program("hang-probe", "exec sleep 30"), ffmpeg: program("hang", "exec sleep 30"), ..options.clone() };
+        let hang = VideoOptions { ffmpeg: program("hang", "exec sleep 30"), ..options.clone() };
         let started = std::time::Instant::now();
         let failure = probe(&file, &hang).await.unwrap_err();
         assert_eq!(failure.kind, ErrorKind::Timeout, "{}", failure.message);
-        let mut decoder = decode(&file, &hang, Policy::Named(Named::Intra)).unwrap();
+        // A header, then nothing.
+        let stall = program("stall", "echo '  Stream #0:0: Video: vp8, yuv420p, 8x8' >&2; exec sleep 30");
+        let mut decoder = decode(&file, &VideoOptions { ffmpeg: stall, ..options.clone() }, Policy::Named(Named::Intra)).unwrap();
+        decoder.header().await.expect("the header");
         let failure = decoder.next().await.expect("an answer").err().expect("a failure");
         assert_eq!(failure.kind, ErrorKind::Timeout, "{}", failure.message);
         assert!(decoder.next().await.is_none(), "nothing after the failure");
         assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
 
-        let crash = VideoOptions { ffprobe: program("crash", "kill -SEGV $$"), ..options.clone() };
+        let crash = VideoOptions { ffmpeg: program("crash", "kill -SEGV $$"), ..options.clone() };
         let failure = probe(&file, &crash).await.unwrap_err();
         assert_eq!(failure.kind, ErrorKind::InvalidVideo);
         assert!(failure.message.contains("crashed on this video (signal 11)"), "{}", failure.message);
 
         // A frame, then a crash: the frame stands, the crash is the reason decoding stopped.
-        let one = program("one-frame", "printf 'P6\\n1 1\\n255\\nabc'; echo '[Parsed_showinfo_0 @ 0x1] n:   0 pts:      0 pts_time:0.5 pos: 1' >&2; kill -SEGV $$");
+        let one = program(
+            "one-frame",
+            "echo '  Stream #0:0: Video: vp8, yuv420p, 1x1' >&2; printf 'P6\\n1 1\\n255\\nabc'; \
+             echo '[Parsed_showinfo_0 @ 0x1] n:   0 pts:      0 pts_time:0.5 pos: 1' >&2; kill -SEGV $$",
+        );
         let mut decoder = decode(&file, &VideoOptions { ffmpeg: one, ..options.clone() }, Policy::Named(Named::Intra)).unwrap();
+        decoder.header().await.expect("the header");
         let frame = decoder.next().await.expect("a frame").expect("read");
         assert_eq!((frame.index, frame.pts_seconds, &frame.ppm[frame.ppm.len() - 3..]), (0, Some(0.5), &b"abc"[..]));
         let failure = decoder.next().await.expect("the end").err().expect("a failure");
@@ -695,7 +809,7 @@ mod tests {
 
         // What the child may do is bounded: its address space and CPU time as configured.
         let limits = program("limits", "echo \"as=$(ulimit -v) cpu=$(ulimit -t) files=$(ulimit -n) core=$(ulimit -c)\" >&2; exit 1");
-        let failure = probe(&file, &VideoOptions { ffprobe: limits, ..options }).await.unwrap_err();
+        let failure = probe(&file, &VideoOptions { ffmpeg: limits, ..options }).await.unwrap_err();
         assert!(failure.message.ends_with("as=2097152 cpu=1 files=64 core=0"), "{}", failure.message);
     }
 

@@ -82,7 +82,7 @@ pub struct VideoOptions {
     /// were (`video.truncated`).
     pub max_frames: u32,
     /// A video whose frames have more pixels than this is refused (`input_too_large`), from
-    /// its header, before anything is decoded; the decoder enforces it too (`-max_pixels`).
+    /// its header, before a frame is taken; the decoder enforces it too (`-max_pixels`).
     pub max_pixels: u64,
     /// A video whose container states a longer duration is refused (`input_too_large`).
     pub max_duration_seconds: f64,
@@ -103,9 +103,8 @@ pub struct VideoOptions {
     /// Most bytes of one batch's frames together (each frame is held to `input.max_input_bytes`
     /// as well).
     pub max_batch_bytes: u64,
-    /// The FFmpeg programs, by path or by name on `PATH`.
+    /// The FFmpeg program, by path or by name on `PATH`.
     pub ffmpeg: String,
-    pub ffprobe: String,
 }
 
 impl Default for VideoOptions {
@@ -125,7 +124,6 @@ impl Default for VideoOptions {
             max_batch_frames: 64,
             max_batch_bytes: 64 << 20,
             ffmpeg: "ffmpeg".into(),
-            ffprobe: "ffprobe".into(),
         }
     }
 }
@@ -164,10 +162,8 @@ impl VideoOptions {
         if self.decoders.is_empty() || self.decoders.iter().any(|d| d.is_empty() || !d.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')) {
             return Err("video.decoders must name at least one decoder, each of letters, digits, '_' or '-'".into());
         }
-        for (key, program) in [("ffmpeg", &self.ffmpeg), ("ffprobe", &self.ffprobe)] {
-            if program.is_empty() {
-                return Err(format!("video.{key} must name a program"));
-            }
+        if self.ffmpeg.is_empty() {
+            return Err("video.ffmpeg must name a program".into());
         }
         Ok(())
     }
