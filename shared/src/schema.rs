@@ -107,5 +107,20 @@ mod tests {
         let request_schema = serde_json::to_value(schema_for!(RequestEvent)).expect("serialises");
         assert_eq!(request_schema["required"], serde_json::json!(["id", "task", "input"]));
         assert_eq!(request_schema["additionalProperties"], serde_json::json!(false));
+        // Its batch of frames, and a video's result.
+        let batch: RequestEvent = serde_json::from_str(
+            r#"{"id": "cam-7-0412", "task": "image", "input": {"frames": [
+                {"uri": "file:///data/cam-7/0412-000.jpg"}, {"uri": "s3://frames/cam-7/0412-001.jpg"}]}}"#,
+        )
+        .expect("the README's batch parses");
+        assert!(matches!(batch.input, crate::events::InputRef::Frames { frames } if frames.len() == 2));
+        let video: FramesOutput = serde_json::from_str(
+            r#"{"frames": [{"index": 0, "pts_seconds": 0.0, "output": {"faces": [], "width": 400, "height": 300, "format": "ppm"}},
+                {"index": 1, "pts_seconds": 10.0, "error": {"kind": "worker_unavailable", "stage": "infer", "message": "m"}}],
+               "video": {"container": "mov,mp4,m4a,3gp,3g2,mj2", "codec": "h264", "width": 400, "height": 300,
+                         "duration_seconds": 53.48, "policy": "intra", "truncated": false}}"#,
+        )
+        .expect("the README's video result parses");
+        assert_eq!((video.frames.len(), video.video.map(|v| v.codec)), (2, Some("h264".to_string())));
     }
 }
