@@ -16,7 +16,7 @@ use tracing::Instrument;
 use vramgate_shared::events::{ErrorInfo, ErrorKind, FrameEntry, FramesOutput, Stage, VideoInfo};
 
 use crate::answer::{answer, Answered, Services};
-use crate::budget::ByteBudget;
+use crate::budget::{ByteBudget, Held};
 use crate::failure::Failure;
 use crate::input::{InputSource, Opened};
 use crate::task::Task;
@@ -38,13 +38,14 @@ async fn one(
     plan: &Arc<dyn Plan>,
     index: u32,
     pts_seconds: Option<f64>,
-    bytes: Result<Vec<u8>, Failure>,
+    bytes: Result<(Vec<u8>, Option<Held>), Failure>,
 ) -> (FrameEntry, Option<Answered>) {
     let span = tracing::info_span!("frame", frame.index = index, frame.pts_seconds = pts_seconds);
     let started = Instant::now();
     let answered = async {
-        let bytes = bytes?;
-        let mut held = budget.hold(bytes.len() as u64);
+        // The frame's charge: reserved before it was read, or counted now that it is here.
+        let (bytes, held) = bytes?;
+        let mut held = held.unwrap_or_else(|| budget.hold(bytes.len() as u64));
         let store_id = format!("{id}.frame-{index}");
         answer(services, task, &mut held, id, &store_id, plan, bytes, started).await
     }
@@ -71,9 +72,7 @@ fn gather(results: Vec<(FrameEntry, Option<Answered>)>, video: Option<VideoInfo>
             return Err(Failure::new(ErrorKind::InvalidVideo, Stage::Convert, "no frame was chosen from the input"));
         };
         let error = entry.error.clone().expect("an entry without an answer has an error");
-        let mut failure = Failure::new(error.kind, error.stage, format!("no frame could be answered; frame {}: {}", entry.index, error.message));
-        failure.attempts = 0;
-        return Err(failure);
+        return Err(Failure::new(error.kind, error.stage, format!("no frame could be answered; frame {}: {}", entry.index, error.message)));
     }
     let mut models: Vec<(String, String)> = Vec::new();
     for model in answered.iter().flat_map(|a| &a.models) {
@@ -115,7 +114,12 @@ pub async fn batch(
     let results = futures::stream::iter(located.into_iter().enumerate())
         .map(|(index, located)| async move {
             let bytes = match located {
-                Ok(opened) => input.read(opened).await.map_err(fetch_failed),
+                Ok(opened) => {
+                    // Reserved before it is read, as an event's one input is.
+                    let mut held = budget.hold(0);
+                    held.grow(opened.size()).await;
+                    input.read(opened).await.map(|bytes| (bytes, Some(held))).map_err(fetch_failed)
+                }
                 Err(e) => Err(fetch_failed(e)),
             };
             one(services, budget, task, id, plan, index as u32, None, bytes).await
@@ -211,7 +215,7 @@ pub async fn video(
             Some(done) = running.next(), if !running.is_empty() => results.push(done),
             decoded = rx.recv(), if open && running.len() < parallel => match decoded {
                 Some(Decoded::Frame(frame)) => {
-                    running.push_back(one(services, budget, task, id, plan, frame.index, frame.pts_seconds, Ok(frame.ppm)));
+                    running.push_back(one(services, budget, task, id, plan, frame.index, frame.pts_seconds, Ok((frame.ppm, None))));
                 }
                 Some(Decoded::Stopped(failure)) => (stopped, open) = (Some(failure), false),
                 Some(Decoded::End { truncated: t }) => (truncated, open) = (t, false),
@@ -237,4 +241,47 @@ pub async fn video(
         stopped: stopped.map(|f| ErrorInfo { kind: f.kind, message: f.message, stage: f.stage }),
     };
     gather(results, Some(info))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(ms: f64, model: &str) -> Answered {
+        Answered {
+            output: serde_json::json!({"faces": []}),
+            models: vec![(model.into(), "1".into())],
+            convert_ms: ms,
+            wait_ms: ms,
+            inference_ms: ms,
+            attempts: 1,
+        }
+    }
+
+    fn entry(index: u32, error: Option<&str>) -> FrameEntry {
+        let error = error.map(|m| ErrorInfo { kind: ErrorKind::WorkerUnavailable, message: m.into(), stage: Stage::Infer });
+        let output = error.is_none().then(|| serde_json::json!({"faces": []}));
+        FrameEntry { index, pts_seconds: None, output, error }
+    }
+
+    #[test]
+    fn frames_answer_together_and_fail_together_only_when_none_was_answered() {
+        let mixed = vec![
+            (entry(0, None), Some(answered(2.0, "a"))),
+            (entry(1, Some("down")), None),
+            (entry(2, None), Some(answered(3.0, "b"))),
+        ];
+        let done = gather(mixed, None).expect("two frames answered");
+        assert_eq!(done.models, [("a".to_string(), "1".to_string()), ("b".to_string(), "1".to_string())]);
+        assert_eq!((done.convert_ms, done.inference_ms, done.attempts), (5.0, 5.0, 2));
+        let frames = done.output["frames"].as_array().expect("frames");
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[1]["error"]["message"], "down");
+        assert!(done.output.get("video").is_none());
+
+        let none = gather(vec![(entry(0, Some("down")), None), (entry(1, Some("gone")), None)], None).err().expect("a dead letter");
+        assert_eq!(none.kind, ErrorKind::WorkerUnavailable);
+        assert_eq!(none.message, "no frame could be answered; frame 0: down");
+        assert_eq!(gather(Vec::new(), None).err().expect("nothing").kind, ErrorKind::InvalidVideo);
+    }
 }
