@@ -36,21 +36,29 @@ pub struct Answered {
     pub attempts: u32,
 }
 
+/// Where an input's answer goes and what its charge keeps: `id` names the worker calls,
+/// `store_id` the stored outputs' folder; `keep` is what the charge holds besides the input
+/// (the record itself), to which it shrinks once the input is converted.
+pub struct Named<'a> {
+    pub id: &'a str,
+    pub store_id: &'a str,
+    pub keep: u64,
+}
+
 /// Answers one input's `bytes` through `plan`. `held` is the input's charge in the byte
-/// budget (its bytes, already counted); it grows by what the conversion holds. `id` names the
-/// worker calls; `store_id` the stored outputs' folder. Conversion time counts from `started`.
-#[allow(clippy::too_many_arguments)]
+/// budget (its bytes already counted, and `named.keep`); it grows by what the conversion holds,
+/// and holds no more than `keep` and what is still needed once the input is converted.
+/// Conversion time counts from `started`.
 pub async fn answer(
     services: Services<'_>,
     task: &Task,
     held: &mut Held,
-    id: &str,
-    store_id: &str,
+    named: Named<'_>,
     plan: &std::sync::Arc<dyn Plan>,
     bytes: Vec<u8>,
     started: Instant,
 ) -> Result<Answered, Failure> {
-    let record_bytes = held.bytes();
+    let Named { id, store_id, keep: record_bytes } = named;
     // Check the header (limits, format) and reserve what decoding will hold, before decoding.
     held.grow(plan.probe(&bytes)?).await;
     let queue = services.metrics.cpu_queue.with_label_values(&[&task.name]);

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 use vramgate_shared::events::{ErrorInfo, ErrorKind, FrameEntry, FramesOutput, Stage, VideoInfo};
 
-use crate::answer::{answer, Answered, Services};
+use crate::answer::{answer, Answered, Named, Services};
 use crate::budget::{ByteBudget, Held};
 use crate::failure::Failure;
 use crate::input::{InputSource, Opened};
@@ -47,7 +47,7 @@ async fn one(
         let (bytes, held) = bytes?;
         let mut held = held.unwrap_or_else(|| budget.hold(bytes.len() as u64));
         let store_id = format!("{id}.frame-{index}");
-        answer(services, task, &mut held, id, &store_id, plan, bytes, started).await
+        answer(services, task, &mut held, Named { id, store_id: &store_id, keep: 0 }, plan, bytes, started).await
     }
     .instrument(span)
     .await;

@@ -35,7 +35,7 @@ use crate::metrics::Metrics;
 use crate::consume::offsets::{SharedOffsets, Ticket};
 use crate::consume::transaction::{Outbox, Pending};
 use crate::produce::{self, Outgoing, Producer};
-use crate::answer::{answer, Answered, Services};
+use crate::answer::{answer, Answered, Named, Services};
 use crate::config::Converter;
 use crate::frames;
 use crate::task::Task;
@@ -566,11 +566,15 @@ async fn convert_and_call(
             // Read the input, its bytes reserved from the budget first (an object's size is
             // asked for, and checked against the limit, before its body is downloaded).
             let opened = shared.input.locate(opened).await.map_err(fetch_failed)?;
+            let record_bytes = held.bytes();
             held.grow(opened.size()).await;
             let bytes = shared.input.read(opened).await.map_err(fetch_failed)?;
             match video::sniff(&bytes).filter(|_| task.config.converter == Converter::Image) {
                 Some(container) => frames::video(services, &shared.budget, task, &id, &plan, bytes, container).await,
-                None => answer(services, task, held, &id, &id, &plan, bytes, convert_started).await,
+                None => {
+                    let named = Named { id: &id, store_id: &id, keep: record_bytes };
+                    answer(services, task, held, named, &plan, bytes, convert_started).await
+                }
             }
         }
         Input::Frames(frames) => frames::batch(services, &shared.budget, &shared.input, task, &id, &plan, frames).await,
