@@ -835,4 +835,26 @@ mod tests {
         assert_eq!(read.len(), 8, "{read:?}");
         eprintln!("read: {}", read.join(", "));
     }
+
+    #[tokio::test]
+    async fn a_scene_change_is_a_frame_chosen() {
+        // One second of the test pattern, then one of plain red: the cut at 1 s is the change.
+        let dir = std::env::temp_dir().join(format!("vramgate-scene-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("cut.avi");
+        let made = std::process::Command::new("ffmpeg")
+            .args(["-v", "error", "-y", "-f", "lavfi", "-i", "testsrc=size=64x48:rate=10:duration=1"])
+            .args(["-f", "lavfi", "-i", "color=c=red:size=64x48:rate=10:duration=1"])
+            .args(["-filter_complex", "[0:v][1:v]concat=n=2:v=1[v]", "-map", "[v]", "-c:v", "mpeg4", "-g", "5"])
+            .arg(&path)
+            .status()
+            .expect("ffmpeg runs");
+        assert!(made.success());
+        let file = VideoFile::new(&std::fs::read(&path).expect("clip")).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let (frames, failed, _) = all(&file, &VideoOptions::default(), Policy::SceneChange { scene_change: 0.3 }).await;
+        assert!(failed.is_none(), "{:?}", failed.map(|f| f.message));
+        let times: Vec<Option<f64>> = frames.iter().map(|f| f.pts_seconds).collect();
+        assert_eq!(times, vec![Some(0.0), Some(1.0)], "the first frame and the cut");
+    }
 }
