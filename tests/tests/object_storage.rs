@@ -308,9 +308,14 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
     send(&producer, &denied.requests, &refused, &request_file(&refused, "denied", &cases[0].1)).await.expect("send");
     let after = unique("after-denied");
     send(&producer, &segment.requests, &after, &request_file(&after, "segment", &cases[0].1)).await.expect("send");
+    // Both photographs as one batch of frames: each frame's outputs stored under its own folder.
+    let batch = unique("seg-frames");
+    let frames: Vec<Value> = cases.iter().map(|c| json!({"uri": format!("file://{}", c.1.display())})).collect();
+    let event = json!({"id": batch, "task": "segment", "input": {"frames": frames}});
+    send(&producer, &segment.requests, &batch, &serde_json::to_vec(&event).expect("json")).await.expect("send");
 
     let mut ids: Vec<String> = cases.iter().map(|c| c.0.clone()).collect();
-    ids.extend([refused.clone(), after.clone()]);
+    ids.extend([refused.clone(), after.clone(), batch.clone()]);
     let got = collect(&[&segment.results, &segment.dlq, &denied.results, &denied.dlq], Duration::from_secs(300), |got| {
         ids.iter().all(|id| got.contains_key(id))
     })
@@ -355,6 +360,16 @@ async fn a_map_too_big_for_a_record_is_stored_as_npy_and_as_a_mask_png_and_the_r
     let message = letter["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains(&format!("s3://forbidden/runs/denied/{refused}/")), "names the object: {message}");
     assert_eq!(one(&after)["status"], "ok", "the event after a failed store");
+    let frames = one(&batch);
+    for (i, (id, _, _)) in cases.iter().enumerate() {
+        let reference = &frames["output"]["frames"][i]["output"]["outputs"]["mask"];
+        let key = format!("runs/segment/{batch}.frame-{i}/mask.png");
+        assert_eq!(reference["uri"].as_str(), Some(format!("s3://outputs/{key}").as_str()), "frame {i}: {frames}");
+        let stored = server.get("outputs", &key).await.expect("the frame's stored mask");
+        let single = server.get("outputs", &format!("runs/segment/{}/mask.png", id.replace('/', "%2F"))).await.expect("the photo's mask");
+        assert_eq!(sha256_hex(&stored), sha256_hex(&single), "frame {i}'s mask is its photograph's");
+        assert_eq!(reference["sha256"].as_str(), Some(sha256_hex(&stored).as_str()));
+    }
     let scrape = gateway.metrics_when(Duration::from_secs(30), |m| m.sum("vramgate_gateway_held_bytes", &[]) == 0.0).await;
     assert!(scrape.is_ok(), "bytes still held after every event ended");
 }
