@@ -317,9 +317,15 @@ async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onn
     let crowd = sent.last().expect("t1").2.clone();
     let few_id = unique("few-t1");
     send(&producer, &few.requests, &few_id, &request_file(&few_id, "few", &crowd)).await.expect("send");
-    sent.push((few_id, "few", crowd));
+    sent.push((few_id, "few", crowd.clone()));
+    // The first picture and the crowd again, as one batch of frames: each frame segmented as
+    // its picture alone was.
+    let batch_id = unique("products-frames");
+    let frames: Vec<Value> = [&sent[0].2, &crowd].iter().map(|p| serde_json::json!({"uri": format!("file://{}", p.display())})).collect();
+    let batch = serde_json::json!({"id": batch_id, "task": "products", "input": {"frames": frames}});
+    send(&producer, &products.requests, &batch_id, &serde_json::to_vec(&batch).expect("json")).await.expect("send");
     let got = collect(&[&products.results, &products.dlq, &few.results, &few.dlq], Duration::from_secs(420), |got| {
-        sent.iter().all(|(id, _, _)| got.contains_key(id))
+        sent.iter().all(|(id, _, _)| got.contains_key(id)) && got.contains_key(&batch_id)
     })
     .await
     .expect("collect");
@@ -366,6 +372,16 @@ async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onn
         with_people += usize::from(!ours.is_empty());
     }
     assert!(with_people >= 3, "people found on {with_people} pictures; the astronaut, the cameraman and t1's six are people");
+    let batch = result_of(&got, &batch_id, &gateway);
+    let alone = [result_of(&got, &sent[0].0, &gateway), result_of(&got, &sent[sent.len() - 2].0, &gateway)];
+    for (i, single) in alone.iter().enumerate() {
+        let (frame, single) = (&batch["output"]["frames"][i]["output"]["outputs"], &single["output"]["outputs"]);
+        assert_eq!(frame["people.p5"]["boxes"], single["people.p5"]["boxes"], "frame {i}: {batch}");
+        for mask in ["foreground.mask", "people_masks.mask"] {
+            assert!(frame[mask]["sha256"].is_string(), "frame {i}: {batch}");
+            assert_eq!(frame[mask]["sha256"], single[mask]["sha256"], "frame {i}'s {mask} is its picture's: {batch}");
+        }
+    }
     drop(gateway);
     drop(worker);
     let _ = std::fs::remove_dir_all(&root);
