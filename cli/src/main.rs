@@ -204,6 +204,23 @@ fn input_of(file: &Path, inline: bool) -> anyhow::Result<InputRef> {
     })
 }
 
+/// The events `produce` sends for `files`: one a file, or with `--frames` one for them all (a
+/// batch named after its first file).
+fn events_of(files: &[PathBuf], how: &Sending<'_>) -> anyhow::Result<Vec<(PathBuf, InputRef)>> {
+    if !how.frames {
+        return files.iter().map(|file| Ok((file.clone(), input_of(file, how.inline)?))).collect();
+    }
+    let frames = files
+        .iter()
+        .map(|file| match input_of(file, how.inline)? {
+            InputRef::Uri { uri } => Ok(FrameRef::Uri { uri }),
+            InputRef::Inline { data_b64 } => Ok(FrameRef::Inline { data_b64 }),
+            InputRef::Frames { .. } => unreachable!("a file is one input"),
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(vec![(files[0].clone(), InputRef::Frames { frames })])
+}
+
 async fn produce(
     kafka: &Connection,
     topic: &str,
@@ -222,24 +239,7 @@ async fn produce(
     if files.is_empty() {
         bail!("no .{} files found in {paths:?}", how.ext);
     }
-    // One event a file, or one for them all.
-    let mut events: Vec<(PathBuf, InputRef)> = Vec::new();
-    if how.frames {
-        let frames = files
-            .iter()
-            .map(|file| input_of(file, how.inline))
-            .map(|input| match input? {
-                InputRef::Uri { uri } => Ok(FrameRef::Uri { uri }),
-                InputRef::Inline { data_b64 } => Ok(FrameRef::Inline { data_b64 }),
-                InputRef::Frames { .. } => unreachable!("a file is one input"),
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        events.push((files[0].clone(), InputRef::Frames { frames }));
-    } else {
-        for file in &files {
-            events.push((file.clone(), input_of(file, how.inline)?));
-        }
-    }
+    let events = events_of(&files, how)?;
     let mut defaults = ClientConfig::new();
     defaults.set("enable.idempotence", "true");
     let producer: FutureProducer = kafka.create(defaults, "the kafka producer")?;
@@ -582,6 +582,27 @@ mod tests {
         assert!(text.contains("people.p5 1 box(es): person p=0.88, cut"), "{text}");
         assert!(text.contains("classify.logits 2 item(s)"), "{text}");
         assert_eq!(summarise_outputs(&serde_json::json!({"faces": []})), None);
+    }
+
+    #[test]
+    fn frames_are_one_event_and_files_one_each() {
+        let dir = std::env::temp_dir().join(format!("vramgate-cli-frames-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let files: Vec<PathBuf> = ["a.png", "b.png"].iter().map(|n| dir.join(n)).collect();
+        for f in &files {
+            std::fs::write(f, b"x").expect("write");
+        }
+        let how = |frames, inline| Sending { inline, frames, ext: "png", id_prefix: "" };
+        let each = events_of(&files, &how(false, false)).expect("events");
+        assert_eq!(each.len(), 2);
+        assert!(matches!(&each[1].1, InputRef::Uri { uri } if uri.ends_with("/b.png")));
+        let batch = events_of(&files, &how(true, true)).expect("one batch");
+        assert_eq!(batch.len(), 1);
+        match &batch[0].1 {
+            InputRef::Frames { frames } => assert_eq!(frames, &[FrameRef::Inline { data_b64: "eA==".into() }, FrameRef::Inline { data_b64: "eA==".into() }]),
+            other => panic!("not a batch: {other:?}"),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
