@@ -74,6 +74,14 @@ const STUCK_GRACE: Duration = if cfg!(test) { Duration::from_millis(100) } else 
 /// for instead, so stuck producers never pile up.
 const MAX_ABANDONED: usize = 4;
 static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+/// At start-up, how long the gateway keeps trying to initialise its transactions while the
+/// broker cannot yet (restarting, or its transaction coordinator still loading: `Not
+/// coordinator`), before it gives up and exits. A gateway restarted beside a restarting broker
+/// waits for it instead of exiting (found by the chaos soak under load).
+pub const START_DEADLINE: Duration = Duration::from_secs(300);
+/// The first pause between start-up attempts; it doubles up to [`START_PAUSE_MAX`].
+const START_PAUSE: Duration = Duration::from_millis(500);
+const START_PAUSE_MAX: Duration = Duration::from_secs(5);
 
 static TRANSACTION_LOG: LogLimit = LogLimit::new(5);
 
@@ -289,7 +297,7 @@ impl Transactional {
         timeout: Duration,
         ledger: Option<Arc<Ledger<Pending>>>,
     ) -> Result<Self, KafkaError> {
-        let producer = Some(ready(&make, timeout)?);
+        let producer = Some(ready_at_start(&make, timeout, START_DEADLINE)?);
         Ok(Transactional { producer, make, outbox, metrics, timeout, ledger, sent: HashMap::new() })
     }
 
@@ -549,6 +557,56 @@ fn ready(make: &MakeProducer, timeout: Duration) -> Result<Arc<Producer>, KafkaE
     Ok(producer)
 }
 
+/// [`ready`], tried again while the broker cannot initialise transactions yet ([`passing`]),
+/// until `deadline` from now; any other error at once.
+fn ready_at_start(make: &MakeProducer, timeout: Duration, deadline: Duration) -> Result<Arc<Producer>, KafkaError> {
+    let until = Instant::now() + deadline;
+    let mut pause = START_PAUSE;
+    loop {
+        match ready(make, timeout) {
+            Ok(producer) => return Ok(producer),
+            Err(e) if passing(&e) && Instant::now() + pause < until => {
+                tracing::warn!(
+                    error = %e,
+                    retry_in_ms = pause.as_millis() as u64,
+                    "initialising transactions failed while the broker is not ready for them; trying again"
+                );
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(START_PAUSE_MAX);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether `init_transactions` failed for a broker that is not ready yet (away, restarting,
+/// its coordinator moving or loading), as opposed to one that refuses (authorisation, a
+/// misconfiguration), which no wait mends.
+fn passing(error: &KafkaError) -> bool {
+    let code = match error {
+        KafkaError::Transaction(e) if e.is_retriable() => return true,
+        KafkaError::Transaction(e) => e.code(),
+        // A call abandoned past its timeout (bounded): a new producer is tried.
+        KafkaError::MessageProduction(RDKafkaErrorCode::Fatal) => return true,
+        other => match other.rdkafka_error_code() {
+            Some(code) => code,
+            None => return false,
+        },
+    };
+    matches!(
+        code,
+        RDKafkaErrorCode::NotCoordinator
+            | RDKafkaErrorCode::CoordinatorNotAvailable
+            | RDKafkaErrorCode::CoordinatorLoadInProgress
+            | RDKafkaErrorCode::OperationTimedOut
+            | RDKafkaErrorCode::RequestTimedOut
+            | RDKafkaErrorCode::AllBrokersDown
+            | RDKafkaErrorCode::BrokerTransportFailure
+            | RDKafkaErrorCode::BrokerNotAvailable
+            | RDKafkaErrorCode::ConcurrentTransactions
+    )
+}
+
 /// The group's committed offset of `tp` (what a new owner starts from), if it can be read.
 fn group_offset<C: ConsumerContext>(consumer: &BaseConsumer<C>, tp: &TopicPartition, timeout: Duration) -> Option<i64> {
     let mut tpl = TopicPartitionList::with_capacity(1);
@@ -708,6 +766,39 @@ mod tests {
         outbox.put_back(vec![slipped]);
         let taken = outbox.take(&[(tp.clone(), 10, epoch)]);
         assert_eq!(taken.iter().map(|p| p.ticket.offset).collect::<Vec<_>>(), vec![0]);
+    }
+
+    #[test]
+    fn start_up_waits_for_a_broker_that_is_not_ready_and_not_for_one_that_refuses() {
+        use std::sync::atomic::AtomicU32;
+        // Not ready (all brokers down): tried again, with growing pauses, until the deadline.
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = calls.clone();
+        let make: MakeProducer = Box::new(move || {
+            c.fetch_add(1, Ordering::SeqCst);
+            Err(KafkaError::MessageProduction(RDKafkaErrorCode::AllBrokersDown))
+        });
+        let started = Instant::now();
+        let result = ready_at_start(&make, Duration::from_millis(100), Duration::from_secs(2));
+        let waited = started.elapsed();
+        assert!(matches!(result, Err(KafkaError::MessageProduction(RDKafkaErrorCode::AllBrokersDown))));
+        // Attempts at 0, 0.5 and 1.5 s; the next pause (2 s) would pass the deadline.
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+        assert!(waited >= Duration::from_millis(1_500), "{waited:?}");
+        // Refused (a client that cannot be made): at once.
+        let calls = Arc::new(AtomicU32::new(0));
+        let c = calls.clone();
+        let make: MakeProducer = Box::new(move || {
+            c.fetch_add(1, Ordering::SeqCst);
+            Err(KafkaError::ClientCreation("bad setting".into()))
+        });
+        assert!(ready_at_start(&make, Duration::from_millis(100), Duration::from_secs(2)).is_err());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        // What counts as not ready.
+        assert!(passing(&KafkaError::MessageProduction(RDKafkaErrorCode::Fatal)), "an abandoned call: a new producer");
+        assert!(passing(&KafkaError::MessageProduction(RDKafkaErrorCode::NotCoordinator)));
+        assert!(!passing(&KafkaError::MessageProduction(RDKafkaErrorCode::TransactionalIdAuthorizationFailed)));
+        assert!(!passing(&KafkaError::ClientCreation("x".into())));
     }
 
     #[test]
