@@ -842,10 +842,9 @@ mod tests {
 
         // A call whose thread ends without an answer (a panic in the binding) is fatal at
         // once, and nothing is counted as left running.
-        let started = Instant::now();
+        // (Not waited for: a call that had run past its timeout would be counted as abandoned.)
         let ended = bounded(&producer, timeout, "panics", |_, _| -> Result<(), KafkaError> { panic!("a panic in the binding") });
         assert!(matches!(ended, Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal))), "{ended:?}");
-        assert!(started.elapsed() < timeout, "not waited for: {:?}", started.elapsed());
         assert_eq!(ABANDONED.load(Ordering::SeqCst), 0);
 
         // With MAX_ABANDONED calls left running, the next stuck one is waited for, however long
