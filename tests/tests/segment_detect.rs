@@ -19,7 +19,9 @@
 //!   `yolo_boxes` step on the same pictures giving OpenCV's boxes in order, class, label and
 //!   place; with `max_boxes = 1` the better of two boxes and `cut: true`.
 //! - Both in one pipeline, config/products.toml (seed 004's product segmentor) against
-//!   `scripts/reference_pipeline.py`, which computes the same steps with onnxruntime and OpenCV.
+//!   `scripts/reference_pipeline.py`, which computes the same steps with onnxruntime and OpenCV;
+//!   and the same file with one of its models unloaded from the worker mid-run: the event in
+//!   between is a dead letter naming the stage and its model, the ones before and after results.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -35,6 +37,7 @@ use vramgate_tests::{
 const SEGMENT_PORT: u16 = 18_463;
 const DETECT_PORT: u16 = 18_473;
 const PRODUCTS_PORT: u16 = 18_483;
+const FAILING_PORT: u16 = 18_493;
 /// Photographs with public-domain or CC0 terms (tests/photos.md): a person, a cat, a cup, a
 /// rocket on its pad, and a greyscale one.
 const PHOTOS: [&str; 5] = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "camera.png"];
@@ -72,9 +75,14 @@ fn stored_output(name: &str, output: &str, dir: &str, more: &str) -> String {
 
 /// An object server on `port` and a worker serving `models` from a repository under `root`.
 async fn serve_models(root: &Path, port: u16, models: &[&str]) -> (ObjectServer, Worker) {
+    serve_models_with(root, port, models, "").await
+}
+
+/// [`serve_models`] with more lines of the worker's configuration.
+async fn serve_models_with(root: &Path, port: u16, models: &[&str], extra: &str) -> (ObjectServer, Worker) {
     let server = ObjectServer::start(port).expect("the object store starts (scripts/object-store)");
     let repository = model_repository(root, models);
-    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"", repository.display()), &[]))
+    let worker = start_worker(&worker_config(&format!("model_repository = \"{}\"\n{extra}", repository.display()), &[]))
         .await
         .expect("the worker loads the repository");
     (server, worker)
@@ -384,5 +392,64 @@ async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onn
     }
     drop(gateway);
     drop(worker);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// config/products.toml against a worker whose U²-Net-p is unloaded between two pictures (the
+/// repository API, as an operator would) and loaded again: the picture sent while it is away is
+/// a dead letter whose message names the stage on it and the model, as `worker_rejected` (a 404:
+/// not retried); the pictures before and after it are results with both masks. The gateway is
+/// the same process throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_whose_model_is_gone_dead_letters_its_event_by_name_and_the_next_goes_on() {
+    let root = scratch_dir("products-fail");
+    let (server, worker) = serve_models_with(&root, FAILING_PORT, &["u2netp", "yolov4_tiny"], "model_control = \"explicit\"").await;
+    let products = TaskTopics::create(&unique("products-fail"), 1).await.expect("topics");
+    let config = repo_root().join("config/products.toml");
+    let gateway = start_gateway_config_with(&config, &server.products_gateway(&worker.url, &root, &products), &[])
+        .await
+        .expect("the gateway starts on config/products.toml");
+    let picture = root.join("astronaut.png");
+    std::fs::copy(photo("astronaut.png"), &picture).expect("copying a photograph");
+    let repository = |action: &'static str| {
+        let url = format!("{}/v2/repository/models/u2netp/{action}", worker.url);
+        async move {
+            let response = reqwest::Client::new().post(url).send().await.expect("the worker answers");
+            let status = response.status().as_u16();
+            assert_eq!(status, 200, "{action}: {}", response.text().await.unwrap_or_default());
+        }
+    };
+    let producer = producer();
+    for step in ["before", "unloaded", "after"] {
+        match step {
+            "unloaded" => repository("unload").await,
+            "after" => repository("load").await,
+            _ => {}
+        }
+        let id = unique(&format!("products-{step}"));
+        send(&producer, &products.requests, &id, &request_file(&id, "products", &picture)).await.expect("send");
+        // One at a time: each answered before the worker changes.
+        let got = collect(&[&products.results, &products.dlq], Duration::from_secs(180), |got| got.contains_key(&id)).await.expect("collect");
+        let records = got.get(&id).unwrap_or_else(|| panic!("no output for {id}; gateway log:\n{}", gateway.log_tail()));
+        assert_eq!(records.len(), 1, "{id}: {records:?}");
+        let record = &records[0];
+        if step == "unloaded" {
+            assert_eq!(record.topic, products.dlq, "{id}: {}", record.value);
+            let message = record.value["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.starts_with("stage foreground (u2netp): "), "{id}: {}", record.value);
+            assert_eq!(record.value["error"]["kind"], "worker_rejected", "{id}: {}", record.value);
+            eprintln!("{id}: dead letter {message:?}");
+        } else {
+            assert_eq!(record.topic, products.results, "{id}: {}", record.value);
+            let outputs = &record.value["output"]["outputs"];
+            for mask in ["foreground.mask", "people_masks.mask"] {
+                assert!(outputs[mask]["sha256"].is_string(), "{id}: {mask}: {}", record.value);
+            }
+            assert!(!outputs["people.p5"]["boxes"].as_array().expect("boxes").is_empty(), "{id}: the astronaut: {}", record.value);
+        }
+    }
+    drop(gateway);
+    drop(worker);
+    drop(server);
     let _ = std::fs::remove_dir_all(&root);
 }
