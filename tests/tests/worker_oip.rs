@@ -125,7 +125,11 @@ async fn binary_inputs_at_any_alignment_answer_as_json_inputs_and_bad_ones_get_4
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_answer_carries_the_admission_state_and_the_state_endpoint_has_it_all() {
     use vramgate_shared::worker_state::{self, Admission, Unit, WorkerState};
-    let worker = start_worker(&silero_worker_config()).await.expect("worker starts");
+    // A budget below what the machine has free, so that it stays put between the readings
+    // below: without one it follows the host's available memory, which moves with everything
+    // else the machine does (a CI run once saw it move by 7 MB between two of them).
+    let config = format!("memory_budget_bytes = 1073741824\n{}", silero_worker_config());
+    let worker = start_worker(&config).await.expect("worker starts");
     let http = reqwest::Client::new();
     let state: WorkerState = http
         .get(format!("{}{}", worker.url, worker_state::STATE_PATH))
