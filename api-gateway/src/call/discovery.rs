@@ -350,6 +350,8 @@ mod tests {
         let mut finder = Finder::new(DnsConfig { name: "w.test".into(), nameserver, ..DnsConfig::default() });
         let started = Instant::now();
         let error = finder.find().await.expect_err("no answer");
-        assert!(started.elapsed() <= LOOKUP_TIMEOUT + Duration::from_millis(500), "{:?}: {error}", started.elapsed());
+        // Bounded: well short of what an unbounded resolver would wait, with room for a loaded
+        // machine (a tight bound here would be a timing assertion that fails under CI load).
+        assert!(started.elapsed() <= LOOKUP_TIMEOUT + Duration::from_secs(5), "{:?}: {error}", started.elapsed());
     }
 }

@@ -859,10 +859,12 @@ mod tests {
             .collect();
         assert_eq!(ABANDONED.load(Ordering::SeqCst), MAX_ABANDONED);
         let (release, held) = mpsc::channel::<()>();
+        // Timed from before the thread starts: the release below comes after the sleep, so the
+        // call cannot answer sooner, however late the thread is scheduled.
+        let started = Instant::now();
         let waiting = {
             let producer = Arc::clone(&producer);
             std::thread::spawn(move || {
-                let started = Instant::now();
                 (bounded(&producer, timeout, "stuck", move |_, _| held.recv().map(|()| 7).map_err(|_| KafkaError::Canceled)), started.elapsed())
             })
         };
