@@ -169,12 +169,16 @@ def outputs(path, count, status, kind=None):
     say(f"{path}: {count} records, all {status}{' ' + kind if kind else ''}")
 
 
+# The product segmentor's stored outputs (config/products.toml: `<stage>.<row>`).
+PRODUCT_MASKS = ("foreground.mask", "people_masks.mask")
+
+
 def mask_uris(path):
     """The stored masks' URIs in `watch --json` output of the products task, one per line."""
     for line in Path(path).read_text().splitlines():
         if line.strip():
             outputs = json.loads(line).get("output", {}).get("outputs", {})
-            for name in ("foreground.mask", "people_masks.mask"):
+            for name in PRODUCT_MASKS:
                 if isinstance(outputs.get(name), dict) and "uri" in outputs[name]:
                     print(outputs[name]["uri"])
 
@@ -194,7 +198,7 @@ def products(path, folder):
         boxes = outputs.get("people.p5", {}).get("boxes")
         if not boxes or any(b.get("label") != "person" for b in boxes):
             fail(f"{record.get('id')}: no person boxes: {json.dumps(record)[:400]}")
-        for name in ("foreground.mask", "people_masks.mask"):
+        for name in PRODUCT_MASKS:
             ref = outputs.get(name)
             if not isinstance(ref, dict) or not str(ref.get("uri", "")).startswith("s3://outputs/"):
                 fail(f"{record.get('id')}: {name} is not stored in s3://outputs/: {json.dumps(record)[:400]}")
