@@ -21,12 +21,28 @@ struct Args {
     config: Option<PathBuf>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Threads of tokio's blocking pool (tokio's own default is 512). The gateway's blocking calls
+/// are `file://` reads, one readiness metadata request at a time and the joins of its three
+/// Kafka threads. A backlog after a broker restart or a gateway's start used to open one
+/// thread per record it held (over 500 seen), each with its own stack and allocator heap,
+/// and resident memory stayed past the drain; past this bound the reads queue, within their
+/// `input.read_timeout_seconds`.
+const MAX_BLOCKING_THREADS: usize = 32;
+
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config: GatewayConfig =
         vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
             .context("reading api-gateway config")?;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .build()
+        .context("starting the async runtime")?
+        .block_on(serve(config))
+}
+
+async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let service = telemetry::Service { name: "api-gateway", version: env!("CARGO_PKG_VERSION"), log_spans: &["process"] };
     let telemetry = telemetry::init(service, &config.telemetry);
     let outcome = vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await;

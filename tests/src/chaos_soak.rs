@@ -63,12 +63,16 @@ pub struct Memory {
     pub steady: u64,
     pub peak: u64,
     pub end: u64,
+    /// The peak last printed as a new high (the timeline on stderr).
+    shown: u64,
 }
 
 impl Memory {
-    fn sample(&mut self, rss: u64, elapsed: Duration) {
+    /// Records one reading; true when it is a new high worth a line on stderr (64 MiB past
+    /// the last one shown, and past 256 MiB): where the peaks come from.
+    fn sample(&mut self, rss: u64, elapsed: Duration) -> bool {
         if rss == 0 {
-            return; // the process is down (a fault) or gone
+            return false; // the process is down (a fault) or gone
         }
         if self.start == 0 {
             self.start = rss;
@@ -78,6 +82,11 @@ impl Memory {
         }
         self.peak = self.peak.max(rss);
         self.end = rss;
+        let high = rss >= 256 << 20 && rss >= self.shown + (64 << 20);
+        if high {
+            self.shown = rss;
+        }
+        high
     }
 
     fn line(&self, name: &str) -> String {
@@ -191,6 +200,15 @@ impl Report {
     }
 }
 
+/// What a gateway held when its memory reached a new high (its own gauges).
+fn bookkeeping(scrape: &Scrape) -> String {
+    let mut out = String::new();
+    for name in ["held_bytes", "records_in_flight", "worker_calls_in_flight", "cpu_queue_depth", "paused_partitions", "outputs_unverified", "outputs_awaiting_transaction"] {
+        out += &format!("{name} {:.0}, ", scrape.sum(&format!("vramgate_gateway_{name}"), &[]));
+    }
+    out.trim_end_matches(", ").to_string()
+}
+
 /// Runs a soak on the test broker (`brokers()`), which it restarts: alone in its test binary.
 pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     let Settings { seconds, rate, fault_every, seed } = settings;
@@ -253,12 +271,24 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let elapsed = started.elapsed();
         for (i, g) in gateways.iter().enumerate() {
-            memory[i].sample(rss_bytes(g.pid()), elapsed);
+            let rss = rss_bytes(g.pid());
+            let high = memory[i].sample(rss, elapsed);
             if let Ok(scrape) = g.metrics().await {
                 verified.add(&scrape, &mut last_redone[i]);
+                if high {
+                    let threads = std::fs::read_dir(format!("/proc/{}/task", g.pid())).map(|d| d.count()).unwrap_or(0);
+                    eprintln!(
+                        "{:>6.0} s: gateway {i} RSS {:.0} MiB, a new high; {threads} threads, {}",
+                        elapsed.as_secs_f64(),
+                        rss as f64 / MIB,
+                        bookkeeping(&scrape)
+                    );
+                }
             }
         }
-        memory[2].sample(rss_bytes(worker.service.pid()), elapsed);
+        if memory[2].sample(rss_bytes(worker.service.pid()), elapsed) {
+            eprintln!("{:>6.0} s: worker RSS {:.0} MiB, a new high", elapsed.as_secs_f64(), memory[2].peak as f64 / MIB);
+        }
         // Faults only while events are still being sent, so the drain at the end is clean.
         if Instant::now() < next_fault || elapsed >= Duration::from_secs(seconds) {
             continue;

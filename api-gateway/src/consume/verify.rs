@@ -349,6 +349,16 @@ fn read_back<C: ConsumerContext>(
             // The end for a read_committed reader is the last stable offset, which no upper
             // bound is past: everything below it was handed over or skipped.
             Some(Err(KafkaError::PartitionEOF(p))) => open -= usize::from(advance(&mut progress, p, i64::MAX)),
+            // The state of a connection, queued when it changed: librdkafka reconnects by
+            // itself, and a broker's outage leaves dozens of these in the queue. Ending the read
+            // on each (and backing off) took one from the queue every 5 s, so the read back
+            // lagged for minutes after the broker was back, and the outputs it holds filled
+            // `max_held_bytes` and paused fetching (a chaos soak, 2026-11-29).
+            Some(Err(e)) if connection_event(&e) => {
+                if VERIFY_LOG.allow() {
+                    tracing::debug!(error = %e, topic = %topic, "read back: a connection event; reading on");
+                }
+            }
             Some(Err(e)) => {
                 let _ = consumer.unassign();
                 return Err(e);
@@ -369,9 +379,31 @@ fn read_back<C: ConsumerContext>(
     Ok(progress)
 }
 
-#[cfg(test)]
+/// Whether `error` is a connection's state reported through the consumer's queue rather than
+/// a failure of this read: the client recovers from it by itself.
+fn connection_event(error: &KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(error, KafkaError::MessageConsumption(_) | KafkaError::Global(_))
+        && matches!(
+            error.rdkafka_error_code(),
+            Some(Code::AllBrokersDown | Code::BrokerTransportFailure | Code::Resolve | Code::BrokerNotAvailable)
+        )
+}
+
+#[cfg(test)]#[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_event_does_not_end_a_read_and_a_partition_error_does() {
+        use rdkafka::types::RDKafkaErrorCode as Code;
+        assert!(connection_event(&KafkaError::MessageConsumption(Code::AllBrokersDown)));
+        assert!(connection_event(&KafkaError::MessageConsumption(Code::BrokerTransportFailure)));
+        assert!(connection_event(&KafkaError::Global(Code::AllBrokersDown)));
+        assert!(!connection_event(&KafkaError::MessageConsumption(Code::UnknownTopicOrPartition)));
+        assert!(!connection_event(&KafkaError::MessageConsumption(Code::TopicAuthorizationFailed)));
+        assert!(!connection_event(&KafkaError::PartitionEOF(0)));
+    }
 
     #[test]
     fn failed_looks_back_off_to_the_bound_and_a_clean_one_resets() {
