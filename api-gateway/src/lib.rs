@@ -14,6 +14,7 @@ pub mod failure;
 pub mod frames;
 pub mod health;
 pub mod input;
+pub mod memory;
 pub mod metrics;
 pub mod model_check;
 pub mod pipeline;

@@ -195,6 +195,18 @@ pub async fn run(
     let (misfit_found, mut misfit) = tokio::sync::oneshot::channel();
     let later_checks = tokio::spawn(model_check::later(unchecked, misfit_found));
     let watch = tokio::spawn(model_check::watch(model_check::pending(&tasks)));
+    // The CPU pools' threads make the buffers other threads drop (`crate::memory`).
+    let collector = {
+        let tasks = tasks.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(crate::memory::COLLECT_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                tasks.iter().for_each(|t| crate::memory::collect_pool(&t.pool));
+            }
+        })
+    };
     tracing::info!(
         topics = ?topics,
         group = %config.kafka.group_id,
@@ -235,6 +247,7 @@ pub async fn run(
     };
     later_checks.abort();
     watch.abort();
+    collector.abort();
     tracing::info!("shutting down: fetching stops, in-flight records finish");
     stop.store(true, Ordering::SeqCst);
     tokio::task::spawn_blocking(move || fetcher.join())

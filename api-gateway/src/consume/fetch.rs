@@ -72,7 +72,12 @@ impl Fetch {
         let mut stopping_since: Option<Instant> = None;
         let mut last_error: Option<Instant> = None;
         let mut bound_since: Option<Instant> = None;
+        // This thread copies the records the record tasks drop (`crate::memory`).
+        let mut collect = crate::memory::Every::default();
         loop {
+            if collect.due() {
+                crate::memory::collect_this_thread();
+            }
             if stopping_since.is_none() && stop.load(Ordering::SeqCst) {
                 stopping_since = Some(Instant::now());
             }
