@@ -782,8 +782,10 @@ mod tests {
         let result = ready_at_start(&make, Duration::from_millis(100), Duration::from_secs(2));
         let waited = started.elapsed();
         assert!(matches!(result, Err(KafkaError::MessageProduction(RDKafkaErrorCode::AllBrokersDown))));
-        // Attempts at 0, 0.5 and 1.5 s; the next pause (2 s) would pass the deadline.
-        assert_eq!(calls.load(Ordering::SeqCst), 3);
+        // Attempts at 0, 0.5 and 1.5 s; the next pause (2 s) would pass the deadline. A thread
+        // held off a CPU for over half a second (a loaded CI machine) can push the third past it.
+        let made = calls.load(Ordering::SeqCst);
+        assert!((2..=3).contains(&made), "{made} attempts");
         assert!(waited >= Duration::from_millis(1_500), "{waited:?}");
         // Refused (a client that cannot be made): at once.
         let calls = Arc::new(AtomicU32::new(0));

@@ -312,10 +312,14 @@ pub async fn run(connection: &vramgate_shared::kafka::Connection, args: LoadArgs
 async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTopics)], connection: &vramgate_shared::kafka::Connection) -> anyhow::Result<bool> {
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     loop {
-        if lag.blocking_total().await == Some(0) {
+        let total = lag.blocking_total().await;
+        if total == Some(0) {
             break;
         }
         if Instant::now() > deadline {
+            // Which of the two did not come: said, so that a run that did not settle tells why.
+            let total = total.map_or_else(|| "unknown (the query failed)".to_string(), |n| n.to_string());
+            eprintln!("load: not settled: the group's committed offsets still {total} records behind the requests after {SETTLE_TIMEOUT:?}");
             return Ok(false);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -323,6 +327,7 @@ async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTo
     let ends = kafka::output_ends(connection, topics).await?;
     while !follower.reached(&ends) {
         if Instant::now() > deadline {
+            eprintln!("load: not settled: the outputs not read to their ends ({} partitions) after {SETTLE_TIMEOUT:?}", ends.len());
             return Ok(false);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
