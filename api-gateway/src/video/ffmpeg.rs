@@ -659,7 +659,11 @@ mod tests {
     /// A clip made by FFmpeg's own test source: `seconds` long at 10 frames a second, a key
     /// frame every `gop` frames.
     fn clip(seconds: u32, gop: u32, codec: &str, container: &str) -> Vec<u8> {
-        let dir = std::env::temp_dir().join(format!("vramgate-video-{}-{gop}-{codec}", std::process::id()));
+        // A folder per call: tests run at once, and two that made the same clip in one folder
+        // removed it under each other (CI, 2026-11-29).
+        static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("vramgate-video-{}-{n}-{gop}-{codec}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join(format!("clip.{container}"));
         let made = std::process::Command::new("ffmpeg")
