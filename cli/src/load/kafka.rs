@@ -248,29 +248,43 @@ fn reached(ends: &HashMap<Partition, i64>, started_at: &HashMap<Partition, i64>,
 
 /// The gateway group's lag on the request topics.
 pub struct Lag {
-    consumer: Arc<BaseConsumer>,
+    kafka: Connection,
+    group: String,
+    /// Made again after a failed query: a client that lived through a broker restart was seen
+    /// failing every query for minutes after (a chaos soak's end check, 2026-11-29).
+    consumer: Mutex<Arc<BaseConsumer>>,
     topics: Vec<String>,
+    /// Why the last query failed, if it did.
+    pub last_error: Mutex<Option<String>>,
 }
 
 impl Lag {
     pub fn new(kafka: &Connection, group: &str, topics: Vec<String>) -> anyhow::Result<Self> {
-        Ok(Lag { consumer: Arc::new(consumer(kafka, group)?), topics })
+        Ok(Lag {
+            kafka: kafka.clone(),
+            group: group.to_string(),
+            consumer: Mutex::new(Arc::new(consumer(kafka, group)?)),
+            topics,
+            last_error: Mutex::new(None),
+        })
     }
 
     /// Records of the request topics past the group's committed offsets (a partition never
-    /// committed counts from its start); `None` when the broker did not answer.
+    /// committed counts from its start); `None` when the broker did not answer, the reason
+    /// kept in `last_error`, and the client made again for the next query.
     pub async fn blocking_total(&self) -> Option<i64> {
-        let (consumer, topics) = (self.consumer.clone(), self.topics.clone());
-        tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
+        let consumer = self.consumer.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let topics = self.topics.clone();
+        let answer = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
             let partitions = partitions(&consumer, &topics)?;
             let mut list = TopicPartitionList::new();
             for (topic, p) in &partitions {
                 list.add_partition(topic, *p);
             }
-            let committed = consumer.committed_offsets(list, KAFKA_TIMEOUT)?;
+            let committed = consumer.committed_offsets(list, KAFKA_TIMEOUT).context("reading the group's committed offsets")?;
             let mut lag = 0;
             for (topic, p) in &partitions {
-                let (low, high) = consumer.fetch_watermarks(topic, *p, KAFKA_TIMEOUT)?;
+                let (low, high) = consumer.fetch_watermarks(topic, *p, KAFKA_TIMEOUT).with_context(|| format!("reading the watermarks of {topic} {p}"))?;
                 let at = match committed.find_partition(topic, *p).map(|e| e.offset()) {
                     Some(Offset::Offset(o)) => o,
                     _ => low,
@@ -280,8 +294,18 @@ impl Lag {
             Ok(lag)
         })
         .await
-        .ok()?
-        .ok()
+        .map_err(anyhow::Error::from)
+        .and_then(|r| r);
+        match answer {
+            Ok(lag) => Some(lag),
+            Err(e) => {
+                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("{e:#}"));
+                if let Ok(fresh) = self::consumer::<BaseConsumer>(&self.kafka, &self.group) {
+                    *self.consumer.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh);
+                }
+                None
+            }
+        }
     }
 }
 

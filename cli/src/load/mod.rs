@@ -318,7 +318,10 @@ async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTo
         }
         if Instant::now() > deadline {
             // Which of the two did not come: said, so that a run that did not settle tells why.
-            let total = total.map_or_else(|| "unknown (the query failed)".to_string(), |n| n.to_string());
+            let total = total.map_or_else(
+                || format!("unknown (the query failed: {})", lag.last_error.lock().unwrap_or_else(|p| p.into_inner()).as_deref().unwrap_or("?")),
+                |n| n.to_string(),
+            );
             eprintln!("load: not settled: the group's committed offsets still {total} records behind the requests after {SETTLE_TIMEOUT:?}");
             return Ok(false);
         }
