@@ -254,8 +254,6 @@ pub struct Lag {
     /// failing every query for minutes after (a chaos soak's end check, 2026-11-29).
     consumer: Mutex<Arc<BaseConsumer>>,
     topics: Vec<String>,
-    /// Why the last query failed, if it did.
-    pub last_error: Mutex<Option<String>>,
 }
 
 impl Lag {
@@ -265,14 +263,13 @@ impl Lag {
             group: group.to_string(),
             consumer: Mutex::new(Arc::new(consumer(kafka, group)?)),
             topics,
-            last_error: Mutex::new(None),
         })
     }
 
     /// Records of the request topics past the group's committed offsets (a partition never
-    /// committed counts from its start); `None` when the broker did not answer, the reason
-    /// kept in `last_error`, and the client made again for the next query.
-    pub async fn blocking_total(&self) -> Option<i64> {
+    /// committed counts from its start); an error when the broker did not answer, and then the
+    /// client is made again for the next query.
+    pub async fn blocking_total(&self) -> anyhow::Result<i64> {
         let consumer = self.consumer.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let topics = self.topics.clone();
         let answer = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
@@ -296,16 +293,12 @@ impl Lag {
         .await
         .map_err(anyhow::Error::from)
         .and_then(|r| r);
-        match answer {
-            Ok(lag) => Some(lag),
-            Err(e) => {
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("{e:#}"));
-                if let Ok(fresh) = self::consumer::<BaseConsumer>(&self.kafka, &self.group) {
-                    *self.consumer.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh);
-                }
-                None
+        if answer.is_err() {
+            if let Ok(fresh) = self::consumer::<BaseConsumer>(&self.kafka, &self.group) {
+                *self.consumer.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh);
             }
         }
+        answer
     }
 }
 

@@ -313,15 +313,15 @@ async fn settle(lag: &kafka::Lag, follower: &Follower, topics: &[(String, TaskTo
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     loop {
         let total = lag.blocking_total().await;
-        if total == Some(0) {
+        if matches!(total, Ok(0)) {
             break;
         }
         if Instant::now() > deadline {
             // Which of the two did not come: said, so that a run that did not settle tells why.
-            let total = total.map_or_else(
-                || format!("unknown (the query failed: {})", lag.last_error.lock().unwrap_or_else(|p| p.into_inner()).as_deref().unwrap_or("?")),
-                |n| n.to_string(),
-            );
+            let total = match total {
+                Ok(n) => n.to_string(),
+                Err(e) => format!("unknown (the query failed: {e:#})"),
+            };
             eprintln!("load: not settled: the group's committed offsets still {total} records behind the requests after {SETTLE_TIMEOUT:?}");
             return Ok(false);
         }
@@ -361,7 +361,7 @@ async fn sample_loop(
     loop {
         tick.tick().await;
         let last = stop.load(Ordering::Relaxed);
-        let lag = lag.blocking_total().await;
+        let lag = lag.blocking_total().await.ok();
         let totals = tally.lock().unwrap_or_else(|p| p.into_inner()).totals();
         if !sampler.sample(started.elapsed().as_secs_f64(), totals, lag).await {
             eprintln!("load: the time series reached {} rows; sampling stopped", sample::MAX_ROWS);
