@@ -240,3 +240,83 @@ async fn a_paced_load_reaches_the_broker_while_it_runs_and_counts_what_never_cam
     assert_eq!(summary["send_failures"], 0, "{summary}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// The group-lag query that decides when a run has settled answers while a transaction of the
+/// group holds uncommitted offsets, and counts from the committed ones. A `read_committed`
+/// client's query (KIP-447's `require_stable`) does not answer meanwhile: a chaos run's end
+/// check once failed every query for its whole 60 s after a broker restart with such a client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lag_query_answers_while_a_transaction_holds_offsets_of_the_group() {
+    use rdkafka::consumer::CommitMode;
+    use rdkafka::producer::{FutureProducer, Producer};
+    use rdkafka::{Offset, TopicPartitionList};
+
+    const RECORDS: i64 = 10;
+    let topics = TaskTopics::create("load-lag", 1).await.expect("topics");
+    let group = unique("load-lag");
+    let producer = vramgate_tests::producer();
+    for i in 0..RECORDS {
+        vramgate_tests::send(&producer, &topics.requests, &format!("k{i}"), b"x").await.expect("sent");
+    }
+    let offsets = |at: i64| {
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(&topics.requests, 0, Offset::Offset(at)).expect("offset");
+        list
+    };
+    let member: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    member.commit(&offsets(4), CommitMode::Sync).expect("the group commits offset 4");
+
+    // A transaction that commits the group's offset 10 with the records it consumed, left open.
+    let txn: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", unique("load-lag-txn"))
+        .set("transaction.timeout.ms", "120000")
+        .create()
+        .expect("transactional producer");
+    let timeout = Duration::from_secs(30);
+    txn.init_transactions(timeout).expect("init");
+    txn.begin_transaction().expect("begin");
+    let metadata = member.group_metadata().expect("group metadata");
+    txn.send_offsets_to_transaction(&offsets(RECORDS), &metadata, timeout).expect("offsets into the transaction");
+
+    let connection = vramgate_shared::kafka::Connection { brokers: brokers(), properties: Default::default() };
+    let lag = vramgate_cli::load::Lag::new(&connection, &group, vec![topics.requests.clone()]).expect("lag client");
+    let started = Instant::now();
+    let open = lag.blocking_total().await.expect("the lag query answers with a transaction open");
+    assert_eq!(open, RECORDS - 4, "counted from the committed offset, not the open transaction's");
+    let answered_in = started.elapsed();
+
+    // What the query did before: the same question from a read_committed client is not answered.
+    let stable: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", &group)
+        .set("isolation.level", "read_committed")
+        .create()
+        .expect("read_committed client");
+    let mut list = TopicPartitionList::new();
+    list.add_partition(&topics.requests, 0);
+    let refused = tokio::task::spawn_blocking(move || stable.committed_offsets(list, Duration::from_secs(5)))
+        .await
+        .expect("join");
+    assert!(
+        refused.as_ref().map_or(true, |l| l.find_partition(&topics.requests, 0).map(|e| e.offset()) != Some(Offset::Offset(4))),
+        "a read_committed client read the committed offset 4 with a transaction open: {refused:?}; if the broker now \
+         answers such queries, the load tool's choice of read_uncommitted is no longer needed"
+    );
+
+    txn.commit_transaction(timeout).expect("commit");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match lag.blocking_total().await {
+            Ok(0) => break,
+            other => assert!(Instant::now() < deadline, "after the commit the lag stays {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("lag query with a transaction open: {open} in {answered_in:?}; a read_committed client's: {refused:?}");
+}

@@ -258,10 +258,20 @@ pub struct Lag {
 
 impl Lag {
     pub fn new(kafka: &Connection, group: &str, topics: Vec<String>) -> anyhow::Result<Self> {
+        // `read_uncommitted` for this client alone. A `read_committed` client asks for the
+        // group's offsets with KIP-447's `require_stable`, which the broker answers only when no
+        // open transaction holds offsets of the group for those partitions
+        // (`UNSTABLE_OFFSET_COMMIT`, retried by librdkafka up to the query's timeout), so one
+        // transaction kept open, by a killed gateway or a broker that is still completing it,
+        // fails every query meanwhile. Without the flag the broker answers at once with the
+        // offsets of committed transactions, which is what the lag counts. The request topics
+        // are this tool's own, written without transactions: their high watermark is their end
+        // at either level.
+        let kafka = crate::outputs::forcing(kafka, crate::outputs::Isolation::ReadUncommitted);
         Ok(Lag {
-            kafka: kafka.clone(),
+            consumer: Mutex::new(Arc::new(consumer(&kafka, group)?)),
+            kafka,
             group: group.to_string(),
-            consumer: Mutex::new(Arc::new(consumer(kafka, group)?)),
             topics,
         })
     }

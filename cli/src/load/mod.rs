@@ -32,6 +32,7 @@ use kafka::{Follower, Sender, TaskTopics};
 use sample::Sampler;
 use tally::Tally;
 
+pub use kafka::Lag;
 pub use plot::{write_panels, Panel, DEFAULT_FONT};
 pub use sample::Series;
 
