@@ -8,7 +8,9 @@
 //!
 //! Knobs (environment): `VRAMGATE_CHAOS_SECONDS` (3600), `VRAMGATE_CHAOS_RATE` (events a second,
 //! 20), `VRAMGATE_CHAOS_FAULT_EVERY` (seconds between faults, drawn from [S/2, 3S/2], 30),
-//! `VRAMGATE_CHAOS_SEED` (the faults' order, 7). Run with `scripts/bench chaos`.
+//! `VRAMGATE_CHAOS_SEED` (the faults' order, 7), `VRAMGATE_CHAOS_GROUP_PROTOCOL` (the gateways'
+//! `kafka.group_protocol`: `classic`, the default, or `consumer` for KIP-848). Run with
+//! `scripts/bench chaos`.
 
 use vramgate_tests::chaos_soak::{run, Settings};
 use vramgate_tests::env_or;
@@ -20,6 +22,11 @@ async fn main() -> anyhow::Result<()> {
         rate: env_or("VRAMGATE_CHAOS_RATE", 20.0),
         fault_every: env_or("VRAMGATE_CHAOS_FAULT_EVERY", 30.0),
         seed: env_or("VRAMGATE_CHAOS_SEED", 7),
+        group_protocol: match std::env::var("VRAMGATE_CHAOS_GROUP_PROTOCOL").as_deref() {
+            Err(_) | Ok("classic") => "classic",
+            Ok("consumer") => "consumer",
+            Ok(other) => anyhow::bail!("VRAMGATE_CHAOS_GROUP_PROTOCOL is classic or consumer, not {other:?}"),
+        },
     };
     let report = run(settings).await?;
     println!("\n{}", report.text());

@@ -28,6 +28,9 @@ pub struct Settings {
     pub fault_every: f64,
     /// The faults' draw: the same seed, the same faults at the same times.
     pub seed: u64,
+    /// The gateways' consumer group protocol (`kafka.group_protocol`): `classic`
+    /// (cooperative-sticky) or `consumer` (KIP-848).
+    pub group_protocol: &'static str,
 }
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -172,10 +175,10 @@ impl Report {
 
     /// The report as `scripts/bench chaos` prints it.
     pub fn text(&self) -> String {
-        let Settings { seconds, rate, fault_every, .. } = self.settings;
+        let Settings { seconds, rate, fault_every, group_protocol, .. } = self.settings;
         let mut out = format!(
-            "chaos soak: {seconds} s at {rate} events/s, 2 gateways (exactly-once), 5% hostile events, a fault every ~{fault_every:.0} s; \
-             {:.0} s in all\n",
+            "chaos soak: {seconds} s at {rate} events/s, 2 gateways (exactly-once, group protocol {group_protocol}), 5% hostile \
+             events, a fault every ~{fault_every:.0} s; {:.0} s in all\n",
             self.elapsed.as_secs_f64()
         );
         out += &format!("  {:<8} {:>8} {:>8} {:>6} {:>5} {:>5}  dead letters by kind\n", "task", "sent", "results", "dead", "lost", "dups");
@@ -211,7 +214,7 @@ fn bookkeeping(scrape: &Scrape) -> String {
 
 /// Runs a soak on the test broker (`brokers()`), which it restarts: alone in its test binary.
 pub async fn run(settings: Settings) -> anyhow::Result<Report> {
-    let Settings { seconds, rate, fault_every, seed } = settings;
+    let Settings { seconds, rate, fault_every, seed, group_protocol } = settings;
     let mut rng = Rng::new(seed);
     let voice = TaskTopics::create("chaos-voice", 4).await?;
     let image = TaskTopics::create("chaos-image", 4).await?;
@@ -225,6 +228,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     env.extend(image_task_env(&image));
     env.extend([
         ("DELIVERY", "exactly-once".to_string()),
+        ("KAFKA__GROUP_PROTOCOL", group_protocol.to_string()),
         ("TASKS__VOICE__RETRY__MAX_ATTEMPTS", "50".into()),
         ("TASKS__VOICE__RETRY__BACKOFF_MAX_MS", "2000".into()),
         ("TASKS__IMAGE__RETRY__MAX_ATTEMPTS", "50".into()),
