@@ -250,8 +250,9 @@ fn reached(ends: &HashMap<Partition, i64>, started_at: &HashMap<Partition, i64>,
 pub struct Lag {
     kafka: Connection,
     group: String,
-    /// Made again after a failed query: a client that lived through a broker restart was seen
-    /// failing every query for minutes after (a chaos soak's end check, 2026-11-29).
+    /// Made again after a failed query. Added when a client that had lived through a broker
+    /// restart failed every query of a chaos soak's end check (2026-11-29); the likelier cause
+    /// found since is the `require_stable` wait that `new` now avoids, so this may be removable.
     consumer: Mutex<Arc<BaseConsumer>>,
     topics: Vec<String>,
 }
