@@ -16,7 +16,10 @@
 //!   the batch size the model's [`BatchSizer`] chose for their input size from measured
 //!   throughput (`batching.rs`: batching happens only where it pays), while the padded batch
 //!   stays within what its members were granted (`estimate(padded elements) ≤ Σ granted`)
-//!   and within the model's learned capacity. It takes what is already queued at once; it
+//!   and within the model's learned capacity. While it forms, rows count as the members bring
+//!   them; once formed, its last members go back to the queue until the batch fits at its
+//!   rows padded up to their batch bucket (three rows that run as four wait for a fourth, or
+//!   run as two and one). It takes what is already queued at once; it
 //!   waits up to `window_ms` for more only while other requests for the model are on their
 //!   way (in the HTTP handler or waiting for admission), requests have overlapped within the
 //!   last [`OVERLAP_MEMORY`], or its first request came after a pause that long (it may lead a
@@ -752,12 +755,16 @@ impl Batcher {
                 pending.push_back(next);
             }
         }
+        self.settle(&mut batch, pending);
         Some(batch)
     }
 
-    /// Whether `next` may join `batch`: the batch stays within `cap` rows, its padding within
-    /// [`MAX_PADDING_WORK`], the padded batch within the learned capacity and, when admitting
-    /// by bytes, within what its members were granted.
+    /// Whether `next` may join `batch` while it is being formed: the batch stays within `cap`
+    /// rows, and [`Batcher::within`] holds at the rows its members bring. Their rows are
+    /// not padded up to a batch bucket yet: a third member of a batch that runs as four rows
+    /// costs a fourth row nobody was granted, until a fourth member comes (P-Net at 480² on a
+    /// card: a row costs 37 times the model's base bytes, and no batch grew past two).
+    /// [`Batcher::settle`] checks the formed batch as it runs.
     fn fits(&self, batch: &[Job], next: &Job, cap: usize) -> bool {
         if rows(batch) + next.input.rows() > cap {
             return false;
@@ -767,7 +774,16 @@ impl Batcher {
         }
         let mut inputs: Vec<&Inputs> = batch.iter().map(|j| &j.input).collect();
         inputs.push(&next.input);
-        let elements = self.model.padded_elements(&inputs);
+        let granted: u64 = batch.iter().map(|j| j.granted).sum::<u64>() + next.granted;
+        self.within(&inputs, granted, false)
+    }
+
+    /// Whether a batch of `inputs`, granted `granted` bytes in all, may run: its padding within
+    /// [`MAX_PADDING_WORK`], it within the learned capacity and, when admitting by bytes, within
+    /// what its members were granted. With `bucket_rows` its rows are padded up to their batch
+    /// bucket, as it runs; without, as the members bring them.
+    fn within(&self, inputs: &[&Inputs], granted: u64, bucket_rows: bool) -> bool {
+        let elements = if bucket_rows { self.model.padded_elements(inputs) } else { self.model.elements_at_own_rows(inputs) };
         // What each member costs alone (with a bucket, its bucket's elements): only the
         // padding that sharing the batch adds counts against MAX_PADDING_WORK.
         let own: u64 = inputs.iter().map(|i| self.model.padded_elements(&[i])).sum();
@@ -778,11 +794,23 @@ impl Batcher {
             return false;
         }
         match self.shared.mode {
-            AdmissionMode::Bytes => {
-                let granted: u64 = batch.iter().map(|j| j.granted).sum::<u64>() + next.granted;
-                self.estimate.bytes(elements) <= granted
-            }
+            AdmissionMode::Bytes => self.estimate.bytes(elements) <= granted,
             AdmissionMode::Count => true,
+        }
+    }
+
+    /// Gives a formed batch its last members back until it runs within its limits as it runs
+    /// (rows padded up to their bucket): they go to the front of `pending`, in order, and lead
+    /// the next batch. Rows that fill a bucket exactly always pass, so at worst it falls back
+    /// to the bucket below; its first member is never given back.
+    fn settle(&self, batch: &mut Vec<Job>, pending: &mut VecDeque<Job>) {
+        while batch.len() > 1 {
+            let inputs: Vec<&Inputs> = batch.iter().map(|j| &j.input).collect();
+            let granted = batch.iter().map(|j| j.granted).sum();
+            if self.within(&inputs, granted, true) {
+                return;
+            }
+            pending.push_front(batch.pop().expect("more than one member"));
         }
     }
 

@@ -868,13 +868,23 @@ impl Model {
     /// which bucketing may pad. What admission prices, the batch former weighs and the model
     /// is called with.
     pub fn padded_shapes(&self, requests: &[&Inputs]) -> Vec<Vec<usize>> {
+        self.shapes_at(requests, true)
+    }
+
+    /// [`Model::padded_elements`] with the rows as the requests bring them, not padded up to a
+    /// batch bucket: what a batch still being formed costs once more members fill its bucket.
+    pub fn elements_at_own_rows(&self, requests: &[&Inputs]) -> u64 {
+        self.shapes_at(requests, false).iter().map(|shape| shape.iter().map(|&d| d as u64).product::<u64>()).sum()
+    }
+
+    fn shapes_at(&self, requests: &[&Inputs], bucket_rows: bool) -> Vec<Vec<usize>> {
         self.inputs
             .iter()
             .enumerate()
             .map(|(k, input)| {
                 let tensors: Vec<&InputTensor> = requests.iter().map(|r| &r.0[k]).collect();
                 let mut shape = padded_shape(&tensors, &input.spec.shape, input.bucket);
-                if let Some(rows) = shape.first_mut() {
+                if let Some(rows) = shape.first_mut().filter(|_| bucket_rows) {
                     *rows = self.batch_rows(*rows);
                 }
                 shape

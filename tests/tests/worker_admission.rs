@@ -295,3 +295,40 @@ async fn a_batch_past_the_budget_runs_in_parts_that_fit() {
     assert_eq!(refused.status, 413, "{:?}", refused.error);
     assert!(refused.error.as_deref().is_some_and(|e| e.contains("whole memory budget")), "{:?}", refused.error);
 }
+
+/// With batch buckets (CUDA's default 1, 2, 4, …; declared here on the CPU), a batch fills its
+/// bucket instead of stopping below it, and never runs at rows nobody was granted. Each request
+/// is granted one row (a 1 MB base + 40 B a value: a 320² row is 12.3 MB, twelve bases); three
+/// members run as four rows, which three grants do not cover, so the batch former used to stop
+/// every batch at two: on an H200, P-Net at 480² never batched past two with 64 in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_fills_its_bucket_and_never_runs_rows_nobody_was_granted() {
+    let extra = "[batching]\nwindow_ms = 1500.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
+    let declared = "estimate = { base_bytes = 1000000.0, bytes_per_element = 40.0 }\nbatch_buckets = [1, 2, 4, 8]";
+    let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, declared)])).await.expect("worker starts");
+    let http = client();
+    let batches = |text: &str, le: &str| metric(text, &format!("inference_batch_size_bucket{{model=\"pnet\",le=\"{le}\"}}"));
+    let burst = |n: usize| {
+        join_all((0..n).map(|i| {
+            let (http, url) = (http.clone(), worker.url.clone());
+            async move { image(&http, &url, (320, 320), i).await }
+        }))
+    };
+    // Eight at once: one full bucket of eight (before, four batches of two).
+    for answer in burst(8).await {
+        assert_eq!(answer.status, 200, "{:?}", answer.error);
+    }
+    let text = metrics_text(&http, &worker.url).await.expect("metrics");
+    let (all, up_to_two) = (batches(&text, "+Inf"), batches(&text, "2"));
+    assert!(all > up_to_two, "8 concurrent requests never shared a batch of more than two: {all} batches, {up_to_two} of at most two");
+    // Three at once: as four rows they would cost 1 MB + 4 × 12.3 MB against three grants of
+    // 13.3 MB, so two run together and the third alone (before this change, the same).
+    for answer in burst(3).await {
+        assert_eq!(answer.status, 200, "{:?}", answer.error);
+    }
+    let after = metrics_text(&http, &worker.url).await.expect("metrics");
+    let new_batches = batches(&after, "+Inf") - all;
+    let of_three = (batches(&after, "3") - batches(&after, "2")) - (batches(&text, "3") - batches(&text, "2"));
+    assert_eq!(of_three, 0.0, "a batch of three rows ran as four with three rows' grants");
+    assert_eq!(new_batches, 2.0, "three requests ran in {new_batches} batches, not two and one");
+}
