@@ -156,9 +156,9 @@ if ! grep -q '"status": "ok"' "$work/checks/preflight.json" 2>/dev/null; then
   exit 1
 fi
 # VRAMGATE_KIT_CHECKS picks the checks after the preflight (all by default), e.g. "p3 oom".
-declare -A limit=([budget]=40 [p1]=130 [p3]=110 [oom]=45 [batching]=60 [cards]=80)
+declare -A limit=([budget]=40 [p1]=130 [p3]=150 [oom]=45 [batching]=60 [cards]=80)
 # P3 saturates the baseline worker too when the kit carries one.
-[ -n "${VRAMGATE_KIT_BASELINE_WORKER:-}" ] && limit[p3]=180
+[ -n "${VRAMGATE_KIT_BASELINE_WORKER:-}" ] && limit[p3]=240
 for name in ${VRAMGATE_KIT_CHECKS:-budget p1 p3 oom batching cards}; do
   if [ -z "${limit[$name]:-}" ]; then
     say "no check named $name (the checks: ${!limit[*]})"; failed+=("$name"); continue

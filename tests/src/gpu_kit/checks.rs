@@ -451,12 +451,12 @@ fn cpu_seconds(pid: &str) -> Option<f64> {
     Some((ticks(11)? + ticks(12)?) / 100.0)
 }
 
-/// CPU seconds of each of process `pid`'s threads, grouped by what they are: `http` (tokio's
-/// workers, which read, decode and answer requests), `batch` (the model's batch threads),
-/// `other` (libtorch's pools, the memory monitor, the allocator).
-fn thread_cpu(pid: &str) -> std::collections::BTreeMap<&'static str, f64> {
-    let mut groups = std::collections::BTreeMap::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return groups };
+/// CPU seconds of each of process `pid`'s threads by thread id, with the group it belongs to:
+/// `http` (tokio's threads, which read, decode and answer requests), `batch` (the model's batch
+/// threads), `other` (libtorch's pools, the memory monitor, the allocator).
+fn thread_cpu(pid: &str) -> std::collections::BTreeMap<String, (&'static str, f64)> {
+    let mut threads = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return threads };
     for task in tasks.flatten() {
         let tid = task.file_name().to_string_lossy().to_string();
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
@@ -468,8 +468,21 @@ fn thread_cpu(pid: &str) -> std::collections::BTreeMap<&'static str, f64> {
             "other"
         };
         if let Some(cpu) = cpu_seconds(&format!("{pid}/task/{tid}")) {
-            *groups.entry(group).or_insert(0.0) += cpu;
+            threads.insert(tid, (group, cpu));
         }
+    }
+    threads
+}
+
+/// CPU seconds each group of threads spent between two [`thread_cpu`] samples, thread by
+/// thread: a thread that ended between them (tokio's blocking threads end after 10 s idle, the
+/// one that loaded the models among them) takes its seconds out of neither sample, and one
+/// born between them counts from zero.
+fn thread_cpu_spent(before: &std::collections::BTreeMap<String, (&'static str, f64)>, after: &std::collections::BTreeMap<String, (&'static str, f64)>) -> std::collections::BTreeMap<&'static str, f64> {
+    let mut groups = std::collections::BTreeMap::new();
+    for (tid, &(group, cpu)) in after {
+        let earlier = before.get(tid).map_or(0.0, |&(_, c)| c);
+        *groups.entry(group).or_insert(0.0) += (cpu - earlier).max(0.0);
     }
     groups
 }
@@ -592,7 +605,7 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         let phases = phase_ms(&before, &after, model);
         let per_thread: Vec<(&str, f64)> = ["http", "batch", "other"]
             .into_iter()
-            .map(|g| (g, (threads_after.get(g).copied().unwrap_or(0.0) - threads_before.get(g).copied().unwrap_or(0.0)) / t.seconds))
+            .map(|g| (g, thread_cpu_spent(&threads_before, &threads_after).get(g).copied().unwrap_or(0.0) / t.seconds))
             .collect();
         breakdown.push(format!(
             "| {} | {:.1} {}/s | {:.1} | {} | {:.2} / {:.2} / {:.2} / {:.2} | {} |",
