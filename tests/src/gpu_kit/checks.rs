@@ -603,9 +603,10 @@ async fn p3(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
         // The same loop with TorchScript's executor as the worker sets it (profiling off).
         let raw_legacy = raw_loop_with(kit, model, size, same, seconds, &["--no-profiling"]);
         let phases = phase_ms(&before, &after, model);
+        let spent_by_group = thread_cpu_spent(&threads_before, &threads_after);
         let per_thread: Vec<(&str, f64)> = ["http", "batch", "other"]
             .into_iter()
-            .map(|g| (g, thread_cpu_spent(&threads_before, &threads_after).get(g).copied().unwrap_or(0.0) / t.seconds))
+            .map(|g| (g, spent_by_group.get(g).copied().unwrap_or(0.0) / t.seconds))
             .collect();
         breakdown.push(format!(
             "| {} | {:.1} {}/s | {:.1} | {} | {:.2} / {:.2} / {:.2} / {:.2} | {} |",
