@@ -215,7 +215,7 @@ impl MemoryMonitor {
     }
 
     /// Applies `memory_limit_bytes`: from now on the process may take at most `limit` bytes
-    /// beyond what it holds now. Call once, after models are loaded and every long-lived
+    /// beyond what it holds now (on CUDA, once the allocator's cache is returned). Call once, after models are loaded and every long-lived
     /// thread has started (on CPU a thread's stack counts against the address-space limit).
     /// On CPU `host_allowance` is added to the address-space limit: see
     /// `WorkerConfig::memory_host_allowance_bytes`.
@@ -243,6 +243,11 @@ impl MemoryMonitor {
                 );
             }
             Backend::Cuda { index, .. } => {
+                // What the process holds now must be what it keeps (its weights), not also the
+                // blocks its batch threads' warm-ups left cached on their streams: those serve
+                // any later batch, so counted here they would be allowed on top of the limit
+                // (on an H200, 4.5 GiB of them kept a 1 GiB cap from ever being reached).
+                self.empty_cache();
                 let snap = self.snapshot();
                 anyhow::ensure!(snap.total > 0, "memory_limit_bytes on CUDA needs NVML for the device's total");
                 let fraction = ((snap.ours + limit) as f64 / snap.total as f64).min(1.0);
