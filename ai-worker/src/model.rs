@@ -874,7 +874,7 @@ impl Model {
     /// [`Model::padded_elements`] with the rows as the requests bring them, not padded up to a
     /// batch bucket: what a batch still being formed costs once more members fill its bucket.
     pub fn elements_at_own_rows(&self, requests: &[&Inputs]) -> u64 {
-        self.shapes_at(requests, false).iter().map(|shape| shape.iter().map(|&d| d as u64).product::<u64>()).sum()
+        elements(&self.shapes_at(requests, false))
     }
 
     fn shapes_at(&self, requests: &[&Inputs], bucket_rows: bool) -> Vec<Vec<usize>> {
@@ -959,7 +959,7 @@ impl Model {
     /// `requests` costs. For one request, its admission price's elements (its own, or its
     /// bucket's).
     pub fn padded_elements(&self, requests: &[&Inputs]) -> u64 {
-        self.padded_shapes(requests).iter().map(|shape| shape.iter().map(|&d| d as u64).product::<u64>()).sum()
+        elements(&self.shapes_at(requests, true))
     }
 
     /// Elements of one item (row) of the padded (and bucketed) batch of `requests`, all
@@ -1320,6 +1320,11 @@ fn padded_shape(inputs: &[&InputTensor], declared: &[i64], bucket: usize) -> Vec
         }
     }
     shape
+}
+
+/// The elements of every shape of `shapes`, together.
+fn elements(shapes: &[Vec<usize>]) -> u64 {
+    shapes.iter().map(|shape| shape.iter().map(|&d| d as u64).product::<u64>()).sum()
 }
 
 /// `n` rounded up to a multiple of `step` (saturating; a step of 0 or 1 leaves it).

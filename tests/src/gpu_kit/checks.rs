@@ -934,3 +934,24 @@ async fn cards(kit: &Kit, check: &mut Check) -> anyhow::Result<&'static str> {
     }
     Ok(if good { "ok" } else { "failed" })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::thread_cpu_spent;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn cpu_by_thread_group_counts_each_thread_between_its_own_samples() {
+        let sample = |threads: &[(&str, &'static str, f64)]| -> BTreeMap<String, (&'static str, f64)> {
+            threads.iter().map(|&(tid, group, cpu)| (tid.to_string(), (group, cpu))).collect()
+        };
+        // Thread 1 ran 2 s more; 2 (a blocking thread with 21 s behind it) ended between the
+        // samples; 3 was born between them and ran 0.5 s; 4 is a batch thread.
+        let before = sample(&[("1", "http", 10.0), ("2", "http", 21.0), ("4", "batch", 5.0)]);
+        let after = sample(&[("1", "http", 12.0), ("3", "http", 0.5), ("4", "batch", 8.0)]);
+        let spent = thread_cpu_spent(&before, &after);
+        assert_eq!(spent.get("http"), Some(&2.5), "the ended thread takes nothing away: {spent:?}");
+        assert_eq!(spent.get("batch"), Some(&3.0));
+        assert_eq!(spent.get("other"), None);
+    }
+}
