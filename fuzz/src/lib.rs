@@ -1,10 +1,13 @@
 //! What the fuzz targets share: the gateway's converters as task table rows would build them,
 //! a plan run the way `record` runs it (the header probe, then the conversion), and the checks
-//! that every conversion's output must pass whatever its input. Each target is one file under
-//! `fuzz_targets/` calling the services' own parsers; nothing here parses.
+//! that every conversion's output must pass whatever its input, and each target's body
+//! ([`targets`]), calling the services' own parsers; nothing here parses. `fuzz_targets/` hands
+//! each body to libFuzzer. Nothing here uses libfuzzer-sys, so the services' test suite
+//! includes this file as a module and runs every committed seed through the same bodies
+//! (`tests/tests/fuzz_seeds.rs`).
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use serde::de::DeserializeOwned;
 use serde_json::json;
@@ -16,6 +19,8 @@ use vramgate_gateway::tasks::tensor::{TensorInput, TensorOptions};
 use vramgate_gateway::tasks::{Converted, Converter, Plan};
 use vramgate_shared::events::ErrorKind;
 use vramgate_shared::oip::{self, Tensor, TensorData};
+
+pub mod targets;
 
 /// The largest peak a plan's probe may announce for the fuzzer to go on and convert. The
 /// gateway reserves whatever the probe says (a record larger than its whole budget runs
@@ -181,15 +186,27 @@ pub fn tensor_converters() -> Vec<Box<dyn Converter>> {
 }
 
 /// Runs every task row of `converters` on `bytes` as a request without options
-/// ([`probe_then_convert`]), and `check` on each conversion that succeeds. The plans are built
-/// on the first call: a target converts with one set of rows, and each target is a binary of its
-/// own.
+/// ([`probe_then_convert`]), and `check` on each conversion that succeeds. Each set of rows is
+/// planned once, on its first call, and kept by the function that lists it: a fuzz target
+/// converts with one set, the seed test with each target's in turn.
 pub fn convert_with_every_row(converters: fn() -> Vec<Box<dyn Converter>>, bytes: &[u8], check: impl Fn(&dyn Plan, &Converted)) {
-    static PLANS: OnceLock<Vec<Arc<dyn Plan>>> = OnceLock::new();
-    let plans = PLANS.get_or_init(|| {
-        converters().iter().map(|c| c.plan(None).expect("a task row plans a request without options")).collect()
-    });
-    for plan in plans {
+    type Planned = (usize, Arc<Vec<Arc<dyn Plan>>>);
+    static PLANS: Mutex<Vec<Planned>> = Mutex::new(Vec::new());
+    let key = converters as usize;
+    let plans = {
+        let mut planned = PLANS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match planned.iter().find(|(k, _)| *k == key) {
+            Some((_, plans)) => Arc::clone(plans),
+            None => {
+                let plans: Vec<Arc<dyn Plan>> =
+                    converters().iter().map(|c| c.plan(None).expect("a task row plans a request without options")).collect();
+                let plans = Arc::new(plans);
+                planned.push((key, Arc::clone(&plans)));
+                plans
+            }
+        }
+    };
+    for plan in plans.iter() {
         if let Some(converted) = probe_then_convert(&**plan, bytes) {
             check(&**plan, &converted);
         }
