@@ -1,10 +1,11 @@
-//! What the fuzz targets share: the gateway's converters as task table rows would build them,
-//! a plan run the way `record` runs it (the header probe, then the conversion), and the checks
-//! that every conversion's output must pass whatever its input, and each target's body
-//! ([`targets`]), calling the services' own parsers; nothing here parses. `fuzz_targets/` hands
-//! each body to libFuzzer. Nothing here uses libfuzzer-sys, so the services' test suite
-//! includes this file as a module and runs every committed seed through the same bodies
-//! (`tests/tests/fuzz_seeds.rs`).
+//! Each fuzz target's body ([`targets`]) and what the bodies share: the gateway's converters as
+//! task table rows would build them, a plan run the way `record` runs it (the header probe, then
+//! the conversion), and the checks every conversion's output must pass whatever its input.
+//! Nothing here parses: the bodies call the services' own parsers.
+//!
+//! `fuzz_targets/` hands each body to libFuzzer. Nothing here uses libfuzzer-sys, so the
+//! services' test suite includes this file as a module and runs every committed seed through
+//! the same bodies (`tests/tests/fuzz_seeds.rs`).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -187,8 +188,8 @@ pub fn tensor_converters() -> Vec<Box<dyn Converter>> {
 
 /// Runs every task row of `converters` on `bytes` as a request without options
 /// ([`probe_then_convert`]), and `check` on each conversion that succeeds. Each set of rows is
-/// planned once, on its first call, and kept by the function that lists it: a fuzz target
-/// converts with one set, the seed test with each target's in turn.
+/// planned once, on its first call, and kept under the address of the function that lists it:
+/// a fuzz target converts with one set, the seed test with each target's in turn.
 pub fn convert_with_every_row(converters: fn() -> Vec<Box<dyn Converter>>, bytes: &[u8], check: impl Fn(&dyn Plan, &Converted)) {
     type Planned = (usize, Arc<Vec<Arc<dyn Plan>>>);
     static PLANS: Mutex<Vec<Planned>> = Mutex::new(Vec::new());
