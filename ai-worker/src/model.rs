@@ -279,18 +279,51 @@ fn widens_exactly(from: Kind, to: Kind) -> bool {
 /// A CPU tensor's values as the datatype's [`TensorData`]; the tensor is of its kind.
 fn tensor_data(t: &Tensor, datatype: DataType) -> Result<TensorData, tch::TchError> {
     Ok(match datatype {
-        DataType::Bool => TensorData::Bool(Vec::try_from(t)?),
-        DataType::Uint8 => TensorData::Uint8(Vec::try_from(t)?),
-        DataType::Int32 => TensorData::Int32(Vec::try_from(t)?),
-        DataType::Int64 => TensorData::Int64(Vec::try_from(t)?),
+        DataType::Bool => TensorData::Bool(host_values(t)?),
+        DataType::Uint8 => TensorData::Uint8(host_values(t)?),
+        DataType::Int32 => TensorData::Int32(host_values(t)?),
+        DataType::Int64 => TensorData::Int64(host_values(t)?),
         // The bits as they are: a view as 16-bit integers reinterprets, it does not convert.
         DataType::Fp16 => {
             let bits = Vec::<i16>::try_from(&t.f_view_dtype(Kind::Int16)?)?;
             TensorData::Fp16(bits.into_iter().map(|b| F16::from_bits(b as u16)).collect())
         }
-        DataType::Fp32 => TensorData::Fp32(Vec::try_from(t)?),
+        DataType::Fp32 => TensorData::Fp32(host_values(t)?),
         other => return Err(tch::TchError::Kind(format!("no libtorch kind for datatype {other}"))),
     })
+}
+
+/// Marks the element types [`host_values`] may copy a tensor's bytes into: every bit pattern
+/// libtorch stores for the kind is a valid value (a BOOL tensor holds only 0 and 1).
+trait HostElement: tch::kind::Element + Copy {}
+impl HostElement for bool {}
+impl HostElement for u8 {}
+impl HostElement for i32 {}
+impl HostElement for i64 {}
+impl HostElement for f32 {}
+
+/// A tensor's values, copied once into a fresh vector. On every answer's path: tch's own
+/// conversion fills the vector with zeros before copying into it (a second pass over the
+/// output, and the one that pays the fresh pages' faults), so a contiguous CPU tensor of the
+/// element's kind is copied straight into the vector's spare capacity; anything else goes
+/// the tch way.
+fn host_values<T: HostElement>(t: &Tensor) -> Result<Vec<T>, tch::TchError> {
+    if t.device() != Device::Cpu || t.kind() != T::KIND || !t.is_contiguous() {
+        return Vec::try_from(t);
+    }
+    let n = t.numel();
+    let mut values = Vec::<T>::with_capacity(n);
+    if n > 0 {
+        // SAFETY: `t` is a contiguous CPU tensor of `n` elements of `T`'s kind, so `data_ptr`
+        // (its first element, storage offset included) starts `n` valid values of `T`; the
+        // vector has room for `n` and is a distinct allocation. `set_len` follows the copy
+        // that initialised them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(t.data_ptr().cast::<T>(), values.as_mut_ptr(), n);
+            values.set_len(n);
+        }
+    }
+    Ok(values)
 }
 
 /// A constant argument as TorchScript takes it.
