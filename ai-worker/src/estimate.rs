@@ -18,8 +18,13 @@
 //! * any batch larger than every batch measured so far (the estimate's extrapolation is
 //!   where it is least sure);
 //! * every batch after an OOM of this model, until one has been measured;
-//! * otherwise one batch in `memory_measure_every_batches` (default 100), so that a slow drift
-//!   (a libtorch path that allocates more for some inputs) is still caught.
+//! * otherwise one batch in `memory_measure_every_batches` (default 100), and at most one
+//!   such batch every [`PERIODIC_MIN_GAP`], so that a slow drift (a libtorch path that
+//!   allocates more for some inputs) is still caught. The gap matters on CPU: a measured batch
+//!   gives the whole free heap back first, so every batch after it, not only the measured
+//!   one, pays for touching its memory afresh. At 500 small batches a second, one in 100 was
+//!   five trims a second, and the worker spent 0.4 ms of CPU more per request
+//!   (`scripts/bench request-path`, 2026-11-30: 2.2–2.5 ms against 1.8–2.0 without them).
 //!
 //! Accuracy is kept because an unmeasured batch can only be of a size class already measured
 //! and no larger than the largest batch measured, where the line has been checked (and raised
@@ -29,6 +34,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -77,11 +83,19 @@ struct Line {
     sampling: Sampling,
 }
 
+/// The least time between two batches measured because their turn came (see the module doc).
+pub const PERIODIC_MIN_GAP: Duration = Duration::from_secs(5);
+
 /// What [`MemoryEstimate::wants_peak`] decides from.
 #[derive(Default)]
 struct Sampling {
     /// Measure one batch in this many (0: only the batches that say something new).
     every: u64,
+    /// The least time between a measured batch and the next one measured only because its
+    /// turn came (`every`).
+    min_gap: Duration,
+    /// When the last measured batch was observed.
+    last_measured: Option<Instant>,
     /// Batches since the last measured one.
     since_measured: u64,
     /// Size classes (bit `k`: padded elements in `[2^k, 2^(k+1))`) measured online.
@@ -125,7 +139,7 @@ impl MemoryEstimate {
                 per_element: per_element.max(0.0),
                 corrections: 0,
                 last_ratio: None,
-                sampling: Sampling { every: 100, ..Sampling::default() },
+                sampling: Sampling { every: 100, min_gap: PERIODIC_MIN_GAP, ..Sampling::default() },
             }),
             learned_max_elements: AtomicU64::new(u64::MAX),
         }
@@ -149,9 +163,12 @@ impl MemoryEstimate {
         bytes == 0 || self.bytes(elements) <= bytes
     }
 
-    /// Measure one batch in `every` besides those that say something new (0: only those).
-    pub fn set_measure_every(&self, every: u64) {
-        self.line().sampling.every = every;
+    /// Measure one batch in `every` besides those that say something new (0: only those), and
+    /// such a batch only once `min_gap` has passed since the last measured one.
+    pub fn set_measure_every(&self, every: u64, min_gap: Duration) {
+        let mut line = self.line();
+        line.sampling.every = every;
+        line.sampling.min_gap = min_gap;
     }
 
     /// Whether the peak of the batch about to run, of `elements` padded input elements, should
@@ -160,10 +177,8 @@ impl MemoryEstimate {
         let mut line = self.line();
         let s = &mut line.sampling;
         s.since_measured += 1;
-        s.after_oom
-            || s.classes & (1 << size_class(elements)) == 0
-            || elements > s.largest
-            || (s.every > 0 && s.since_measured >= s.every)
+        let turn = s.every > 0 && s.since_measured >= s.every && s.last_measured.is_none_or(|t| t.elapsed() >= s.min_gap);
+        s.after_oom || s.classes & (1 << size_class(elements)) == 0 || elements > s.largest || turn
     }
 
     /// Compares a batch's measured peak with its estimate and raises the per-element cost
@@ -172,6 +187,7 @@ impl MemoryEstimate {
         let mut line = self.line();
         let s = &mut line.sampling;
         s.since_measured = 0;
+        s.last_measured = Some(Instant::now());
         s.classes |= 1 << size_class(elements);
         s.largest = s.largest.max(elements);
         s.after_oom = false;
@@ -319,7 +335,7 @@ mod tests {
     #[test]
     fn peaks_are_measured_for_new_sizes_after_an_oom_and_one_batch_in_n() {
         let est = MemoryEstimate::configured(EstimateConfig { base_bytes: 0.0, bytes_per_element: 1.0 });
-        est.set_measure_every(4);
+        est.set_measure_every(4, Duration::ZERO);
         assert!(est.wants_peak(1000), "the first batch of a size class is measured");
         est.observe(1000, 900);
         assert!(!est.wants_peak(1000));
@@ -339,5 +355,21 @@ mod tests {
         est.observe(800, 700);
         assert!(!est.wants_peak(800));
         assert_eq!(est.view().measured_batches, 5);
+    }
+
+    #[test]
+    fn a_batch_whose_turn_comes_waits_for_the_gap_but_a_new_size_does_not() {
+        let est = MemoryEstimate::configured(EstimateConfig { base_bytes: 0.0, bytes_per_element: 1.0 });
+        est.set_measure_every(2, Duration::from_millis(200));
+        assert!(est.wants_peak(1000));
+        est.observe(1000, 900);
+        for _ in 0..10 {
+            assert!(!est.wants_peak(1000), "its turn, but too soon after the last measurement");
+        }
+        assert!(est.wants_peak(5000), "a new size class is measured at once");
+        est.observe(5000, 4000);
+        std::thread::sleep(Duration::from_millis(250));
+        assert!(!est.wants_peak(1000), "one batch since the last measurement");
+        assert!(est.wants_peak(1000), "its turn, and the gap has passed");
     }
 }
