@@ -34,7 +34,7 @@ use crate::config::{AdmissionMode, Secret, WorkerConfig};
 use crate::batching::BatchSizer;
 use crate::engine::{Calibrated, Engine, InferError, Served};
 use crate::estimate::{MemoryEstimate, Probe};
-use crate::limits::{self, BodyBudget, BodyError, BodyLimits, ConnTimeouts};
+use crate::limits::{self, BodyError, BodyLimits, ConnTimeouts};
 use crate::memory::{Budget, MemoryMonitor};
 use crate::metrics::Metrics;
 use crate::model::{self, ComputeDevice, InputTensor, Model, ModelError, TensorSpec};
@@ -77,11 +77,11 @@ pub async fn run(
         engine: OnceLock::new(),
         configured: config.models.iter().map(|m| m.name.clone()).collect(),
         metrics: metrics.clone(),
-        body_limits: BodyLimits {
-            max_request_bytes: config.max_request_bytes as u64,
-            budget: BodyBudget::new(config.max_body_bytes_in_flight),
-            read_timeout: Duration::from_millis(config.body_read_timeout_ms),
-        },
+        body_limits: BodyLimits::new(
+            config.max_request_bytes as u64,
+            config.max_body_bytes_in_flight,
+            Duration::from_millis(config.body_read_timeout_ms),
+        ),
         auth_token: config.auth_token.clone(),
         repository: OnceLock::new(),
     });
