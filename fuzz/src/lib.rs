@@ -214,12 +214,17 @@ pub fn convert_with_every_row(converters: fn() -> Vec<Box<dyn Converter>>, bytes
     }
 }
 
+/// Where [`scratch_dir`] puts `name`'s folder for this process (nothing is created).
+pub fn scratch_path(name: &str) -> PathBuf {
+    let base = std::env::var_os("VRAMGATE_FUZZ_SCRATCH").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    base.join(format!("vramgate-fuzz-{name}-{}", std::process::id()))
+}
+
 /// A folder of this process's own for a target's files, created empty: under
 /// `$VRAMGATE_FUZZ_SCRATCH` when it is set (`scripts/fuzz` sets it, and removes it after each
 /// run), else under the system's temporary folder.
 pub fn scratch_dir(name: &str) -> PathBuf {
-    let base = std::env::var_os("VRAMGATE_FUZZ_SCRATCH").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    let dir = base.join(format!("vramgate-fuzz-{name}-{}", std::process::id()));
+    let dir = scratch_path(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("the fuzz scratch folder can be created");
     dir

@@ -43,8 +43,7 @@ fn replay(target: &str, run: fn(&[u8])) {
 
 /// Removes the folder a target made for its files (`vramgate_fuzz::scratch_dir`).
 fn remove_scratch(name: &str) {
-    let dir = std::env::temp_dir().join(format!("vramgate-fuzz-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(vramgate_fuzz::scratch_path(name));
 }
 
 #[test]
