@@ -147,9 +147,10 @@ pub struct WorkerConfig {
     /// Besides the batches whose memory peak says something new (a new size class, a batch
     /// larger than any measured, the batches after an OOM), measure the peak of one batch in
     /// this many, to catch a slow drift of the estimate (0: only the new ones; 1: every batch),
-    /// and such a batch at most once every 5 s (`estimate::PERIODIC_MIN_GAP`). A measurement
-    /// costs a CPU batch its page faults again (about twice its time), and the batches after
-    /// it too, so measuring every batch costs most of the throughput (see `estimate.rs`).
+    /// on the CPU at most once every 5 s (`estimate::PERIODIC_MIN_GAP`). A measurement costs a
+    /// CPU batch its page faults again (about twice its time), and the batches after it too,
+    /// so measuring every batch costs most of the throughput (see `estimate.rs`); on CUDA it
+    /// reads the caching allocator's counters and costs nothing.
     pub memory_measure_every_batches: u64,
     /// How requests are admitted.
     pub admission: AdmissionConfig,

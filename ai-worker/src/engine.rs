@@ -312,7 +312,7 @@ impl Engine {
         let Calibrated { model, estimate, sizer, warm_up_bytes } = calibrated;
         let file_bytes = std::fs::metadata(&model.config().path).map(|m| m.len()).unwrap_or(0);
         let weight_bytes = file_bytes.saturating_mul(model.instances() as u64);
-        estimate.set_measure_every(self.measure_every, crate::estimate::PERIODIC_MIN_GAP);
+        estimate.set_measure_every(self.measure_every, self.monitor.periodic_measure_gap());
         let (tx, rx) = std::sync::mpsc::channel();
         let intake = Arc::new(Mutex::new(Intake { jobs: rx, pending: VecDeque::new() }));
         let traffic = Arc::new(Traffic::new());

@@ -18,13 +18,15 @@
 //! * any batch larger than every batch measured so far (the estimate's extrapolation is
 //!   where it is least sure);
 //! * every batch after an OOM of this model, until one has been measured;
-//! * otherwise one batch in `memory_measure_every_batches` (default 100), and at most one
-//!   such batch every [`PERIODIC_MIN_GAP`], so that a slow drift (a libtorch path that
-//!   allocates more for some inputs) is still caught. The gap matters on CPU: a measured batch
-//!   gives the whole free heap back first, so every batch after it, not only the measured
-//!   one, pays for touching its memory afresh. At 500 small batches a second, one in 100 was
-//!   five trims a second, and the worker spent 0.4 ms of CPU more per request
-//!   (`scripts/bench request-path`, 2026-11-30: 2.2–2.5 ms against 1.8–2.0 without them).
+//! * otherwise one batch in `memory_measure_every_batches` (default 100), on the CPU at most
+//!   one such batch every [`PERIODIC_MIN_GAP`], so that a slow drift (a libtorch path that
+//!   allocates more for some inputs) is still caught. The gap applies on the CPU only
+//!   (`MemoryMonitor::periodic_measure_gap`), where a measured batch gives the whole free
+//!   heap back first, so every batch after it, not only the measured one, pays for touching
+//!   its memory afresh. At 500 small batches a second, one in 100 was five trims a second,
+//!   and the worker spent 0.4 ms of CPU more per request (`scripts/bench request-path`,
+//!   2026-11-30: 2.2–2.5 ms against 1.8–2.0 without them). On CUDA a measurement resets and
+//!   reads the caching allocator's counters, which costs the batches nothing.
 //!
 //! Accuracy is kept because an unmeasured batch can only be of a size class already measured
 //! and no larger than the largest batch measured, where the line has been checked (and raised

@@ -87,6 +87,15 @@ impl MemoryMonitor {
         matches!(self.backend, Backend::Cuda { .. })
     }
 
+    /// The least time between two batches measured only because their turn came
+    /// ([`crate::estimate::MemoryEstimate::set_measure_every`]). On the CPU a measurement hands
+    /// the whole free heap back first, so every batch after it pays its page faults again:
+    /// [`crate::estimate::PERIODIC_MIN_GAP`]. On CUDA it resets and reads the caching
+    /// allocator's counters and costs the batches nothing: no gap, one batch in `every`.
+    pub fn periodic_measure_gap(&self) -> std::time::Duration {
+        periodic_measure_gap(self.is_cuda())
+    }
+
     /// Whether peaks can be measured at all (decides whether start-up probing is possible).
     pub fn can_measure_peaks(&self) -> bool {
         match &self.backend {
@@ -401,6 +410,14 @@ static SERVE_MMAP_THRESHOLD: AtomicI32 = AtomicI32::new(32 * 1024 * 1024);
 /// peak is exact and does not depend on the heap's history.
 const MEASURE_MMAP_THRESHOLD: i32 = 256 * 1024;
 
+fn periodic_measure_gap(cuda: bool) -> std::time::Duration {
+    if cuda {
+        std::time::Duration::ZERO
+    } else {
+        crate::estimate::PERIODIC_MIN_GAP
+    }
+}
+
 fn serving_mmap_threshold() {
     // SAFETY: mallopt only sets an allocator parameter (under glibc's own lock).
     unsafe {
@@ -411,6 +428,13 @@ fn serving_mmap_threshold() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_cpu_spaces_its_periodic_measurements() {
+        assert_eq!(periodic_measure_gap(false), crate::estimate::PERIODIC_MIN_GAP);
+        assert_eq!(periodic_measure_gap(true), std::time::Duration::ZERO);
+        assert_eq!(MemoryMonitor::new(ComputeDevice::Cpu).periodic_measure_gap(), crate::estimate::PERIODIC_MIN_GAP);
+    }
 
     #[test]
     fn kib_fields_parse() {
