@@ -9,18 +9,22 @@
 //! Knobs (environment): `VRAMGATE_CHAOS_SECONDS` (3600), `VRAMGATE_CHAOS_RATE` (events a second,
 //! 20), `VRAMGATE_CHAOS_FAULT_EVERY` (seconds between faults, drawn from [S/2, 3S/2], 30),
 //! `VRAMGATE_CHAOS_SEED` (the faults' order, 7), `VRAMGATE_CHAOS_GROUP_PROTOCOL` (the gateways'
-//! `kafka.group_protocol`: `classic`, the default, or `consumer` for KIP-848). Run with
-//! `scripts/bench chaos`.
+//! `kafka.group_protocol`: `classic`, the default, or `consumer` for KIP-848),
+//! `VRAMGATE_CHAOS_QUIET_SECONDS` (the last seconds of sending without a fault, so that the end
+//! memory figures come from processes that have served that long: a sixth of the run, at most
+//! 300). Run with `scripts/bench chaos`.
 
 use vramgate_tests::chaos_soak::{run, Settings};
 use vramgate_tests::env_or;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
+    let seconds = env_or("VRAMGATE_CHAOS_SECONDS", 3600u64);
     let settings = Settings {
-        seconds: env_or("VRAMGATE_CHAOS_SECONDS", 3600),
+        seconds,
         rate: env_or("VRAMGATE_CHAOS_RATE", 20.0),
         fault_every: env_or("VRAMGATE_CHAOS_FAULT_EVERY", 30.0),
+        quiet_seconds: env_or("VRAMGATE_CHAOS_QUIET_SECONDS", (seconds / 6).min(300)),
         seed: env_or("VRAMGATE_CHAOS_SEED", 7),
         group_protocol: match std::env::var("VRAMGATE_CHAOS_GROUP_PROTOCOL").as_deref() {
             Err(_) | Ok("classic") => "classic",

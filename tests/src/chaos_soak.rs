@@ -26,6 +26,11 @@ pub struct Settings {
     pub rate: f64,
     /// Mean seconds between faults (each gap drawn from [S/2, 3S/2]).
     pub fault_every: f64,
+    /// The last this many seconds of sending have no fault, so that each service's end figure
+    /// is read from a process that has served that long since its last restart (0: faults
+    /// until the sending stops). Without it, "end against the first steady minute" compared a
+    /// process seconds old, still catching up on its kill's backlog, with a steady one.
+    pub quiet_seconds: u64,
     /// The faults' draw: the same seed, the same faults at the same times.
     pub seed: u64,
     /// The gateways' consumer group protocol (`kafka.group_protocol`): `classic`
@@ -175,10 +180,10 @@ impl Report {
 
     /// The report as `scripts/bench chaos` prints it.
     pub fn text(&self) -> String {
-        let Settings { seconds, rate, fault_every, group_protocol, .. } = self.settings;
+        let Settings { seconds, rate, fault_every, quiet_seconds, group_protocol, .. } = self.settings;
         let mut out = format!(
             "chaos soak: {seconds} s at {rate} events/s, 2 gateways (exactly-once, group protocol {group_protocol}), 5% hostile \
-             events, a fault every ~{fault_every:.0} s; {:.0} s in all\n",
+             events, a fault every ~{fault_every:.0} s, none in the last {quiet_seconds} s of sending; {:.0} s in all\n",
             self.elapsed.as_secs_f64()
         );
         out += &format!("  {:<8} {:>8} {:>8} {:>6} {:>5} {:>5}  dead letters by kind\n", "task", "sent", "results", "dead", "lost", "dups");
@@ -214,7 +219,7 @@ fn bookkeeping(scrape: &Scrape) -> String {
 
 /// Runs a soak on the test broker (`brokers()`), which it restarts: alone in its test binary.
 pub async fn run(settings: Settings) -> anyhow::Result<Report> {
-    let Settings { seconds, rate, fault_every, seed, group_protocol } = settings;
+    let Settings { seconds, rate, fault_every, quiet_seconds, seed, group_protocol } = settings;
     let mut rng = Rng::new(seed);
     let voice = TaskTopics::create("chaos-voice", 4).await?;
     let image = TaskTopics::create("chaos-image", 4).await?;
@@ -293,8 +298,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
         if memory[2].sample(rss_bytes(worker.service.pid()), elapsed) {
             eprintln!("{:>6.0} s: worker RSS {:.0} MiB, a new high", elapsed.as_secs_f64(), memory[2].peak as f64 / MIB);
         }
-        // Faults only while events are still being sent, so the drain at the end is clean.
-        if Instant::now() < next_fault || elapsed >= Duration::from_secs(seconds) {
+        // Faults only while events are still being sent and the quiet stretch before the end
+        // has not begun, so the drain and the end figures are clean.
+        if Instant::now() < next_fault || elapsed >= Duration::from_secs(seconds.saturating_sub(quiet_seconds)) {
             continue;
         }
         next_fault = Instant::now() + draw(&mut rng);

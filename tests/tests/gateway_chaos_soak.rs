@@ -9,7 +9,7 @@ use vramgate_tests::chaos_soak::{run, Settings};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_minutes_of_faults_lose_and_double_nothing() {
     // Seed 7's first faults at 30 s a fault: gateway, broker and worker kills all come up.
-    let report = run(Settings { seconds: 180, rate: 20.0, fault_every: 30.0, seed: 7, group_protocol: "classic" }).await.expect("the soak runs");
+    let report = run(Settings { seconds: 180, rate: 20.0, fault_every: 30.0, quiet_seconds: 0, seed: 7, group_protocol: "classic" }).await.expect("the soak runs");
     let text = report.text();
     eprintln!("{text}");
     assert!(report.settled(), "not every event settled:\n{text}");
