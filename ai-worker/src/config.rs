@@ -150,7 +150,7 @@ pub struct WorkerConfig {
     /// on the CPU at most once every 5 s (`estimate::PERIODIC_MIN_GAP`). A measurement costs a
     /// CPU batch its page faults again (about twice its time), and the batches after it too,
     /// so measuring every batch costs most of the throughput (see `estimate.rs`); on CUDA it
-    /// reads the caching allocator's counters and costs nothing.
+    /// only resets and reads the caching allocator's counters (nothing is freed).
     pub memory_measure_every_batches: u64,
     /// How requests are admitted.
     pub admission: AdmissionConfig,

@@ -26,7 +26,8 @@
 //!   its memory afresh. At 500 small batches a second, one in 100 was five trims a second,
 //!   and the worker spent 0.4 ms of CPU more per request (`scripts/bench request-path`,
 //!   2026-11-30: 2.2–2.5 ms against 1.8–2.0 without them). On CUDA a measurement resets and
-//!   reads the caching allocator's counters, which costs the batches nothing.
+//!   reads the caching allocator's counters and frees nothing, so the batches after it lose
+//!   nothing (not yet timed on a card).
 //!
 //! Accuracy is kept because an unmeasured batch can only be of a size class already measured
 //! and no larger than the largest batch measured, where the line has been checked (and raised

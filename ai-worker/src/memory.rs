@@ -91,7 +91,8 @@ impl MemoryMonitor {
     /// ([`crate::estimate::MemoryEstimate::set_measure_every`]). On the CPU a measurement hands
     /// the whole free heap back first, so every batch after it pays its page faults again:
     /// [`crate::estimate::PERIODIC_MIN_GAP`]. On CUDA it resets and reads the caching
-    /// allocator's counters and costs the batches nothing: no gap, one batch in `every`.
+    /// allocator's counters, frees nothing and faults no page in (not yet timed on a card):
+    /// no gap, one batch in `every`.
     pub fn periodic_measure_gap(&self) -> std::time::Duration {
         periodic_measure_gap(self.is_cuda())
     }
