@@ -660,6 +660,8 @@ mod tests {
         let big = 4 * BodyPool::MIN_POOLED_BYTES;
         let limits = BodyLimits::new(4 * big as u64, 16 * big as u64, Duration::from_secs(5));
         assert_eq!(limits.pool.idle_capacity(), 2 * big as u64, "an eighth of the bodies' budget");
+        let large = BodyLimits::new(1 << 30, 1 << 30, Duration::from_secs(5));
+        assert_eq!(large.pool.idle_capacity(), BodyPool::MAX_IDLE_BYTES, "never more than 32 MiB idle");
         let none = HeaderMap::new();
         let (body, charge) = read_body(&limits, &none, Body::from(vec![7u8; big])).await.expect("within");
         let first = body.as_ptr();
