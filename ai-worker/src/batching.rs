@@ -32,6 +32,19 @@
 //!   waiting): twice it, and every other time four times it, so that a size that pays more
 //!   than measured so far — a less loaded machine, a GPU with room — is found past a dip of
 //!   one size, and the limit grows; a larger size measured worse is not chosen.
+//!   Each exploration that ran and left the limit where it was doubles the wait before the
+//!   next, after the first pair (2× and 4×), up to [`EXPLORE_BACKOFF_MAX`] doublings (one
+//!   batch in 1,024); a change of the limit, up or down, brings the wait back to
+//!   [`EXPLORE_EVERY`]. An exploration costs where it does not pay: P-Net at 480×640 on
+//!   this CPU is slower per image in batches of two or four, and such a batch holds a tensor
+//!   past glibc's 32 MiB mmap threshold (page faults on every one).
+//!   While the queue stays full every batch holds the limit, so the figure of a smaller size
+//!   would never be measured again: one taken at start-up, beside other models' warm-ups, may
+//!   hold the limit where it no longer pays (P-Net at 320² on this CPU, 2026-12-01: limit 2 from
+//!   start-up, batches of two at 0.83–0.86 of a plain loop's images a second at batch 1). So
+//!   one batch in [`REFRESH_EVERY`] of a class whose limit is above 1 holds half the limit, and
+//!   a size's average gives its newest batches a weight of at least 1/(batches so far + 1),
+//!   so that the first figure measured online counts as much as the start-up one.
 //!   On a GPU, where throughput keeps rising with the batch until the card is busy, the limit
 //!   keeps doubling and memory is what bounds the batch: the members' grants of the admission
 //!   budget and the learned capacity.
@@ -54,6 +67,14 @@ use crate::model::Model;
 pub const GAIN: f64 = 1.10;
 /// One batch in this many (per size class) may explore twice the limit.
 pub const EXPLORE_EVERY: u64 = 32;
+/// At most this many doublings of the wait between explorations that do not pay: one batch in
+/// `EXPLORE_EVERY << EXPLORE_BACKOFF_MAX` (1,024).
+pub const EXPLORE_BACKOFF_MAX: u32 = 5;
+/// One batch in this many (per size class, limit above 1) holds half the limit, so that the
+/// smaller size's figure stays current. Offset from the explorations' turns: at the batch
+/// counts [`REFRESH_AT`] modulo this.
+pub const REFRESH_EVERY: u64 = 64;
+const REFRESH_AT: u64 = 48;
 /// The largest batch size the sizer ever chooses, whatever it measures.
 pub const SEARCH_MAX: usize = 1024;
 /// The largest batch size timed at start-up (online exploration may go further).
@@ -84,6 +105,16 @@ struct Class {
     rates: BTreeMap<usize, Rate>,
     /// Batches formed for this class (for exploration).
     batches: u64,
+    /// Explorations allowed so far (odd: twice the limit, even: four times it).
+    explorations: u64,
+    /// The batch count at which the next exploration may come (0: at [`EXPLORE_EVERY`]).
+    next_explore: u64,
+    /// The limit when the last exploration was allowed.
+    explored_from: Option<usize>,
+    /// Whether a batch past `explored_from` has run since (a short queue may not fill one).
+    explored_ran: bool,
+    /// Explorations in a row that ran and left the limit where it was.
+    losing: u32,
 }
 
 impl Class {
@@ -136,12 +167,28 @@ impl BatchSizer {
         let limit = limit_of(&classes, class, self.bound, self.initial);
         let entry = classes.entry(class).or_default();
         entry.batches += 1;
-        if entry.batches % EXPLORE_EVERY != 0 {
+        if entry.batches < entry.next_explore.max(EXPLORE_EVERY) {
+            if limit > 1 && entry.batches % REFRESH_EVERY == REFRESH_AT {
+                return (limit / 2).min(self.bound);
+            }
             return limit.min(self.bound);
         }
+        if let Some(from) = entry.explored_from.take() {
+            if limit != from {
+                entry.losing = 0;
+            } else if entry.explored_ran {
+                entry.losing += 1;
+            }
+        }
+        entry.explored_from = Some(limit);
+        entry.explored_ran = false;
+        entry.explorations += 1;
+        // The first pair of losses waits the plain interval: 4× must get its turn after 2×.
+        let backoff = entry.losing.saturating_sub(1).min(EXPLORE_BACKOFF_MAX);
+        entry.next_explore = entry.batches + (EXPLORE_EVERY << backoff);
         // Twice the limit, and every other exploration four times it: one size that does not
         // pay (Silero at 2) must not hide a larger one that does.
-        let factor = if (entry.batches / EXPLORE_EVERY) % 2 == 0 { 4 } else { 2 };
+        let factor = if entry.explorations % 2 == 1 { 2 } else { 4 };
         (limit * factor).min(self.bound)
     }
 
@@ -157,13 +204,17 @@ impl BatchSizer {
         }
         let items_per_s = rows as f64 / seconds;
         let mut classes = self.classes();
-        classes
-            .entry(size_class(item_elements))
-            .or_default()
+        let class = classes.entry(size_class(item_elements)).or_default();
+        if class.explored_from.is_some_and(|from| rows > from) {
+            class.explored_ran = true;
+        }
+        class
             .rates
             .entry(rows)
             .and_modify(|r| {
-                r.items_per_s += SMOOTHING * (items_per_s - r.items_per_s);
+                // A plain mean over the first few batches, then the moving average.
+                let weight = SMOOTHING.max(1.0 / (r.samples + 1) as f64);
+                r.items_per_s += weight * (items_per_s - r.items_per_s);
                 r.samples += 1;
             })
             .or_insert(Rate { items_per_s, samples: 1 });
@@ -343,6 +394,82 @@ mod tests {
         assert_eq!(sizer.limit(16_000), 4, "found past the dip");
         feed(&sizer, 16_000, 8, 324.0);
         assert_eq!(sizer.limit(16_000), 8);
+    }
+
+    #[test]
+    fn explorations_that_keep_losing_come_ever_more_rarely_until_the_limit_moves() {
+        // P-Net at 480x640 on this CPU: slower per image in any batch.
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 921_600, 1, 10.0);
+        // Every exploration runs (the queue is full) and measures slower: where they come.
+        let explore_at = |sizer: &BatchSizer, batches: u64| -> Vec<u64> {
+            (1..=batches)
+                .filter(|_| {
+                    let rows = sizer.allowed(921_600);
+                    if rows > 1 {
+                        feed(sizer, 921_600, rows, 7.0);
+                    }
+                    rows > 1
+                })
+                .collect()
+        };
+        let at = explore_at(&sizer, 3000);
+        let gaps: Vec<u64> = at.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(gaps[..7], [32, 32, 64, 128, 256, 512, 1024], "2x, 4x, then waits doubling: {at:?}");
+        assert_eq!(sizer.limit(921_600), 1);
+        // The machine frees up and batches of 2 now pay: the limit moves, and the next
+        // exploration comes after the plain interval again.
+        for _ in 0..10 {
+            feed(&sizer, 921_600, 2, 30.0);
+        }
+        assert_eq!(sizer.limit(921_600), 2);
+        let next: Vec<usize> = (0..3000).map(|_| sizer.allowed(921_600)).collect();
+        let first = next.iter().position(|&r| r > 2).expect("an exploration");
+        let second = first + 1 + next[first + 1..].iter().position(|&r| r > 2).expect("another");
+        assert!(first < 1024, "the pending wait ends as it was set: {first}");
+        assert_eq!(second - first, 32, "the limit moved: explorations every 32 batches again");
+    }
+
+    #[test]
+    fn a_full_queue_still_measures_half_the_limit_and_a_stale_figure_gives_way() {
+        // P-Net at 320² (2026-12-01): start-up timed batch 1 slowly beside other warm-ups and
+        // chose 2; served with a full queue, batches of 2 run at 72 images/s and single
+        // images would at 84.
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 307_200, 1, 60.0);
+        feed(&sizer, 307_200, 2, 80.0);
+        assert_eq!(sizer.limit(307_200), 2);
+        let true_rate = |rows: usize| if rows == 1 { 84.0 } else { 72.0 };
+        let rows: Vec<usize> = (0..300)
+            .map(|_| {
+                let rows = sizer.allowed(307_200);
+                feed(&sizer, 307_200, rows, true_rate(rows));
+                rows
+            })
+            .collect();
+        let first_half = rows.iter().position(|&r| r == 1).map(|i| i as u64 + 1);
+        assert_eq!(first_half, Some(REFRESH_AT), "the first batch of half the limit: {rows:?}");
+        assert_eq!(sizer.limit(307_200), 1, "the fresh figure of batch 1 wins: {rows:?}");
+        let batched = rows[REFRESH_AT as usize..].iter().filter(|&&r| r > 1).count() as u64;
+        assert!(batched <= 300 / EXPLORE_EVERY, "from then on single images but for explorations: {rows:?}");
+        // Where the smaller size measures worse (a GPU with room), the limit stays.
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 1000, 4, 400.0);
+        feed(&sizer, 1000, 8, 800.0);
+        for _ in 0..300 {
+            let rows = sizer.allowed(1000);
+            feed(&sizer, 1000, rows, 100.0 * rows as f64);
+        }
+        assert!(sizer.limit(1000) >= 8, "{:?}", sizer.limits());
+    }
+
+    #[test]
+    fn an_exploration_that_never_ran_does_not_count_as_a_loss() {
+        // A short queue: the batch could hold twice the limit but never does.
+        let sizer = BatchSizer::new(None, 1);
+        feed(&sizer, 1000, 1, 100.0);
+        let explored: Vec<u64> = (1..=8 * EXPLORE_EVERY).filter(|_| sizer.allowed(1000) > 1).collect();
+        assert_eq!(explored, (1..=8).map(|k| k * EXPLORE_EVERY).collect::<Vec<_>>());
     }
 
     #[test]

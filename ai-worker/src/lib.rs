@@ -9,6 +9,7 @@ pub mod config;
 pub mod cuda_memory;
 pub mod engine;
 pub mod estimate;
+pub mod finite;
 pub mod limits;
 pub mod memory;
 pub mod metrics;

@@ -79,6 +79,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
+use crate::finite::Scan;
+
 /// The budget of request-body bytes being read at once (`max_body_bytes_in_flight`).
 /// Cheap to clone: every clone is the same budget.
 #[derive(Debug, Clone)]
@@ -330,6 +332,18 @@ pub enum BodyError {
 /// Reads a whole request body under `limits` (see the module doc). The returned charge
 /// covers the body's bytes; hold it until they (and what is decoded from them) are dropped.
 pub async fn read_body(limits: &BodyLimits, headers: &HeaderMap, body: Body) -> Result<(Bytes, BodyCharge), BodyError> {
+    read_body_scanned(limits, headers, body, false).await.map(|(bytes, charge, _)| (bytes, charge))
+}
+
+/// [`read_body`], and when `scan` is set, the body scanned for non-finite FP32 values part by
+/// part as it is read, while each part is in the cache (see [`crate::finite`]).
+pub async fn read_body_scanned(
+    limits: &BodyLimits,
+    headers: &HeaderMap,
+    body: Body,
+    scan: bool,
+) -> Result<(Bytes, BodyCharge, Option<Scan>), BodyError> {
+    let mut scan = scan.then(Scan::default);
     let limit = limits.max_request_bytes;
     // hyper reports the `Content-Length` here; `None` for a chunked body.
     let declared = body.size_hint().exact();
@@ -372,8 +386,14 @@ pub async fn read_body(limits: &BodyLimits, headers: &HeaderMap, body: Body) -> 
             }
         }
         buf.extend_from_slice(&data);
+        if let Some(scan) = &mut scan {
+            scan.advance(&buf);
+        }
     }
-    Ok((limits.pool.freeze(buf), charge))
+    if let Some(scan) = &mut scan {
+        scan.finish(&buf);
+    }
+    Ok((limits.pool.freeze(buf), charge, scan))
 }
 
 /// Reads a body that will not be used and drops it as it arrives, so that a client still

@@ -237,7 +237,15 @@ impl InputTensor {
             return Err(tch::TchError::Shape(format!("{} bytes of {} do not fill shape {shape:?}", self.data.len(), self.datatype)));
         }
         if cfg!(target_endian = "little") {
-            Tensor::f_from_data_size(&self.data, shape, kind)
+            // Not `Tensor::f_from_data_size`: it fills a fresh tensor with zeros before copying
+            // into it, a second pass over a request's whole input.
+            let tensor = Tensor::f_empty(shape, (kind, Device::Cpu))?;
+            if !self.data.is_empty() {
+                // SAFETY: `tensor` is a fresh contiguous CPU tensor of `shape` and `kind`, whose
+                // bytes were just checked to be `self.data.len()`; the two do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(self.data.as_ptr(), tensor.data_ptr().cast::<u8>(), self.data.len()) };
+            }
+            Ok(tensor)
         } else {
             let swapped: Vec<u8> = self.data.chunks_exact(size).flat_map(|b| b.iter().rev().copied()).collect();
             Tensor::f_from_data_size(&swapped, shape, kind)

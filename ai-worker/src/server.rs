@@ -33,6 +33,7 @@ use vramgate_shared::worker_state;
 use crate::config::{AdmissionMode, Secret, WorkerConfig};
 use crate::batching::BatchSizer;
 use crate::engine::{Calibrated, Engine, InferError, Served};
+use crate::finite;
 use crate::estimate::{MemoryEstimate, Probe};
 use crate::limits::{self, BodyError, BodyLimits, ConnTimeouts};
 use crate::memory::{Budget, MemoryMonitor};
@@ -715,14 +716,15 @@ async fn infer_in_span(
     // Everything that can be checked without the body has been: now read it, charged to
     // `max_body_bytes_in_flight`, within `max_request_bytes` and `body_read_timeout_ms`.
     let reading = Instant::now();
-    let (body, charge) = limits::read_body(&state.body_limits, &headers, body).await?;
+    // A binary body is scanned for non-finite FP32 values as it arrives (see `finite`).
+    let (body, charge, scan) = limits::read_body_scanned(&state.body_limits, &headers, body, header_len.is_some()).await?;
     let read = Instant::now();
     let (request, tensors) = oip::decode_request_in_place(&body, header_len, &oip::DecodeLimits::default())
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
     // A binary input stays in the body's bytes until the batch copies it into its tensor: the
     // body is this request's only copy of its input (a JSON input is decoded and the body
     // freed). Its charge ends here, as it did when the body was decoded into a second copy.
-    let inputs = take_inputs(&model, tensors, &body)?;
+    let inputs = take_inputs(&model, tensors, &body, scan.as_ref())?;
     drop(body);
     drop(charge);
     // As the worker runs them: a model without a batch dimension gets a batch of one.
@@ -830,7 +832,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 /// Finds the model's inputs among the request's tensors, in the model's order, checks each
 /// one's datatype and values, and takes binary data as a slice of `body` (no copy). A model of
 /// one input takes a lone tensor whatever its name; a model of several takes each by name.
-fn take_inputs(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Result<Vec<InputTensor>, ApiError> {
+/// `scan`, the body's scan as it was read: a binary FP32 input it finds clean is not gone
+/// through again (see [`finite`]).
+fn take_inputs(
+    model: &Model,
+    tensors: Vec<oip::RawTensor>,
+    body: &Bytes,
+    scan: Option<&finite::Scan>,
+) -> Result<Vec<InputTensor>, ApiError> {
     let specs = model.input_specs();
     let count = tensors.len();
     let names = || specs.iter().map(|s| format!("'{}'", s.name)).collect::<Vec<_>>().join(", ");
@@ -852,10 +861,17 @@ fn take_inputs(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Res
         };
         // Named by what was sent: a lone input is taken whatever its name.
         spec.check_datatype(&tensor.name, tensor.datatype)?;
-        let input = match tensor.data {
-            RawData::Binary(range) => InputTensor::from_le_bytes(tensor.shape, tensor.datatype, body.slice(range))?,
-            RawData::Json(values) => InputTensor::from_data(tensor.shape, &values),
+        let (input, scanned_clean) = match tensor.data {
+            RawData::Binary(range) => {
+                let clean = tensor.datatype == DataType::Fp32 && scan.is_some_and(|s| !s.may_hold_non_finite(range.clone()));
+                (InputTensor::from_le_bytes(tensor.shape, tensor.datatype, body.slice(range))?, clean)
+            }
+            RawData::Json(values) => (InputTensor::from_data(tensor.shape, &values), false),
         };
+        if scanned_clean {
+            taken.push(input);
+            continue;
+        }
         if let Some((at, what, rule)) = first_invalid(input.datatype(), input.le_bytes()) {
             return Err(refused(format!("input '{}' holds {what} at element {at}: {rule}", tensor.name)));
         }
@@ -879,7 +895,7 @@ fn take_inputs(model: &Model, tensors: Vec<oip::RawTensor>, body: &Bytes) -> Res
 fn first_invalid(datatype: DataType, le: &[u8]) -> Option<(usize, String, &'static str)> {
     const FINITE: &str = "NaN and ±infinity are refused";
     match datatype {
-        DataType::Fp32 => first_non_finite(le).map(|(at, x)| (at, format!("a non-finite value ({x})"), FINITE)),
+        DataType::Fp32 => finite::first_non_finite(le).map(|(at, x)| (at, format!("a non-finite value ({x})"), FINITE)),
         DataType::Fp16 => le
             .chunks_exact(2)
             .map(|b| F16::from_bits(u16::from_le_bytes([b[0], b[1]])))
@@ -889,24 +905,6 @@ fn first_invalid(datatype: DataType, le: &[u8]) -> Option<(usize, String, &'stat
         DataType::Bool => le.iter().position(|&b| b > 1).map(|at| (at, format!("the byte {}", le[at]), "BOOL is one byte, 0 or 1")),
         _ => None,
     }
-}
-
-/// The index and value of the first NaN or ±infinity among `le` (little-endian f32 values at
-/// any alignment), if any. On the path of every request, so it scans blocks branch-free (the
-/// largest absolute bit pattern of a block; vectorised) and looks for the element only in a
-/// block that has one.
-fn first_non_finite(le: &[u8]) -> Option<(usize, f32)> {
-    const BLOCK: usize = 4096;
-    // Exponent all ones: infinity (mantissa 0) or NaN; every larger pattern is a NaN too.
-    const NON_FINITE: u32 = 0x7f80_0000;
-    let bits = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    le.chunks(BLOCK * 4).enumerate().find_map(|(b, block)| {
-        let largest = block.chunks_exact(4).fold(0u32, |m, x| m.max(bits(x) & 0x7fff_ffff));
-        if largest < NON_FINITE {
-            return None;
-        }
-        block.chunks_exact(4).map(|x| f32::from_bits(bits(x))).enumerate().find(|(_, x)| !x.is_finite()).map(|(i, x)| (b * BLOCK + i, x))
-    })
 }
 
 #[cfg(test)]
@@ -936,21 +934,21 @@ mod tests {
     #[test]
     fn non_finite_values_are_found_wherever_they_are() {
         let mut data = vec![0.5f32; 10_000];
-        assert_eq!(first_non_finite(&le(&data)), None);
+        assert_eq!(finite::first_non_finite(&le(&data)), None);
         data[9] = -f32::MAX;
-        assert_eq!(first_non_finite(&le(&data)), None, "the largest finite values are finite");
+        assert_eq!(finite::first_non_finite(&le(&data)), None, "the largest finite values are finite");
         for (at, bad) in [(0, f32::NAN), (4095, f32::INFINITY), (4096, f32::NEG_INFINITY), (9999, -f32::NAN)] {
             let mut data = data.clone();
             data[at] = bad;
-            let found = first_non_finite(&le(&data));
+            let found = finite::first_non_finite(&le(&data));
             assert_eq!(found.map(|(i, _)| i), Some(at), "{bad} at {at}");
             assert_eq!(found.map(|(_, x)| x.to_bits()), Some(bad.to_bits()));
             // The binary section starts wherever the JSON header ends: any alignment.
             let mut shifted = vec![0u8; 3];
             shifted.extend(le(&data));
-            assert_eq!(first_non_finite(&shifted[3..]).map(|(i, _)| i), Some(at), "{bad} at {at}, misaligned");
+            assert_eq!(finite::first_non_finite(&shifted[3..]).map(|(i, _)| i), Some(at), "{bad} at {at}, misaligned");
         }
-        assert_eq!(first_non_finite(&[]), None);
+        assert_eq!(finite::first_non_finite(&[]), None);
     }
 
     #[test]
@@ -968,16 +966,16 @@ mod tests {
             datatype: DataType::Fp32,
             data: RawData::Json(TensorData::Fp32(vec![0.5; 3 * side * side])),
         };
-        let input = take_inputs(&model, vec![raw("picture", 16)], &Bytes::new()).expect("the declared input");
+        let input = take_inputs(&model, vec![raw("picture", 16)], &Bytes::new(), None).expect("the declared input");
         assert_eq!(input[0].shape, [1, 3, 16, 16]);
-        let lone = take_inputs(&model, vec![raw("image", 12)], &Bytes::new()).expect("a lone tensor, whatever its name");
+        let lone = take_inputs(&model, vec![raw("image", 12)], &Bytes::new(), None).expect("a lone tensor, whatever its name");
         assert_eq!(lone[0].shape, [1, 3, 12, 12]);
-        let err = take_inputs(&model, vec![raw("image", 12), raw("other", 16)], &Bytes::new()).expect_err("not the declared input");
+        let err = take_inputs(&model, vec![raw("image", 12), raw("other", 16)], &Bytes::new(), None).expect_err("not the declared input");
         assert_eq!((err.status, err.message.as_str()), (StatusCode::BAD_REQUEST, "model 'pnet' takes one input named 'picture', request had 2"));
         // As Triton: a tensor the model does not take is refused, not dropped.
-        let err = take_inputs(&model, vec![raw("image", 12), raw("picture", 16)], &Bytes::new()).expect_err("one tensor more");
+        let err = take_inputs(&model, vec![raw("image", 12), raw("picture", 16)], &Bytes::new(), None).expect_err("one tensor more");
         assert_eq!(err.message, "model 'pnet' takes 'picture'; the request's tensor 'image' is none of them");
-        let err = take_inputs(&model, vec![raw("picture", 12), raw("picture", 16)], &Bytes::new()).expect_err("twice");
+        let err = take_inputs(&model, vec![raw("picture", 12), raw("picture", 16)], &Bytes::new(), None).expect_err("twice");
         assert_eq!(err.message, "the request has tensor 'picture' more than once");
         let wrong = InputTensor::from_f32(vec![1, 3, 16], &[0.5; 48]);
         let err = ApiError::from(model.accept(vec![wrong]).expect_err("a rank short"));
@@ -1008,12 +1006,12 @@ mod tests {
             (DataType::Int32, RawData::Binary(2..18)),
             (DataType::Int64, RawData::Json(TensorData::Int64(vec![10, 200, 30, 255]))),
         ] {
-            let err = take_inputs(&model, vec![raw(sent, data)], &body).expect_err("another datatype");
+            let err = take_inputs(&model, vec![raw(sent, data)], &body, None).expect_err("another datatype");
             assert_eq!((err.status, err.message), (StatusCode::BAD_REQUEST, format!("input 'pixels' must be UINT8, got {sent}")));
         }
         // The declared datatype, binary or JSON: the same input.
-        let binary = take_inputs(&model, vec![raw(DataType::Uint8, RawData::Binary(2..6))], &body).expect("binary UINT8");
-        let json = take_inputs(&model, vec![raw(DataType::Uint8, RawData::Json(TensorData::Uint8(vec![10, 200, 30, 255])))], &body)
+        let binary = take_inputs(&model, vec![raw(DataType::Uint8, RawData::Binary(2..6))], &body, None).expect("binary UINT8");
+        let json = take_inputs(&model, vec![raw(DataType::Uint8, RawData::Json(TensorData::Uint8(vec![10, 200, 30, 255])))], &body, None)
             .expect("JSON UINT8");
         assert_eq!((binary[0].datatype(), binary[0].le_bytes()), (json[0].datatype(), json[0].le_bytes()));
         let outputs = model.infer(&model.accept(binary).expect("valid")).expect("an answer");

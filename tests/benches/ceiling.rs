@@ -12,7 +12,8 @@
 //!
 //! Knobs (environment): `VRAMGATE_BENCH_SECONDS` (per figure, default 4),
 //! `VRAMGATE_BENCH_ROUNDS` (default 2, best counts), `VRAMGATE_BENCH_CONCURRENCY` (default
-//! `1,8`), `VRAMGATE_BENCH_MODELS` (default `pnet,vad`), `VRAMGATE_BENCH_BUSY_RAW` (`0` leaves
+//! `1,8`), `VRAMGATE_BENCH_MODELS` (default `pnet,vad`), `VRAMGATE_BENCH_PNET_SIZES` (default
+//! `160x160,320x320,480x640`), `VRAMGATE_BENCH_BUSY_RAW` (`0` leaves
 //! out the raw loop timed again with one more CPU kept busy, a diagnostic of how much work
 //! beside the model slows it on this machine; default on).
 

@@ -170,7 +170,10 @@ impl CeilingOptions {
     /// P-Net at 160×160, 320×320 and 480×640; Silero on clips of 1, 5 and 30 s; concurrency 1
     /// and 8; 4 s per figure, best of 2 rounds; one torch thread. Environment overrides:
     /// `VRAMGATE_BENCH_SECONDS`, `VRAMGATE_BENCH_CONCURRENCY` (comma-separated),
-    /// `VRAMGATE_BENCH_MODELS` (`pnet`, `vad`, `mobilenet`, comma-separated; default `pnet,vad`), `VRAMGATE_BENCH_ROUNDS`
+    /// `VRAMGATE_BENCH_MODELS` (`pnet`, `vad`, `mobilenet`, comma-separated; default `pnet,vad`),
+    /// `VRAMGATE_BENCH_PNET_SIZES` (P-Net's `HxW` sizes, comma-separated),
+    /// `VRAMGATE_BENCH_WORKER_EXTRA` (lines for the worker's configuration; `\n` between
+    /// them), `VRAMGATE_BENCH_ROUNDS`
     /// (default 2), `VRAMGATE_BENCH_BUSY_RAW` (`0` leaves out the raw loop with one more CPU
     /// kept busy; default on).
     pub fn from_env() -> Self {
@@ -184,7 +187,7 @@ impl CeilingOptions {
         let models = std::env::var("VRAMGATE_BENCH_MODELS").unwrap_or_else(|_| "pnet,vad".into());
         let mut cases = Vec::new();
         if models.contains("pnet") {
-            cases.extend([CeilingCase::image(160, 160), CeilingCase::image(320, 320), CeilingCase::image(480, 640)]);
+            cases.extend(pnet_sizes(std::env::var("VRAMGATE_BENCH_PNET_SIZES").ok().as_deref()));
         }
         if models.contains("vad") {
             cases.extend([CeilingCase::clip(1), CeilingCase::clip(5), CeilingCase::clip(30)]);
@@ -193,7 +196,30 @@ impl CeilingOptions {
             cases.push(CeilingCase::crop());
         }
         let busy_raw = std::env::var("VRAMGATE_BENCH_BUSY_RAW").map_or(true, |v| v != "0");
-        CeilingOptions { cases, concurrency, seconds, torch_threads: 1, worker_extra: String::new(), rounds, busy_raw }
+        // Lines appended to the worker's configuration, for a diagnostic run (e.g.
+        // `memory_measure_every_batches = 0`).
+        let worker_extra = std::env::var("VRAMGATE_BENCH_WORKER_EXTRA").unwrap_or_default().replace("\\n", "\n");
+        CeilingOptions { cases, concurrency, seconds, torch_threads: 1, worker_extra, rounds, busy_raw }
+    }
+}
+
+/// P-Net's cases: `HxW` sizes, comma-separated (`VRAMGATE_BENCH_PNET_SIZES`); unset, empty or
+/// without one valid size, 160×160, 320×320 and 480×640. A size outside 12..=2048 a side is
+/// left out (P-Net needs 12 pixels; the worker's input bound is 20 M values).
+fn pnet_sizes(list: Option<&str>) -> Vec<CeilingCase> {
+    let parsed: Vec<CeilingCase> = list
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|s| {
+            let (h, w) = s.trim().split_once('x')?;
+            let (h, w) = (h.parse::<usize>().ok()?, w.parse::<usize>().ok()?);
+            ((12..=2048).contains(&h) && (12..=2048).contains(&w)).then(|| CeilingCase::image(h, w))
+        })
+        .collect();
+    if parsed.is_empty() {
+        vec![CeilingCase::image(160, 160), CeilingCase::image(320, 320), CeilingCase::image(480, 640)]
+    } else {
+        parsed
     }
 }
 
@@ -560,5 +586,22 @@ pub fn print_table(rows: &[CeilingRow]) {
             "the raw loop with one more CPU kept busy ran at {low:.2}-{high:.2}x of its rate alone: what work beside the \
              model (the worker's request path, the client) can cost it on this machine"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pnet_sizes_come_from_the_list_or_default_to_three() {
+        let labels = |list: Option<&str>| pnet_sizes(list).into_iter().map(|c| c.label).collect::<Vec<_>>();
+        assert_eq!(labels(None), ["160x160", "320x320", "480x640"]);
+        assert_eq!(labels(Some("")), ["160x160", "320x320", "480x640"]);
+        assert_eq!(labels(Some("320x320")), ["320x320"]);
+        assert_eq!(pnet_sizes(Some(" 240x320 "))[0].shape, [1, 3, 240, 320]);
+        // Too small for P-Net, too large for the worker's bound, or not a size: left out.
+        assert_eq!(labels(Some("10x10, 480x640, 5000x5000, big")), ["480x640"]);
+        assert_eq!(labels(Some("nonsense")), ["160x160", "320x320", "480x640"]);
     }
 }

@@ -116,10 +116,18 @@ async fn binary_inputs_at_any_alignment_answer_as_json_inputs_and_bad_ones_get_4
     // The bytes of another datatype: refused by name, not read as f32.
     let doubles: Vec<u8> = audio.iter().flat_map(|&v| f64::from(v).to_le_bytes()).collect();
     check(400, &["must be FP32, got FP64"], post(header("FP64", doubles.len()), 1, doubles).await.expect("send")).await;
-    // A NaN inside the binary section, wherever it starts.
-    let mut nan = le.clone();
-    nan[4 * 1000..4 * 1001].copy_from_slice(&f32::NAN.to_le_bytes());
-    check(400, &["non-finite", "element 1000"], post(header("FP32", nan.len()), 3, nan).await.expect("send")).await;
+    // A NaN or an infinity inside the binary section, wherever the section starts and wherever
+    // in it the value is (the worker scans a body for them as it reads it).
+    let last = le.len() / 4 - 1;
+    for (pad, at, bad) in [(3, 1000, f32::NAN), (0, 0, f32::NEG_INFINITY), (1, last, f32::INFINITY), (2, 1000, -f32::NAN)] {
+        let mut sent = le.clone();
+        sent[4 * at..4 * at + 4].copy_from_slice(&bad.to_le_bytes());
+        let response = post(header("FP32", sent.len()), pad, sent).await.expect("send");
+        assert_eq!(response.status().as_u16(), 400, "{bad} at {at}, section at +{pad}");
+        let body: serde_json::Value = response.json().await.expect("error bodies are json");
+        let message = body["error"].as_str().expect("an error message");
+        assert!(message.contains("non-finite") && message.contains(&format!("element {at}")), "{message:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -425,7 +425,7 @@ async fn infer(state: &AppState, headers: &HeaderMap, message: ModelInferRequest
     drop(message.raw_input_contents);
     let (request, tensors) = oip::decode_request_in_place(&body, Some(header_len), &limits)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
-    let inputs = take_inputs(&model, tensors, &body)?;
+    let inputs = take_inputs(&model, tensors, &body, None)?;
     drop(body);
     let input = model.accept(inputs)?;
     let mut timeout = request_timeout(headers, &request, engine.default_timeout)?;
