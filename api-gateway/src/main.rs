@@ -9,8 +9,10 @@ use vramgate_shared::telemetry;
 /// allocations (the message copy, its JSON, the output and its headers), and glibc's spent
 /// about a fifth of the gateway's CPU on them (`_int_malloc`, `_int_free`,
 /// `malloc_consolidate` in a profile of 100k records); see docs/performance-notes.md.
+/// Counted, for `vramgate_gateway_allocator_bytes{allocator="rust",state="in_use"}`.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: vramgate_gateway::memory::Counted<mimalloc::MiMalloc> =
+    vramgate_gateway::memory::Counted::new(mimalloc::MiMalloc);
 
 /// vramgate api-gateway: Kafka request events in, results and dead letters out.
 #[derive(Parser)]
@@ -30,6 +32,8 @@ struct Args {
 const MAX_BLOCKING_THREADS: usize = 32;
 
 fn main() -> anyhow::Result<()> {
+    // Before the runtime's threads and the first backlog: `memory::no_transparent_huge_pages`.
+    let huge_pages_off = vramgate_gateway::memory::no_transparent_huge_pages();
     let args = Args::parse();
     let config: GatewayConfig =
         vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
@@ -37,14 +41,18 @@ fn main() -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .on_thread_park(vramgate_gateway::memory::collect_on_park)
         .build()
         .context("starting the async runtime")?
-        .block_on(serve(config))
+        .block_on(serve(config, huge_pages_off))
 }
 
-async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
+async fn serve(config: GatewayConfig, huge_pages_off: bool) -> anyhow::Result<()> {
     let service = telemetry::Service { name: "api-gateway", version: env!("CARGO_PKG_VERSION"), log_spans: &["process"] };
     let telemetry = telemetry::init(service, &config.telemetry);
+    if !huge_pages_off {
+        tracing::warn!("transparent huge pages stay on (prctl PR_SET_THP_DISABLE refused): resident memory may stay high after a backlog");
+    }
     let outcome = vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await;
     // The spans of the last records and the drain, before the process goes.
     telemetry.shutdown();

@@ -197,13 +197,14 @@ pub async fn run(
     let watch = tokio::spawn(model_check::watch(model_check::pending(&tasks)));
     // The CPU pools' threads make the buffers other threads drop (`crate::memory`).
     let collector = {
-        let tasks = tasks.clone();
+        let (tasks, metrics) = (tasks.clone(), metrics.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(crate::memory::COLLECT_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 tasks.iter().for_each(|t| crate::memory::collect_pool(&t.pool));
+                metrics.set_allocator_bytes(crate::memory::allocator_bytes());
             }
         })
     };

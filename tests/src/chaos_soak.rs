@@ -208,13 +208,34 @@ impl Report {
     }
 }
 
+/// A process's resident memory in transparent huge pages (`AnonHugePages` of its
+/// `smaps_rollup`); 0 where that cannot be read.
+fn huge_page_bytes(pid: u32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
 /// What a gateway held when its memory reached a new high (its own gauges).
 fn bookkeeping(scrape: &Scrape) -> String {
     let mut out = String::new();
     for name in ["held_bytes", "records_in_flight", "worker_calls_in_flight", "cpu_queue_depth", "paused_partitions", "outputs_unverified", "outputs_awaiting_transaction"] {
         out += &format!("{name} {:.0}, ", scrape.sum(&format!("vramgate_gateway_{name}"), &[]));
     }
-    out.trim_end_matches(", ").to_string()
+    let mib = |allocator: &str, state: &str| {
+        scrape.sum("vramgate_gateway_allocator_bytes", &[("allocator", allocator), ("state", state)]) / MIB
+    };
+    out += &format!(
+        "allocators (MiB): mimalloc committed {:.0}, Rust's live blocks in it {:.0}, glibc in use {:.0}, glibc free {:.0}",
+        mib("mimalloc", "committed"),
+        mib("rust", "in_use"),
+        mib("glibc", "in_use"),
+        mib("glibc", "free")
+    );
+    out
 }
 
 /// Runs a soak on the test broker (`brokers()`), which it restarts: alone in its test binary.
@@ -330,6 +351,15 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     for (i, g) in gateways.iter().enumerate() {
         if let Ok(scrape) = g.metrics().await {
             verified.add(&scrape, &mut last_redone[i]);
+            let kib = |field| crate::proc_status_kib(g.pid(), field).unwrap_or(0) as f64 / 1024.0;
+            eprintln!(
+                "at the end: gateway {i} RSS {:.0} MiB ({:.0} anonymous, {:.0} file-backed; {:.0} in transparent huge pages); {}",
+                rss_bytes(g.pid()) as f64 / MIB,
+                kib("RssAnon:"),
+                kib("RssFile:"),
+                huge_page_bytes(g.pid()) as f64 / MIB,
+                bookkeeping(&scrape)
+            );
         }
     }
 
