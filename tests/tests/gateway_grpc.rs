@@ -9,7 +9,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use serde_json::{json, Value};
+use serde_json::json;
+use vramgate_tests::agree;
 use vramgate_tests::wav::{change_rate, speak, write_wav, SampleFormat};
 use vramgate_tests::{
     collect, faces_task_env, gateway_base_env, photo, producer, repo_root, request_file, request_inline, scratch_dir, send,
@@ -85,17 +86,6 @@ impl Door {
     }
 }
 
-/// Two values equal, numbers within `tolerance` (a batch's rows may move the last bits of a
-/// model's answer).
-fn near(a: &Value, b: &Value, tolerance: f64) -> bool {
-    match (a, b) {
-        (Value::Number(x), Value::Number(y)) => (x.as_f64().unwrap_or(f64::NAN) - y.as_f64().unwrap_or(f64::NAN)).abs() <= tolerance,
-        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(x, y)| near(x, y, tolerance)),
-        (Value::Object(x), Value::Object(y)) => x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| near(v, w, tolerance))),
-        (x, y) => x == y,
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_on_the_grpc_door_gets_what_one_on_http_gets() {
     let root = scratch_dir("gateway-grpc");
@@ -158,7 +148,8 @@ async fn a_gateway_on_the_grpc_door_gets_what_one_on_http_gets() {
             assert_eq!(h.value["error"]["kind"], g.value["error"]["kind"], "request {n}");
             continue;
         }
-        assert!(near(&h.value["output"], &g.value["output"], 1e-3), "request {n}:\nHTTP {}\ngRPC {}", h.value["output"], g.value["output"]);
+        let differ = agree::difference_within(&h.value["output"], &g.value["output"], 1e-3, 0.0);
+        assert!(differ.is_none(), "request {n} differs at {}:\nHTTP {}\ngRPC {}", differ.unwrap_or_default(), h.value["output"], g.value["output"]);
         assert_eq!(h.value["model"], g.value["model"], "request {n}");
     }
     let faces = by_grpc["2"].value["output"]["faces"].as_array().map_or(0, Vec::len);

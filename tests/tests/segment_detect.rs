@@ -290,7 +290,8 @@ fn iou(a: [f64; 4], b: [f64; 4]) -> f64 {
 /// what scripts/reference_pipeline.py computes with onnxruntime and OpenCV by the same steps;
 /// the person boxes one for one with OpenCV's (score within 0.02). A picture without people
 /// has an empty people list and an empty people mask. The same file with room for three boxes
-/// (a second task, `few`) keeps the three best people of six and says the list was cut.
+/// (a second task, `few`, its crops two a call) keeps the three best people of six and says the
+/// list was cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onnxruntime_and_opencv() {
     let root = scratch_dir("products");
@@ -300,8 +301,14 @@ async fn the_product_segmentor_runs_from_configuration_alone_and_agrees_with_onn
     // The shipped file, and after it the same task as `few`, cut to three boxes.
     let shipped = std::fs::read_to_string(repo_root().join("config/products.toml")).expect("config/products.toml");
     let task = &shipped[shipped.find("[tasks.products]").expect("the products task")..];
-    let few_task = task.replace("tasks.products", "tasks.few").replace("max_boxes = 10", "max_boxes = 3");
-    assert_ne!(few_task, task.replace("tasks.products", "tasks.few"), "config/products.toml has no max_boxes = 10 to lower");
+    // Its crops two a call, so that a batched crop call (and a part-filled one: 3 = 2 + 1) runs
+    // through Kafka too; the shipped file sends one a call.
+    let few_task = task.replace("tasks.products", "tasks.few").replace("max_boxes = 10", "max_boxes = 3").replace("crops_per_call = 1", "crops_per_call = 2");
+    assert_eq!(
+        (few_task.matches("max_boxes = 3").count(), few_task.matches("crops_per_call = 2").count()),
+        (1, 1),
+        "config/products.toml must have one max_boxes = 10 to lower and one crops_per_call = 1 to raise"
+    );
     let config = root.join("products.toml");
     std::fs::write(&config, format!("{shipped}\n{few_task}")).expect("products.toml");
     let mut overrides = server.products_gateway(&worker.url, &root, &products);

@@ -76,12 +76,27 @@ fn cli_produce(jaeger: &JaegerProcess, task: &str, topic: &str, ext: &str, heade
 
 /// The trace, once Jaeger has spans of all of `services` and every span named in `spans`.
 async fn wait_for_trace(jaeger: &Jaeger, trace_id: &str, services: &[&str], spans: &[&str]) -> anyhow::Result<Trace> {
+    wait_for_trace_until(jaeger, trace_id, services, spans, |_| true).await
+}
+
+/// As [`wait_for_trace`], and also until `done` holds for the trace. Each service exports its
+/// spans in batches of its own, so a trace can be read with one service's later spans still on
+/// their way (a second model's `inference` after the first model's): a test that needs a span
+/// beyond the first of its name says so here rather than reading too early.
+async fn wait_for_trace_until(
+    jaeger: &Jaeger,
+    trace_id: &str,
+    services: &[&str],
+    spans: &[&str],
+    done: impl Fn(&Trace) -> bool,
+) -> anyhow::Result<Trace> {
     let mut last = None;
     for _ in 0..120 {
         if let Some(trace) = jaeger.trace(trace_id).await? {
             let have: HashSet<&str> = trace.spans.iter().map(|s| trace.service_of(s)).collect();
             let complete = services.iter().all(|s| have.contains(s))
-                && spans.iter().all(|name| trace.spans.iter().any(|s| s.operation == *name));
+                && spans.iter().all(|name| trace.spans.iter().any(|s| s.operation == *name))
+                && done(&trace);
             if complete {
                 return Ok(trace);
             }
@@ -93,6 +108,13 @@ async fn wait_for_trace(jaeger: &Jaeger, trace_id: &str, services: &[&str], span
         Some(trace) => bail!("trace {trace_id} incomplete after 30 s:\n{}", vramgate_cli::jaeger::render(&trace)),
         None => bail!("Jaeger has no trace {trace_id} after 30 s"),
     }
+}
+
+/// Whether `trace` holds an inference of each of `models`, and every span's parent: a worker
+/// span read before its request's span is an orphan. For [`wait_for_trace_until`].
+fn inferred_all(trace: &Trace, models: &[&str]) -> bool {
+    models.iter().all(|m| trace.spans_named("inference").any(|s| tag_str(s, "model") == Some(*m)))
+        && trace.spans.iter().all(|s| s.parent().is_none_or(|p| trace.spans.iter().any(|q| q.span_id == p)))
 }
 
 fn tag_str<'a>(span: &'a Span, key: &str) -> Option<&'a str> {
@@ -206,7 +228,10 @@ async fn every_event_is_one_trace_across_producer_gateway_and_worker() -> anyhow
 
     let image_event = &images[0];
     assert_eq!(snapshot[&image_event.id][0].topic, image.results);
-    let trace = wait_for_trace(&jaeger, &image_event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
+    // All three models' inference: the worker may export the later ones a batch later.
+    let cascade = |trace: &Trace| inferred_all(trace, &["mtcnn_pnet", "mtcnn_rnet", "mtcnn_onet"]);
+    let services = ["vramgate-cli", "api-gateway", "ai-worker"];
+    let trace = wait_for_trace_until(&jaeger, &image_event.trace_id, &services, &["commit", "inference"], cascade).await?;
     assert_one_trace_across_services(&trace, &image.requests, &image.results);
     assert_eq!(trace.span("convert").and_then(|s| tag_str(s, "input.format")), Some("image"));
     // One span per stage of the cascade, each with its calls' permit waits, and the worker's
@@ -537,7 +562,10 @@ async fn a_pipeline_s_stages_are_spans_named_after_them() -> anyhow::Result<()> 
     let top = items[cat]["top_k"][0].as_array().expect("top 3");
     assert!(top.iter().any(|t| t["label"].as_str().is_some_and(|l| l.contains("cat"))), "the cat's crop: {top:?}");
 
-    let trace = wait_for_trace(&jaeger, &event.trace_id, &["vramgate-cli", "api-gateway", "ai-worker"], &["commit", "inference"]).await?;
+    // Both models' inference: the worker may export the second model's spans a batch later.
+    let inferred = |trace: &Trace| inferred_all(trace, &["yolov4_tiny", "mobilenet_v2"]);
+    let services = ["vramgate-cli", "api-gateway", "ai-worker"];
+    let trace = wait_for_trace_until(&jaeger, &event.trace_id, &services, &["commit", "inference"], inferred).await?;
     assert_one_trace_across_services(&trace, &topics.requests, &topics.results);
     let shown = vramgate_cli::jaeger::render(&trace);
     for (stage, model) in [("detect", "yolov4_tiny"), ("classify", "mobilenet_v2")] {
