@@ -125,8 +125,11 @@ async fn a_real_oom_is_recovered_by_halving_and_not_repeated() {
     // A cap the 8-image batch cannot fit in, and an estimate 30x too low so admission lets
     // all 8 in at once: the batch of 8 must fail to allocate for real. Batches start at 8, as
     // on a GPU where batching pays (on this CPU the measured rule would not batch 1024² images
-    // at all, and there would be no batch to fail).
-    let extra = "memory_limit_bytes = 700000000\nmemory_host_allowance_bytes = 268435456\n[batching]\nwindow_ms = 500.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
+    // at all, and there would be no batch to fail). The window is long enough for all eight
+    // 12 MB bodies to arrive on a loaded machine: with 500 ms, a whole CI=true run here (the
+    // Kubernetes build beside it) saw batches of 1, 1, 1, 1 and 4 and no OOM (2026-12-02). A
+    // batch leaves as soon as it holds 8, so the window costs nothing when they come at once.
+    let extra = "memory_limit_bytes = 700000000\nmemory_host_allowance_bytes = 268435456\n[batching]\nwindow_ms = 10000.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
     let low = "estimate = { base_bytes = 1000000.0, bytes_per_element = 1.0 }";
     let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, low)]))
         .await
