@@ -74,10 +74,12 @@ async fn sixty_four_mixed_requests_all_complete_within_the_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batched_answers_equal_answers_computed_alone() {
-    // A long window so that concurrent requests surely share a batch, and batches of up to 8
-    // from the start: this test is about what batching computes, not about whether it pays
-    // (the worker would otherwise batch only where it measured a gain, `batching.rs`).
-    let extra = "[batching]\nwindow_ms = 300.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
+    // A long window so that concurrent requests surely share a batch (on a loaded machine
+    // their bodies may arrive well apart; a batch waits for the window only while more are on
+    // their way), and batches of up to 8 from the start: this test is about what batching
+    // computes, not about whether it pays (the worker would otherwise batch only where it
+    // measured a gain, `batching.rs`).
+    let extra = "[batching]\nwindow_ms = 2000.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
     let worker = start_worker(&worker_config(extra, &[PNET, VAD])).await.expect("worker starts");
     let http = client();
     // Images: two sizes, bucketed (only equal sizes share a batch).
@@ -306,7 +308,9 @@ async fn a_batch_past_the_budget_runs_in_parts_that_fit() {
 /// every batch at two: on an H200, P-Net at 480² never batched past two with 64 in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_fills_its_bucket_and_never_runs_rows_nobody_was_granted() {
-    let extra = "[batching]\nwindow_ms = 1500.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
+    // A window long enough for a burst's bodies to arrive on a loaded machine; a batch waits
+    // for it only while more requests are on their way.
+    let extra = "[batching]\nwindow_ms = 5000.0\nmax_batch_size = 8\ncalibrate = false\ninitial_batch_size = 8\n";
     let declared = "estimate = { base_bytes = 1000000.0, bytes_per_element = 40.0 }\nbatch_buckets = [1, 2, 4, 8]";
     let worker = start_worker(&worker_config(extra, &[("pnet", "mtcnn_pnet.jit", PNET_KEYS, declared)])).await.expect("worker starts");
     let http = client();
