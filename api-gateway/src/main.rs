@@ -34,6 +34,8 @@ const MAX_BLOCKING_THREADS: usize = 32;
 fn main() -> anyhow::Result<()> {
     // Before the runtime's threads and the first backlog: `memory::no_transparent_huge_pages`.
     let huge_pages_off = vramgate_gateway::memory::no_transparent_huge_pages();
+    // And freed pages given back at once: `memory::purge_promptly`.
+    let purge_delay_ms = vramgate_gateway::memory::purge_promptly();
     let args = Args::parse();
     let config: GatewayConfig =
         vramgate_shared::config::load(args.config.as_deref(), "VRAMGATE_GATEWAY_")
@@ -44,14 +46,18 @@ fn main() -> anyhow::Result<()> {
         .on_thread_park(vramgate_gateway::memory::collect_on_park)
         .build()
         .context("starting the async runtime")?
-        .block_on(serve(config, huge_pages_off))
+        .block_on(serve(config, huge_pages_off, purge_delay_ms))
 }
 
-async fn serve(config: GatewayConfig, huge_pages_off: bool) -> anyhow::Result<()> {
+async fn serve(config: GatewayConfig, huge_pages_off: bool, purge_delay_ms: Option<i64>) -> anyhow::Result<()> {
     let service = telemetry::Service { name: "api-gateway", version: env!("CARGO_PKG_VERSION"), log_spans: &["process"] };
     let telemetry = telemetry::init(service, &config.telemetry);
     if !huge_pages_off {
         tracing::warn!("transparent huge pages stay on (prctl PR_SET_THP_DISABLE refused): resident memory may stay high after a backlog");
+    }
+    match purge_delay_ms {
+        Some(ms) => tracing::debug!(purge_delay_ms = ms, "mimalloc gives freed pages back after this delay"),
+        None => tracing::info!("mimalloc's purge delay left as it is (MIMALLOC_PURGE_DELAY set, or not mimalloc v3)"),
     }
     let outcome = vramgate_gateway::pipeline::run(config, vramgate_shared::shutdown::signal()).await;
     // The spans of the last records and the drain, before the process goes.

@@ -54,6 +54,41 @@ pub fn collect_pool(pool: &rayon::ThreadPool) {
     pool.spawn_broadcast(|_| collect_this_thread());
 }
 
+/// mimalloc's `purge_delay` option: its place in v3's `mi_option_t` (`mimalloc.h`), for which
+/// `libmimalloc-sys` 0.1.49 names no constant. The purge delay is the milliseconds mimalloc
+/// waits before it gives freed pages back to the kernel (v3's default 1,000; v2's was 10).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// The purge delay the gateway runs with, in milliseconds (see [`purge_promptly`]).
+pub const PURGE_DELAY_MS: i64 = 0;
+
+/// Has mimalloc give freed pages back to the kernel after [`PURGE_DELAY_MS`] instead of its
+/// default 1,000 ms: call first thing in `main`. After a backlog the pages a gateway had
+/// used stayed resident for want of a purge that came only when the allocator ran again, and a
+/// 7-minute chaos run with the delay at 0 ended at about half the anonymous memory
+/// (`docs/hardening.md`). `MIMALLOC_PURGE_DELAY` in the environment, read by mimalloc itself,
+/// wins. Returns the delay it set, or `None` where it left mimalloc's own: a delay given in the
+/// environment, or a mimalloc other than v3 (whose options are numbered otherwise).
+pub fn purge_promptly() -> Option<i64> {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return None;
+    }
+    if !is_mimalloc_v3() {
+        return None;
+    }
+    // SAFETY: mi_option_set takes integers only; the option is v3's purge_delay (checked above
+    // that this is v3), which mimalloc reads at each purge.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS as std::os::raw::c_long) };
+    Some(PURGE_DELAY_MS)
+}
+
+/// Whether the linked mimalloc is a v3 (`mi_version` is major × 10,000 + minor × 100 + patch:
+/// 30302 for 3.3.2).
+fn is_mimalloc_v3() -> bool {
+    // SAFETY: mi_version takes nothing and returns a constant.
+    (30_000..40_000).contains(&unsafe { libmimalloc_sys::mi_version() })
+}
+
 /// Turns transparent huge pages off for this process: call first thing in `main`.
 ///
 /// mimalloc asks for huge pages on the memory it commits (`MADV_HUGEPAGE`, its `allow_thp`
@@ -249,6 +284,24 @@ mod tests {
         unsafe { libc::free(block) };
         let after = allocator_bytes();
         assert!(after.glibc_in_use + size as u64 <= during.glibc_in_use + margin, "{during:?} {after:?}");
+    }
+
+    #[test]
+    fn the_purge_delay_is_v3_s_option_and_is_set_to_the_gateway_s() {
+        // SAFETY: mi_version takes nothing and returns a constant.
+        assert!(is_mimalloc_v3(), "mimalloc v3 is what the gateway links, not {}", unsafe { libmimalloc_sys::mi_version() });
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+            assert_eq!(purge_promptly(), None, "the environment's delay wins");
+            return;
+        }
+        // v3's default for purge_delay, and no neighbour's: the option number is the right one.
+        // SAFETY: mi_option_get takes an integer and reads the option table.
+        let get = |option| unsafe { libmimalloc_sys::mi_option_get(option) } as i64;
+        if get(MI_OPTION_PURGE_DELAY) != PURGE_DELAY_MS {
+            assert_eq!(get(MI_OPTION_PURGE_DELAY), 1000, "v3's default purge delay");
+        }
+        assert_eq!(purge_promptly(), Some(PURGE_DELAY_MS));
+        assert_eq!(get(MI_OPTION_PURGE_DELAY), PURGE_DELAY_MS);
     }
 
     #[cfg(target_os = "linux")]
