@@ -294,7 +294,7 @@ mod tests {
             assert_eq!(purge_promptly(), None, "the environment's delay wins");
             return;
         }
-        // v3's default for purge_delay, and no neighbour's: the option number is the right one.
+        // Unless already set, the option holds v3's documented default for purge_delay (1,000).
         // SAFETY: mi_option_get takes an integer and reads the option table.
         let get = |option| unsafe { libmimalloc_sys::mi_option_get(option) } as i64;
         if get(MI_OPTION_PURGE_DELAY) != PURGE_DELAY_MS {
